@@ -1,0 +1,1 @@
+"""The fast engine's Python API: a thin layer over the C++/CUDA extension."""
