@@ -1,0 +1,81 @@
+"""Oracle (float64 mode) vs the peer, transformers' glm5_next run in float64 (SPEC 9).
+
+Tolerance belongs here and only here: both sides compute the same math in double, in different
+orders, so they agree to ~1e-10 relative, not bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+peer = pytest.importorskip("tests.peer")
+
+import oracle  # noqa: E402
+from oracle.capture import Capture  # noqa: E402
+from oracle.layers.mhc import HyperConnection  # noqa: E402
+from oracle.layers.ops import Precision  # noqa: E402
+
+RTOL = 1e-10
+
+CASES = {
+    # layer 1 runs the indexer, layer 2 shares its selection; 28 tokens > index_topk = 8 so pools are dropped
+    "indexer_drops": dict(seed=1, overrides={}, length=28),
+    "groups": dict(seed=2, overrides=dict(n_group=4, topk_group=2), length=12),
+    "dense_attention": dict(seed=3, overrides=dict(index_topk=64), length=20),
+}
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def prompt(vocab, n, seed):
+    return [(seed * 31 + 17 * i * i + 5 * i) % vocab for i in range(n)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_oracle_float64_matches_peer(tmp_path, case):
+    spec = CASES[case]
+    model_peer, path = peer.build_peer(tmp_path, spec["seed"], **spec["overrides"])
+    ids = prompt(model_peer.config.vocab_size, spec["length"], spec["seed"])
+    logits_peer, layers_peer = peer.run_peer(model_peer, ids)
+
+    ours = oracle.load(path, precision="float64")
+    cap = Capture(stages={"ffn_hc.streams", "mla.selected"})
+    logits = ours.forward(ids, capture=cap)
+
+    L = ours.config.num_hidden_layers
+    offset = len(layers_peer) - L          # the peer may also record the embeddings first
+    for l in range(L):
+        streams = np.stack([cap.get(l, "ffn_hc.streams", t) for t in range(len(ids))])
+        err = rel_err(streams, layers_peer[offset + l])
+        assert err <= RTOL, f"layer {l} streams differ from the peer: relative error {err:.3e}"
+    err = rel_err(logits, logits_peer)
+    assert err <= RTOL, f"logits differ from the peer: relative error {err:.3e}"
+    if case == "indexer_drops":
+        last = cap.get(1, "mla.selected", len(ids) - 1)
+        assert len(last) < len(ids), "the indexer was meant to drop positions in this case"
+
+
+def test_hyper_connection_alone_matches_peer():
+    torch = peer.torch
+    cfg = peer.peer_config(hidden_size=40)
+    module = peer.peer_mod.Glm5NextTextHyperConnection(cfg).to(torch.float64)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        module.fn.copy_(torch.randn(module.fn.shape, generator=g, dtype=torch.float64) * 0.3)
+        module.base.copy_(torch.randn(module.base.shape, generator=g, dtype=torch.float64) * 0.5)
+        module.scale.copy_(1 + 0.1 * torch.randn(3, generator=g, dtype=torch.float64))
+    streams = torch.randn(1, 5, cfg.hc_mult, cfg.hidden_size, generator=g, dtype=torch.float64)
+    with peer.peer_in_float64(), torch.no_grad():
+        post_p, comb_p, collapsed_p = module(streams)
+
+    hc = HyperConnection(module.fn.detach().numpy(), module.base.detach().numpy(),
+                         module.scale.detach().numpy(), cfg)
+    X = streams[0].numpy()
+    pre, post, comb = hc.coefficients(X)
+    collapsed = HyperConnection.collapse(Precision("float64"), X, pre)
+    assert rel_err(post, post_p[0].numpy()) <= RTOL
+    assert rel_err(comb, comb_p[0].numpy()) <= RTOL
+    assert rel_err(collapsed, collapsed_p[0].numpy()) <= RTOL
