@@ -1,0 +1,821 @@
+"""The checkpoint zoo: seeded synthetic GLM-5.3-Flash checkpoints with the real structure.
+
+    make_checkpoint("tiny", "fp8", "zoo/tiny-fp8")        # one release
+    make_zoo("small", "zoo")                              # zoo/small-{bf16,fp8,mxfp4}
+    oracle make-checkpoint tiny --release all --out zoo   # the CLI (main_make_checkpoint)
+
+Every release is written from one master: BF16 values for `linear` and `bf16` tensors, F32 values for
+`f32` tensors (see oracle/names.py). The FP8 and MXFP4 releases quantize the BF16 master; nothing
+else differs, so the three releases of a zoo entry are the same model up to weight quantization.
+
+Bytes are deterministic: the random numbers come from our own counter-based generator (splitmix64 on
+(seed, tensor key, element index); no numpy RNG stream), every float step is a basic IEEE operation
+(or, for the two tensors initialised through log/exp, is rounded to the BF16 grid afterwards), and the
+safetensors files are written by our own writer (sorted header, no timestamps). docs/checkpoints.md
+states the rules in full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from . import names as N
+from .config import DENSE, KDA, MLA, SPARSE, Config
+
+__all__ = [
+    "ZOO",
+    "RELEASES",
+    "DEFAULT_SEED",
+    "zoo_config",
+    "zoo_options",
+    "make_checkpoint",
+    "make_zoo",
+    "main_make_checkpoint",
+    "tensor_key",
+    "normal",
+    "uniform",
+    "master",
+    "bf16_bits",
+    "bf16_round",
+    "quantize_fp8",
+    "quantize_mxfp4",
+    "mxfp4_exponent",
+    "plan",
+]
+
+RELEASES = ("bf16", "fp8", "mxfp4")
+DEFAULT_SEED = 5300  # GLM-5.3
+GENERATOR = "oracle.zoo/1"
+
+# ----------------------------------------------------------------------------- zoo entries
+
+_TINY = dict(
+    vocab_size=300,
+    hidden_size=96,
+    num_hidden_layers=6,
+    layer_types=[KDA, KDA, KDA, MLA, MLA, KDA],
+    indexer_types=["full", "full", "full", "full", "shared", "full"],
+    mlp_layer_types=[DENSE, SPARSE, SPARSE, SPARSE, SPARSE, SPARSE],
+    intermediate_size=200,
+    moe_intermediate_size=96,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    swiglu_limit=1.5,
+    rms_norm_eps=1e-5,
+    num_attention_heads=3,
+    num_key_value_heads=3,
+    q_lora_rank=72,
+    kv_lora_rank=40,
+    qk_nope_head_dim=24,
+    qk_rope_head_dim=0,
+    v_head_dim=20,
+    index_topk=8,
+    index_kpool=4,
+    index_head_dim=24,
+    index_n_heads=3,
+    index_kpool_always_select_tail=True,
+    linear_num_heads=3,
+    linear_head_dim=24,
+    linear_conv_kernel_dim=4,
+    linear_lower_bound=-5.0,
+    hc_mult=4,
+    hc_eps=1e-6,
+    hc_sinkhorn_iters=20,
+    tie_word_embeddings=False,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+
+_SMALL = dict(
+    _TINY,
+    vocab_size=1000,
+    hidden_size=352,
+    num_hidden_layers=8,
+    layer_types=None,  # default rule: MLA at 3 and 7
+    indexer_types=None,  # default: all full
+    mlp_layer_types=[DENSE, DENSE] + [SPARSE] * 6,
+    intermediate_size=736,
+    moe_intermediate_size=160,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=1,
+    topk_group=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=160,
+    kv_lora_rank=96,
+    qk_nope_head_dim=48,
+    v_head_dim=48,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=16,
+    index_kpool=4,
+    linear_num_heads=4,
+    linear_head_dim=64,
+    swiglu_limit=10.0,
+)
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    name: str
+    fields: dict  # Config fields (None schedules: the peer's default rule, or `schedule`)
+    mxfp4_bf16_expert_layers: tuple[int, ...]  # routed experts that stay BF16 in the MXFP4 release
+    tokenizer: bool = False
+    shard_bytes: int = 0  # 0: one file
+    schedule: Callable[[int], dict] | None = None  # layer-count dependent schedules (slice)
+    doc: str = ""
+
+
+def _slice_schedule(n: int) -> dict:
+    return {"mlp_layer_types": [DENSE] + [SPARSE] * (n - 1)}
+
+
+ZOO: dict[str, ZooEntry] = {
+    "tiny": ZooEntry(
+        "tiny",
+        _TINY,
+        (2,),
+        tokenizer=True,
+        doc="CI: every layer kind, shared indexer, group-limited routing, low swiglu_limit, odd sizes",
+    ),
+    "tiny-g1": ZooEntry(
+        "tiny-g1", dict(_TINY, n_group=1, topk_group=1), (2,), tokenizer=True, doc="tiny without expert groups"
+    ),
+    "small": ZooEntry("small", _SMALL, (5,), doc="wider: several KDA head blocks, 16 experts top 4, 8 layers"),
+    "slice": ZooEntry(
+        "slice",
+        dict(num_hidden_layers=4, layer_types=None, mlp_layer_types=None, indexer_types=None),
+        (3,),
+        shard_bytes=4 << 30,
+        schedule=_slice_schedule,
+        doc="real GLM-5.3-Flash widths, 4 layers (KDA, KDA, KDA, MLA; first dense): GPU benchmarks",
+    ),
+}
+
+
+def zoo_config(name: str, **overrides: Any) -> Config:
+    """The Config of a zoo entry; any Config field may be overridden."""
+    if name not in ZOO:
+        raise KeyError(f"unknown zoo checkpoint {name!r}; known: {', '.join(ZOO)}")
+    z = ZOO[name]
+    d = dict(z.fields)
+    if z.schedule is not None:
+        n = overrides.get("num_hidden_layers", d.get("num_hidden_layers", Config.num_hidden_layers))
+        d.update(z.schedule(n))
+    d.update(overrides)
+    return Config(**{k: v for k, v in d.items()})
+
+
+def zoo_options(name: str, cfg: Config, mxfp4_bf16_expert_layers: Iterable[int] | None = None) -> dict:
+    z = ZOO[name]
+    keep = z.mxfp4_bf16_expert_layers if mxfp4_bf16_expert_layers is None else tuple(mxfp4_bf16_expert_layers)
+    keep = tuple(l for l in keep if 0 <= l < cfg.num_hidden_layers and cfg.is_moe(l))
+    return {"mxfp4_bf16_expert_layers": keep, "tokenizer": z.tokenizer and cfg.vocab_size >= 256, "shard_bytes": z.shard_bytes}
+
+
+# ----------------------------------------------------------------------------- RNG
+
+_M64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _mix64_py(z: int) -> int:
+    z &= _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def tensor_key(seed: int, name: str) -> int:
+    """64-bit stream key of one tensor: splitmix64 finalizer over (seed, FNV-1a-64 of the key text)."""
+    h = 0xCBF29CE484222325
+    for b in name.encode("utf-8"):
+        h = ((h ^ b) * 0x100000001B3) & _M64
+    return _mix64_py(_mix64_py((seed & _M64) ^ 0x5A6F6F) ^ h)
+
+
+def stream_py(key: int, i: int) -> int:
+    """Element i of a stream (reference implementation): x_i = mix64(key + (i + 1) * GAMMA)."""
+    return _mix64_py(key + (i + 1) * _GAMMA)
+
+
+_nb_cache: dict[str, Callable] = {}
+
+
+def _kernels():
+    if _nb_cache:
+        return _nb_cache
+    import numba
+
+    U = numba.uint64
+
+    @numba.njit(cache=False)
+    def mix(z):
+        z = (z ^ (z >> U(30))) * U(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> U(27))) * U(0x94D049BB133111EB)
+        return z ^ (z >> U(31))
+
+    @numba.njit(parallel=True, cache=False)
+    def raw(key, start, count, out):
+        g = U(_GAMMA)
+        for j in numba.prange(count):
+            out[j] = mix(U(key) + (U(start) + U(j) + U(1)) * g)
+
+    @numba.njit(parallel=True, cache=False)
+    def irwin4(key, start, count, out):
+        g = U(_GAMMA)
+        m32 = U(0xFFFFFFFF)
+        for j in numba.prange(count):
+            c = (U(start) + U(j)) * U(2)
+            a = mix(U(key) + (c + U(1)) * g)
+            b = mix(U(key) + (c + U(2)) * g)
+            out[j] = (a >> U(32)) + (a & m32) + (b >> U(32)) + (b & m32)
+
+    _nb_cache["raw"] = raw
+    _nb_cache["irwin4"] = irwin4
+    return _nb_cache
+
+
+def raw_stream(key: int, start: int, count: int) -> np.ndarray:
+    out = np.empty(count, dtype=np.uint64)
+    _kernels()["raw"](np.uint64(key), np.uint64(start), count, out)
+    return out
+
+
+_SQRT3 = 1.7320508075688772  # fl64(sqrt(3))
+
+
+def normal(key: int, start: int, count: int) -> np.ndarray:
+    """Approximately N(0,1) float64 values for elements [start, start+count) of a stream.
+
+    Element i: a = x_{2i}, b = x_{2i+1} (64-bit stream words); s = sum of the four 32-bit halves of a
+    and b (an exact integer < 2^34); z = (s * 2^-32 - 2) * fl64(sqrt 3). Irwin-Hall(4), unit variance,
+    |z| < 3.47. Only exact steps and one rounded multiply: bit-identical everywhere.
+    """
+    s = np.empty(count, dtype=np.uint64)
+    _kernels()["irwin4"](np.uint64(key), np.uint64(start), count, s)
+    return (s.astype(np.float64) * 2.0**-32 - 2.0) * _SQRT3
+
+
+def uniform(key: int, start: int, count: int) -> np.ndarray:
+    """U[0,1) float64: (x_i >> 11) * 2^-53 (exact)."""
+    return (raw_stream(key, start, count) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+# ----------------------------------------------------------------------------- formats (encode)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> BF16 bits, round to nearest even (finite inputs only)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if not np.isfinite(x).all():
+        raise ValueError("bf16_bits: non-finite input")
+    u = x.view(np.uint32)
+    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return r.astype(np.uint16)
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> the float32 value of its BF16 rounding (RNE)."""
+    return (bf16_bits(x).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w f32 [R, C] -> (E4M3 codes u8 [R, C], scale_inv f32 [ceil(R/128), ceil(C/128)]).
+
+    Per 128x128 block: amax = max |w| (f32); scale_inv = fl32(amax / 448) (1.0 for an all-zero block);
+    code = E4M3fn RNE of fl32(w / scale_inv), clipped to +-448 first (|w / scale_inv| can exceed 448
+    by an ulp).
+    """
+    import ml_dtypes
+
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    R, C = w.shape
+    B = N.FP8_BLOCK
+    Rb, Cb = -(-R // B), -(-C // B)
+    pad = np.zeros((Rb * B, Cb * B), dtype=np.float32)
+    pad[:R, :C] = np.abs(w)
+    amax = pad.reshape(Rb, B, Cb, B).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    full = np.repeat(np.repeat(scale, B, axis=0), B, axis=1)[:R, :C]
+    q = np.clip(w / full, np.float32(-448.0), np.float32(448.0)).astype(np.float32)
+    codes = q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return np.ascontiguousarray(codes), scale
+
+
+def mxfp4_exponent(amax: np.ndarray) -> np.ndarray:
+    """Per-group scale exponent e (int32): the smallest integer with amax <= 6 * 2^e, clamped to
+    [-127, 127]; e = 0 for an all-zero group. With amax = m * 2^k (frexp, m in [0.5, 1)):
+    e = k - 3 if m <= 0.75 else k - 2 (exact; no logarithm)."""
+    amax = np.asarray(amax, dtype=np.float32)
+    m, k = np.frexp(amax)
+    e = np.where(m <= np.float32(0.75), k - 3, k - 2).astype(np.int32)
+    e = np.where(amax == 0, 0, e)
+    return np.clip(e, -127, 127).astype(np.int32)
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w f32 [R, C] (C % 32 == 0) -> (packed u8 [R, C/2], E8M0 scale u8 [R, C/32]).
+
+    Per row and group of 32 columns: e = mxfp4_exponent(amax); nibble = E2M1 RNE of w * 2^-e (exact
+    scaling); byte b holds column 2b in its low nibble and 2b+1 in its high nibble; scale = e + 127.
+    """
+    import ml_dtypes
+
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    R, C = w.shape
+    G = N.MXFP4_GROUP
+    if C % G:
+        raise ValueError(f"MXFP4 needs in-features divisible by {G}, got {C}")
+    g = w.reshape(R, C // G, G)
+    e = mxfp4_exponent(np.abs(g).max(axis=2))
+    x = np.ldexp(g, (-e)[:, :, None].astype(np.int32)).astype(np.float32)
+    if np.abs(x).max(initial=0) > 6:
+        raise AssertionError("mxfp4: scaled value beyond 6")
+    codes = x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).reshape(R, C) & np.uint8(0x0F)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))).astype(np.uint8)
+    return np.ascontiguousarray(packed), (e + 127).astype(np.uint8)
+
+
+# ----------------------------------------------------------------------------- initialisation
+
+
+def _init_rule(t: N.TensorSpec, cfg: Config) -> tuple[str, float, float]:
+    """(law, mean, std) of one tensor's master values. law: 'normal' | 'A_log' | 'dt_bias'."""
+    D, hc = cfg.hidden_size, cfg.hc_mult
+    r = t.role
+    norm_like = {"final_norm", "attn_norm", "ffn_norm", "kda.o_norm", "mla.q_a_norm", "mla.kv_a_norm", "indexer.k_norm"}
+    if r in norm_like:
+        return "normal", 1.0, 0.1
+    if r == "kda.A_log":
+        return "A_log", 0.0, 0.0
+    if r == "kda.dt_bias":
+        return "dt_bias", 0.0, 0.0
+    special = {
+        "embed": (0.0, 1.0),
+        "lm_head": (0.0, 2.0 / math.sqrt(D)),  # logits std ~2: spread, argmax varies
+        "attn_hc.fn": (0.0, 1.0 / math.sqrt(hc * D)),  # m_r ~ N(0, 1) over unit-RMS streams
+        "ffn_hc.fn": (0.0, 1.0 / math.sqrt(hc * D)),
+        "attn_hc.base": (0.0, 1.0),
+        "ffn_hc.base": (0.0, 1.0),
+        "attn_hc.scale": (1.0, 0.1),
+        "ffn_hc.scale": (1.0, 0.1),
+        "kda.q_conv": (0.0, 1.0 / math.sqrt(cfg.linear_conv_kernel_dim)),
+        "kda.k_conv": (0.0, 1.0 / math.sqrt(cfg.linear_conv_kernel_dim)),
+        "kda.v_conv": (0.0, 1.0 / math.sqrt(cfg.linear_conv_kernel_dim)),
+        "kda.f_b_proj": (0.0, 3.0 / math.sqrt(cfg.linear_head_dim)),  # forget-gate pre-activation ~N(0, 9)
+        "indexer.k_norm_bias": (0.0, 0.1),
+        "indexer.kpool_ape": (0.0, 1.0),
+        "moe.gate": (0.0, 2.0 / math.sqrt(D)),  # router logits ~N(0, 4): sigmoid scores spread
+        "moe.gate_bias": (0.0, 0.05),
+    }
+    if r in special:
+        m, s = special[r]
+        return "normal", m, s
+    shape = t.shape(cfg)
+    fan_in = int(np.prod(shape[1:]))
+    return "normal", 0.0, 1.0 / math.sqrt(fan_in)  # linear weights (and kpool gate): N(0, 1/fan_in)
+
+
+def _chunk_values(t: N.TensorSpec, cfg: Config, key: int, start: int, count: int) -> np.ndarray:
+    """Master float32 values of elements [start, start+count) (flat, row-major)."""
+    law, mean, std = _init_rule(t, cfg)
+    if law == "normal":
+        v = normal(key, start, count) * std
+        if mean != 0.0:
+            v = v + mean
+        v = v.astype(np.float32)
+    elif law == "A_log":  # log(U(1, 2)), then onto the BF16 grid
+        v = bf16_round(np.log(1.0 + uniform(key, start, count)).astype(np.float32))
+    elif law == "dt_bias":  # the peer's init: dt = exp(U(log 1e-3, log 1e-1)), dt_bias = softplus^-1(dt)
+        lo, hi = math.log(1e-3), math.log(1e-1)
+        dt = np.maximum(np.exp(lo + (hi - lo) * uniform(key, start, count)), 1e-4)
+        v = bf16_round((dt + np.log(-np.expm1(-dt))).astype(np.float32))
+    else:
+        raise AssertionError(law)
+    if t.kind != N.F32:
+        v = bf16_round(v)
+    return v
+
+
+def master(cfg: Config, entry: N.Entry, seed: int = DEFAULT_SEED, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The master values of one tensor (float32; BF16-representable unless kind 'f32'), optionally
+    only rows [r0, r1) of its first axis."""
+    shape = entry.spec.shape(cfg)
+    inner = int(np.prod(shape[1:]))
+    r0, r1 = rows if rows is not None else (0, shape[0])
+    key = tensor_key(seed, entry.key)
+    v = _chunk_values(entry.spec, cfg, key, r0 * inner, (r1 - r0) * inner)
+    return v.reshape((r1 - r0,) + tuple(shape[1:]))
+
+
+# ----------------------------------------------------------------------------- planning and writing
+
+
+@dataclass
+class _Out:
+    key: str  # stored key
+    dtype: str
+    shape: tuple[int, ...]
+    shard: int = 0
+    offset: int = 0  # absolute file offset
+
+    @property
+    def nbytes(self) -> int:
+        isz = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "U8": 1}[self.dtype]
+        return int(np.prod(self.shape)) * isz
+
+
+@dataclass
+class _Job:
+    entry: N.Entry
+    fmt: str  # 'f32' | 'bf16' | 'fp8' | 'mxfp4'
+    outs: list[_Out]  # [weight] or [weight, scale]
+
+
+def _stored(key: str) -> str:
+    return key if key == "lm_head.weight" else "model." + key
+
+
+def plan(cfg: Config, release: str, mxfp4_bf16_expert_layers: Iterable[int] = ()) -> list[_Job]:
+    """What to write for one release: one job per tensor (in name-table order)."""
+    if release not in RELEASES:
+        raise ValueError(f"release must be one of {RELEASES}, got {release!r}")
+    keep = set(mxfp4_bf16_expert_layers)
+    jobs = []
+    for e in N.expected(cfg):
+        t = e.spec
+        S = t.shape(cfg)
+        sk = _stored(e.key)
+        if t.kind == N.F32:
+            jobs.append(_Job(e, "f32", [_Out(sk, "F32", S)]))
+        elif t.kind == N.LINEAR and release == "fp8" and t.zoo_fp8:
+            jobs.append(_Job(e, "fp8", [_Out(sk, "F8_E4M3", S), _Out(N.fp8_scale_key(sk), "F32", N.fp8_scale_shape(S))]))
+        elif t.kind == N.LINEAR and release == "mxfp4" and t.mxfp4_ok and e.layer not in keep:
+            jobs.append(
+                _Job(e, "mxfp4", [_Out(sk, "U8", N.mxfp4_packed_shape(S)), _Out(N.mxfp4_scale_key(sk), "U8", N.mxfp4_scale_shape(S))])
+            )
+        else:
+            jobs.append(_Job(e, "bf16", [_Out(sk, "BF16", S)]))
+    return jobs
+
+
+def _header(outs: list[_Out], metadata: dict[str, str]) -> bytes:
+    """Assign offsets (F32 first, then BF16, then 1-byte types; by key within) and build the header,
+    padded with spaces so that the data start at a multiple of 64 bytes."""
+    order = sorted(outs, key=lambda o: ({"F32": 0, "BF16": 1}.get(o.dtype, 2), o.key))
+    hdr: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    pos = 0
+    for o in order:
+        hdr[o.key] = {"dtype": o.dtype, "shape": list(o.shape), "data_offsets": [pos, pos + o.nbytes]}
+        o.offset = pos
+        pos += o.nbytes
+    text = json.dumps(hdr, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    n = len(text) + (-(8 + len(text)) % 64)
+    text = text + b" " * (n - len(text))
+    for o in order:
+        o.offset += 8 + n
+    return struct.pack("<Q", n) + text
+
+
+def _row_chunk(S: tuple[int, ...], target: int = 1 << 22) -> int:
+    inner = int(np.prod(S[1:]))
+    rows = max(1, target // max(inner, 1))
+    if rows >= N.FP8_BLOCK:
+        rows -= rows % N.FP8_BLOCK
+    else:
+        rows = N.FP8_BLOCK if S[0] > rows else rows  # fp8 needs whole 128-row blocks
+    return min(rows, S[0])
+
+
+def _produce(cfg: Config, job: _Job, seed: int, fds: dict[int, int]) -> None:
+    e = job.entry
+    S = e.spec.shape(cfg)
+    step = _row_chunk(S)
+    inner = int(np.prod(S[1:]))
+    for r0 in range(0, S[0], step):
+        r1 = min(S[0], r0 + step)
+        v = master(cfg, e, seed, (r0, r1))
+        if job.fmt == "f32":
+            parts = [v.astype("<f4")]
+        elif job.fmt == "bf16":
+            parts = [bf16_bits(v).astype("<u2")]
+        elif job.fmt == "fp8":
+            q, s = quantize_fp8(v.reshape(r1 - r0, inner))
+            parts = [q, s.astype("<f4")]
+        else:
+            q, s = quantize_mxfp4(v.reshape(r1 - r0, inner))
+            parts = [q, s]
+        for o, p in zip(job.outs, parts):
+            row_bytes = o.nbytes // o.shape[0]
+            rr0 = r0 if o is job.outs[0] or job.fmt == "mxfp4" else r0 // N.FP8_BLOCK
+            b = np.ascontiguousarray(p).tobytes()
+            os.pwrite(fds[o.shard], b, o.offset + rr0 * row_bytes)
+
+
+def _shards(jobs: list[_Job], shard_bytes: int) -> int:
+    n = 0
+    acc = 0
+    for j in jobs:
+        size = sum(o.nbytes for o in j.outs)
+        if shard_bytes and acc and acc + size > shard_bytes:
+            n += 1
+            acc = 0
+        for o in j.outs:
+            o.shard = n
+        acc += size
+    return n + 1
+
+
+def make_checkpoint(
+    name: str,
+    release: str,
+    out_dir: str | os.PathLike,
+    *,
+    seed: int = DEFAULT_SEED,
+    shard_bytes: int | None = None,
+    mxfp4_bf16_expert_layers: Iterable[int] | None = None,
+    tokenizer: bool | None = None,
+    progress: Callable[[str, float], None] | None = None,
+    **overrides: Any,
+) -> str:
+    """Write zoo checkpoint `name` in `release` ('bf16' | 'fp8' | 'mxfp4') into `out_dir`.
+
+    Any Config field may be overridden (e.g. n_routed_experts=16, num_hidden_layers=2 for `slice`).
+    Tensors are generated and written one row-chunk at a time: memory stays small at any size.
+    Returns out_dir.
+    """
+    cfg = zoo_config(name, **overrides)
+    opts = zoo_options(name, cfg, mxfp4_bf16_expert_layers)
+    if shard_bytes is None:
+        shard_bytes = opts["shard_bytes"]
+    if tokenizer is None:
+        tokenizer = opts["tokenizer"]
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    for fn in os.listdir(out_dir):  # a stale shard from an earlier run would be read as part of the model
+        if fn.endswith(".safetensors") or fn == "model.safetensors.index.json":
+            os.remove(os.path.join(out_dir, fn))
+
+    jobs = plan(cfg, release, opts["mxfp4_bf16_expert_layers"])
+    nshards = _shards(jobs, shard_bytes)
+    metadata = {
+        "format": "pt",
+        "generator": GENERATOR,
+        "zoo": name,
+        "release": release,
+        "seed": str(seed),
+        "mxfp4_bf16_expert_layers": ",".join(map(str, opts["mxfp4_bf16_expert_layers"])) if release == "mxfp4" else "",
+    }
+    if overrides:
+        metadata["overrides"] = json.dumps(overrides, sort_keys=True)
+    fnames = (
+        ["model.safetensors"]
+        if nshards == 1
+        else [f"model-{i + 1:05d}-of-{nshards:05d}.safetensors" for i in range(nshards)]
+    )
+    all_outs = [o for j in jobs for o in j.outs]
+    fds: dict[int, int] = {}
+    try:
+        for i, fn in enumerate(fnames):
+            outs = [o for o in all_outs if o.shard == i]
+            head = _header(outs, metadata)
+            total = len(head) + sum(o.nbytes for o in outs)
+            fd = os.open(os.path.join(out_dir, fn), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds[i] = fd
+            os.pwrite(fd, head, 0)
+            os.ftruncate(fd, total)
+        done, todo = 0, sum(o.nbytes for o in all_outs)
+        for j in jobs:
+            _produce(cfg, j, seed, fds)
+            done += sum(o.nbytes for o in j.outs)
+            if progress is not None:
+                progress(j.entry.key, done / max(todo, 1))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+    if nshards > 1:
+        index = {
+            "metadata": {"total_size": sum(o.nbytes for o in all_outs)},
+            "weight_map": {o.key: fnames[o.shard] for o in sorted(all_outs, key=lambda o: o.key)},
+        }
+        _write_text(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(index, indent=2, sort_keys=True) + "\n")
+    conf = cfg.to_dict()
+    conf["dtype"] = "bfloat16"
+    _write_text(os.path.join(out_dir, "config.json"), json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    tok_path = os.path.join(out_dir, "tokenizer.json")
+    if tokenizer:
+        _write_text(tok_path, tokenizer_json(cfg.vocab_size))
+    elif os.path.exists(tok_path):
+        os.remove(tok_path)
+    return out_dir
+
+
+def make_zoo(name: str, out_root: str | os.PathLike, releases: Iterable[str] = RELEASES, **kw: Any) -> list[str]:
+    """Write `name` in each release to out_root/{name}-{release}; returns the directories."""
+    return [make_checkpoint(name, r, os.path.join(os.fspath(out_root), f"{name}-{r}"), **kw) for r in releases]
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        f.write(text)
+
+
+def file_hashes(directory: str | os.PathLike) -> dict[str, str]:
+    """sha256 of every file in a checkpoint directory (name -> hex)."""
+    out = {}
+    for fn in sorted(os.listdir(directory)):
+        p = os.path.join(directory, fn)
+        if os.path.isfile(p):
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                for blk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(blk)
+            out[fn] = h.hexdigest()
+    return out
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+_TOKENIZER_TEXT = """\
+The oracle defines every bit of the output: each rounding point and each summation order is written
+down, so two engines that follow the definition agree exactly, on any machine and at any batch size.
+A fast engine is only trusted when its logits, tokens and every captured stage match the reference.
+When they part, the diff tool names the first layer, position, stage and element where they differ.
+Linear attention keeps a recurrent state; latent attention caches a compressed key and value; the
+router picks the top experts of each token, and the hyper-connections mix four residual streams.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 16 32 64 128 256 512 1024 2048 4096. Punctuation: (a, b); c. d! e?
+"""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (used by byte-level BPE)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def tokenizer_json(vocab_size: int, text: str = _TOKENIZER_TEXT) -> str:
+    """A byte-level BPE tokenizer.json with vocab <= vocab_size, trained by our own deterministic loop
+    (pair counts over GPT-2-like pre-tokens; ties broken by the smaller pair)."""
+    import re
+
+    b2u = _bytes_to_unicode()
+    words: dict[tuple[str, ...], int] = {}
+    for w in re.findall(r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+", text):
+        sym = tuple(b2u[b] for b in w.encode("utf-8"))
+        words[sym] = words.get(sym, 0) + 1
+    vocab = {b2u[b]: b for b in range(256)}
+    merges: list[tuple[str, str]] = []
+    while len(vocab) < vocab_size:
+        counts: dict[tuple[str, str], int] = {}
+        for w, c in words.items():
+            for a, b in zip(w, w[1:]):
+                counts[(a, b)] = counts.get((a, b), 0) + c
+        if not counts:
+            break
+        best = min(counts, key=lambda p: (-counts[p], p))
+        merges.append(best)
+        new = best[0] + best[1]
+        vocab.setdefault(new, len(vocab))
+        nw: dict[tuple[str, ...], int] = {}
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(new)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            nw[tuple(out)] = nw.get(tuple(out), 0) + c
+        words = nw
+    tok = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [[a, b] for a, b in merges],
+        },
+    }
+    return json.dumps(tok, ensure_ascii=False, indent=1) + "\n"
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _parse_value(s: str) -> Any:
+    try:
+        return json.loads(s)
+    except json.JSONDecodeError:
+        return s
+
+
+def main_make_checkpoint(argv: list[str] | None = None) -> int:
+    """`oracle make-checkpoint`: write zoo checkpoints. Exit 0 on success, 2 on a usage/config error."""
+    p = argparse.ArgumentParser(
+        prog="oracle make-checkpoint",
+        description="Write a seeded synthetic GLM-5.3-Flash checkpoint (the zoo) in one or all releases.",
+        epilog="Zoo: " + "; ".join(f"{k}: {z.doc}" for k, z in ZOO.items()),
+    )
+    p.add_argument("name", choices=list(ZOO), help="zoo entry")
+    p.add_argument("--release", default="all", choices=list(RELEASES) + ["all"], help="release to write (default all)")
+    p.add_argument("--out", default="zoo", help="parent directory; writes OUT/NAME-RELEASE (default ./zoo)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"generator seed (default {DEFAULT_SEED})")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a config field (JSON value), e.g. --set n_routed_experts=16 --set num_hidden_layers=2",
+    )
+    p.add_argument("--shard-gb", type=float, default=None, help="shard size in GiB (default: one file; slice: 4)")
+    p.add_argument("--mxfp4-bf16-layers", default=None, help="comma list of layers whose routed experts stay BF16 in mxfp4")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the written directories as JSON")
+    a = p.parse_args(argv)
+
+    overrides = {}
+    for s in a.set:
+        if "=" not in s:
+            p.error(f"--set expects FIELD=VALUE, got {s!r}")
+        k, v = s.split("=", 1)
+        overrides[k.strip()] = _parse_value(v)
+    kw: dict[str, Any] = dict(seed=a.seed, **overrides)
+    if a.shard_gb is not None:
+        kw["shard_bytes"] = int(a.shard_gb * (1 << 30))
+    if a.mxfp4_bf16_layers is not None:
+        kw["mxfp4_bf16_expert_layers"] = [int(x) for x in a.mxfp4_bf16_layers.split(",") if x.strip()]
+    releases = list(RELEASES) if a.release == "all" else [a.release]
+    try:
+        zoo_config(a.name, **overrides)
+    except (ValueError, TypeError) as e:
+        print(f"oracle make-checkpoint: {e}", file=sys.stderr)
+        return 2
+
+    last = [0.0]
+
+    def progress(key: str, frac: float) -> None:
+        now = time.monotonic()
+        if frac >= 1.0 or now - last[0] > 0.5:
+            last[0] = now
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r  [{bar:<30}] {frac * 100:5.1f}%  {key[:60]:<60}")
+            if frac >= 1.0:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    dirs = []
+    for r in releases:
+        d = os.path.join(a.out, f"{a.name}-{r}")
+        if not a.quiet:
+            print(f"writing {d}", file=sys.stderr)
+        t0 = time.monotonic()
+        make_checkpoint(a.name, r, d, progress=None if a.quiet else progress, **kw)
+        dirs.append(d)
+        if not a.quiet and not a.json:
+            size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+            print(f"{d}  {size / 2**20:.1f} MiB  {time.monotonic() - t0:.1f} s")
+    if a.json:
+        print(json.dumps({"checkpoints": dirs}))
+    return 0
+
+
+if __name__ == "__main__":  # python -m oracle.zoo
+    sys.exit(main_make_checkpoint())
