@@ -45,6 +45,8 @@ class Capture:
             return
         dtype = stage_dtype(stage)
         value = np.array(value, copy=True)
+        if value.dtype == np.float64:          # float64 mode: every stage is a double
+            dtype = "f64"
         self.hashes[(layer, stage, pos)] = row_hash(value, dtype)
         if self.keep_values:
             self.values.setdefault((layer, stage), {})[pos] = value

@@ -45,6 +45,7 @@ def peer_config(**overrides) -> Glm5NextTextConfig:
     base.update(overrides)
     cfg = Glm5NextTextConfig(**base)
     cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
     return cfg
 
 

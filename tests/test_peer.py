@@ -42,15 +42,19 @@ def test_oracle_float64_matches_peer(tmp_path, case):
     logits_peer, layers_peer = peer.run_peer(model_peer, ids)
 
     ours = oracle.load(path, precision="float64")
-    cap = Capture(stages={"ffn_hc.streams", "mla.selected"})
+    cap = Capture(stages={"ffn_hc.streams", "mla.selected", "final_norm"})
     logits = ours.forward(ids, capture=cap)
 
+    # the peer records each layer's input streams (embeddings first), then the final norm's output
     L = ours.config.num_hidden_layers
-    offset = len(layers_peer) - L          # the peer may also record the embeddings first
-    for l in range(L):
+    assert len(layers_peer) == L + 1
+    for l in range(L - 1):
         streams = np.stack([cap.get(l, "ffn_hc.streams", t) for t in range(len(ids))])
-        err = rel_err(streams, layers_peer[offset + l])
+        err = rel_err(streams, layers_peer[l + 1])
         assert err <= RTOL, f"layer {l} streams differ from the peer: relative error {err:.3e}"
+    final = np.stack([cap.get(L, "final_norm", t) for t in range(len(ids))])
+    err = rel_err(final, layers_peer[L])
+    assert err <= RTOL, f"final norm differs from the peer: relative error {err:.3e}"
     err = rel_err(logits, logits_peer)
     assert err <= RTOL, f"logits differ from the peer: relative error {err:.3e}"
     if case == "indexer_drops":
