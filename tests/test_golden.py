@@ -1,0 +1,30 @@
+"""Golden hashes (SPEC 8): the committed outputs of the tiny zoo are reproduced by the oracle."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+
+from oracle import golden
+from oracle.cli import main
+
+
+def test_golden_check_passes_from_the_committed_files(monkeypatch, golden_dir):
+    monkeypatch.setenv("GLM_GOLDEN", str(golden_dir))
+    assert main(["golden", "check"]) == 0
+
+
+def test_golden_hashes_are_hashes_of_the_stored_tokens(golden_dir):
+    for key, case in json.loads((golden_dir / "hashes.json").read_text())["cases"].items():
+        assert golden.hash12(np.array(case["tokens"]), "<i4") == case["output"], key
+
+
+def test_golden_check_fails_on_a_changed_hash(monkeypatch, tmp_path, golden_dir):
+    copy = tmp_path / "golden"
+    shutil.copytree(golden_dir, copy)
+    doc = json.loads((copy / "hashes.json").read_text())
+    doc["cases"]["tiny-fp8/short"]["logits"] = "000000000000"
+    (copy / "hashes.json").write_text(json.dumps(doc))
+    monkeypatch.setenv("GLM_GOLDEN", str(copy))
+    assert main(["golden", "check"]) == 1
