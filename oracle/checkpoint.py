@@ -130,6 +130,7 @@ class _File:
             return
         data_start = 8 + n
         data_size = self.size - data_start
+        cut: list[tuple[int, str, int]] = []
         for name, ent in header.items():
             if name == "__metadata__":
                 if isinstance(ent, dict):
@@ -161,12 +162,18 @@ class _File:
                 )
                 continue
             if offs[1] > data_size:
-                self.bad[name] = (
-                    f"{where}: data_offsets {offs} end beyond the data area ({data_size} bytes after the header): "
-                    f"file truncated?"
-                )
+                cut.append((offs[0], name, offs[1]))
+                self.bad[name] = ""  # reported once, with the file
                 continue
             self.tensors[name] = _Info(name, dt, tuple(shape), data_start + offs[0], data_start + offs[1])
+        if cut:
+            cut.sort()
+            names = ", ".join(f"'{c[1]}'" for c in cut[:5]) + (f" (+{len(cut) - 5} more)" if len(cut) > 5 else "")
+            self.problems.append(
+                f"{self.rel}: truncated or corrupt: the header places tensor data up to byte "
+                f"{data_start + max(c[2] for c in cut)} but the file has {self.size} bytes; "
+                f"{len(cut)} tensor(s) lie beyond the end: {names}"
+            )
 
     def array(self, info: _Info) -> np.ndarray:
         if self._mm is None:
@@ -373,7 +380,8 @@ class Checkpoint:
         for entry in N.expected(cfg):
             slot, probs, used = self._resolve(cfg, entry, stored, bad)
             consumed.update(used)
-            if slot is None and not probs:
+            probs = [p for p in probs if p]  # "" = already reported with its file
+            if slot is None and not probs and not used:
                 if entry.spec.role == "lm_head" and allow_missing_lm_head:
                     self.has_lm_head = False
                     self.warnings.append("lm_head.weight is absent (allowed): the model has no output head")
@@ -384,13 +392,15 @@ class Checkpoint:
             if slot is not None:
                 self._slots[entry.key] = slot
         if missing:
-            problems.append(f"{len(missing)} missing tensor(s): " + ", ".join(missing))
+            unreadable = any(f.problems for f in self._files)
+            what = "not found (the unreadable file(s) above may hold them)" if unreadable else "missing"
+            problems.append(f"{len(missing)} tensor(s) {what}: " + ", ".join(missing))
 
         for ck, (fobj, info) in stored.items():
             if ck not in consumed:
                 self.warnings.append(f"{fobj.rel}: unexpected tensor '{info.name}' ({_fmt(info.dtype, info.shape)}) ignored")
         for ck, msg in bad.items():
-            if ck not in consumed:
+            if ck not in consumed and msg:
                 problems.append(msg)
 
         # ---- values
@@ -460,7 +470,9 @@ class Checkpoint:
             if sk in bad:
                 probs.append(bad[sk])
             elif sk not in stored:
-                probs.append(f"{where}: FP8 weight without its scale '{sk}' (F32 {list(SS)}) (missing)")
+                probs.append(
+                    f"{where}: FP8 weight without its scale '{N.fp8_scale_key(info.name)}' (F32 {list(SS)}) (missing)"
+                )
             else:
                 sf, si = stored[sk]
                 if si.dtype != "F32" or si.shape != SS:
@@ -489,7 +501,9 @@ class Checkpoint:
             if sk in bad:
                 probs.append(bad[sk])
             elif sk not in stored:
-                probs.append(f"{where}: MXFP4 weight without its scale '{sk}' (U8 E8M0 {list(SS)}) (missing)")
+                probs.append(
+                    f"{where}: MXFP4 weight without its scale '{N.mxfp4_scale_key(info.name)}' (U8 E8M0 {list(SS)}) (missing)"
+                )
             else:
                 sf, si = stored[sk]
                 if si.dtype not in ("U8", "F8_E8M0") or si.shape != SS:
