@@ -1,0 +1,85 @@
+#include "formats.hpp"
+
+#include <limits>
+
+namespace glm::cpu {
+namespace {
+
+constexpr float pow2f(int e) {  // exact 2^e for e in [-149, 127], by exact halvings/doublings
+    float r = 1.0f;
+    for (; e > 0; --e) r *= 2.0f;
+    for (; e < 0; ++e) r *= 0.5f;
+    return r;
+}
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();  // 0x7FC00000 on x86-64
+
+constexpr std::array<float, 256> make_e4m3() {
+    std::array<float, 256> t{};
+    for (int q = 0; q < 256; ++q) {
+        const int e = (q >> 3) & 15, m = q & 7;
+        float v = 0.0f;
+        if ((q & 0x7F) == 0x7F)
+            v = kNaN;
+        else if (e == 0)
+            v = static_cast<float>(m) * pow2f(-9);  // subnormal: m/8 * 2^-6
+        else
+            v = static_cast<float>(8 + m) * pow2f(e - 7 - 3);
+        t[q] = (q & 0x80) && v == v ? -v : v;
+    }
+    return t;
+}
+
+constexpr std::array<float, 16> make_e2m1() {
+    constexpr float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    std::array<float, 16> t{};
+    for (int q = 0; q < 16; ++q) t[q] = (q & 8) ? -mags[q & 7] : mags[q & 7];
+    return t;
+}
+
+constexpr std::array<float, 256> make_e8m0() {
+    std::array<float, 256> t{};
+    for (int e = 0; e < 255; ++e) t[e] = pow2f(e - 127);
+    t[255] = kNaN;
+    return t;
+}
+
+}  // namespace
+
+const std::array<float, 256> kE4M3 = make_e4m3();
+const std::array<float, 16> kE2M1 = make_e2m1();
+const std::array<float, 256> kE8M0 = make_e8m0();
+
+bool has_e4m3_nan(const uint8_t* q, size_t n) {
+    size_t i = 0;
+    __m256i any = _mm256_setzero_si256();
+    const __m256i top = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi8(-1);
+    for (; i + 32 <= n; i += 32) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i));
+        any = _mm256_or_si256(any, _mm256_cmpeq_epi8(_mm256_or_si256(v, top), ones));
+    }
+    bool found = !_mm256_testz_si256(any, any);
+    for (; i < n; ++i) found |= (q[i] & 0x7F) == 0x7F;
+    return found;
+}
+
+void decode_fp8_weight(const uint8_t* q, const float* scale_inv, size_t R, size_t C, float* out) {
+    const size_t sc = fp8_scale_cols(C);
+    for (size_t r = 0; r < R; ++r) {
+        const float* srow = scale_inv + (r / 128) * sc;
+        for (size_t c = 0; c < C; ++c) out[r * C + c] = kE4M3[q[r * C + c]] * srow[c / 128];
+    }
+}
+
+void decode_mxfp4_weight(const uint8_t* packed, const uint8_t* scale, size_t R, size_t C, float* out) {
+    for (size_t r = 0; r < R; ++r) {
+        const uint8_t* prow = packed + r * (C / 2);
+        const uint8_t* srow = scale + r * (C / 32);
+        for (size_t c = 0; c < C; ++c) {
+            const uint8_t nib = (c & 1) ? (prow[c / 2] >> 4) : (prow[c / 2] & 15u);
+            out[r * C + c] = kE2M1[nib] * kE8M0[srow[c / 32]];
+        }
+    }
+}
+
+}  // namespace glm::cpu

@@ -1,0 +1,140 @@
+#include "matvec.hpp"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "cdot.hpp"
+#include "formats.hpp"
+
+namespace glm::cpu {
+namespace {
+
+// Split rows [0, R) over threads (each row is computed whole by one thread, so the split changes
+// no bit). Small problems run on the calling thread.
+template <class Fn>
+void for_rows(size_t R, size_t C, unsigned threads, Fn fn) {
+    if (threads == 0) {
+        const size_t work = R * std::max<size_t>(C, 1);
+        const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+        threads = work < (size_t{1} << 20) ? 1u : hw;  // spawning threads costs tens of microseconds
+    }
+    threads = static_cast<unsigned>(std::min<size_t>(threads, std::max<size_t>(R, 1)));
+    if (threads <= 1) {
+        for (size_t r = 0; r < R; ++r) fn(r);
+        return;
+    }
+    auto part = [&](unsigned t) {
+        const size_t a = R * t / threads, b = R * (t + 1) / threads;
+        for (size_t r = a; r < b; ++r) fn(r);
+    };
+    std::vector<std::thread> pool;
+    for (unsigned t = 1; t < threads; ++t) pool.emplace_back(part, t);
+    part(0);
+    for (auto& th : pool) th.join();
+}
+
+struct Bf16Row {
+    const uint16_t* p;
+    static __m256 widen(__m128i h) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    __m256 load8(size_t base, size_t g) const {
+        return widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + base + 8 * g)));
+    }
+    __m256 load_partial(size_t base, size_t g, size_t k) const {
+        alignas(16) uint16_t buf[8] = {};
+        std::memcpy(buf, p + base + 8 * g, k * sizeof(uint16_t));
+        return widen(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+    }
+};
+
+// FP8: w = fl32(e4m3 * s) for the block's scale s. e4m3_scaled_8 gives v = e4m3 * 2^-8 exactly, so
+// w = fl32(v * 2^8 * s). Folded: s2 = s * 2^8 was formed once (exact: a power-of-two multiply that
+// did not overflow) and fl32(v * s2) is the same single rounding of the same exact product.
+// Unfolded (some finite scale overflows when multiplied by 2^8): v * 2^8 (exact), then * s.
+// NanCodes: the row has a NaN code somewhere, so the lanes that hold one are set to NaN.
+template <bool Folded, bool NanCodes>
+struct Fp8Row {
+    const uint8_t* p;
+    const float* srow;  // this row's block of scales (pre-multiplied by 2^120 when Folded)
+    __m256 decode(__m128i b, float s) const {
+        __m256 v = e4m3_scaled_8(b);
+        if (!Folded) v = _mm256_mul_ps(v, _mm256_set1_ps(kE4M3Unscale));
+        v = _mm256_mul_ps(v, _mm256_set1_ps(s));
+        if (NanCodes) v = _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), e4m3_nan_mask_8(b));
+        return v;
+    }
+    __m256 load8(size_t base, size_t g) const {
+        return decode(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + base + 8 * g)), srow[base / 128]);
+    }
+    __m256 load_partial(size_t base, size_t g, size_t k) const {
+        alignas(16) uint8_t buf[16] = {};
+        std::memcpy(buf, p + base + 8 * g, k);
+        return decode(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)), srow[base / 128]);
+    }
+};
+
+// MXFP4: the eight E2M1 magnitudes times the group's E8M0 scale form a table (once per 32 columns;
+// fl32(m * s) per entry is exactly the product the definition rounds), the nibbles pick from it by
+// permutation, and the sign is applied after (the scale is never negative).
+struct Mxfp4Row {
+    const uint8_t* p;   // this row's packed bytes
+    const uint8_t* sc;  // this row's E8M0 scales, one per 32 columns
+    __m256 load8(size_t base, size_t g) const {
+        const size_t i = base + 8 * g;
+        uint32_t v;
+        std::memcpy(&v, p + i / 2, 4);  // columns i..i+7 = bytes i/2..i/2+3
+        // lane l gets bits 4l..4l+3: column i+l (even l: low nibble of byte l/2; odd: high nibble)
+        const __m256i nib =
+            _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(v)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        const __m256 table = _mm256_mul_ps(e2m1_magnitudes(), _mm256_set1_ps(kE8M0[sc[base / 32 + g / 4]]));
+        return decode_e2m1_8(nib, table);
+    }
+    // C % 32 == 0 and groups of eight never straddle it, so there is never a partial group.
+    __m256 load_partial(size_t base, size_t g, size_t) const { return load8(base, g); }
+};
+
+}  // namespace
+
+void matvec_bf16(const uint16_t* W, size_t R, size_t C, const float* x, float* y, unsigned threads) {
+    for_rows(R, C, threads, [&](size_t r) { y[r] = detail::cdot_kernel(Bf16Row{W + r * C}, x, C); });
+}
+
+void matvec_fp8(const uint8_t* q, const float* scale_inv, size_t R, size_t C, const float* x, float* y,
+                unsigned threads) {
+    const size_t sc = fp8_scale_cols(C), ns = fp8_scale_rows(R) * sc;
+    std::vector<float> folded(ns);
+    bool can_fold = true;
+    for (size_t j = 0; j < ns; ++j) {
+        folded[j] = scale_inv[j] * kE4M3Unscale;
+        can_fold &= std::isfinite(folded[j]) || !std::isfinite(scale_inv[j]);
+    }
+    const float* s = can_fold ? folded.data() : scale_inv;
+    for_rows(R, C, threads, [&](size_t r) {
+        const uint8_t* row = q + r * C;
+        const float* srow = s + (r / 128) * sc;
+        const bool nan = has_e4m3_nan(row, C);
+        float v;
+        if (can_fold)
+            v = nan ? detail::cdot_kernel(Fp8Row<true, true>{row, srow}, x, C)
+                    : detail::cdot_kernel(Fp8Row<true, false>{row, srow}, x, C);
+        else
+            v = nan ? detail::cdot_kernel(Fp8Row<false, true>{row, srow}, x, C)
+                    : detail::cdot_kernel(Fp8Row<false, false>{row, srow}, x, C);
+        y[r] = v;
+    });
+}
+
+void matvec_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t R, size_t C, const float* x, float* y,
+                  unsigned threads) {
+    for_rows(R, C, threads, [&](size_t r) {
+        y[r] = detail::cdot_kernel(Mxfp4Row{packed + r * (C / 2), scale + r * (C / 32)}, x, C);
+    });
+}
+
+}  // namespace glm::cpu
