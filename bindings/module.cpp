@@ -1,0 +1,439 @@
+// pybind11 glue: the extension module fast._core.
+//
+// Every entry point takes plain objects and validates them itself (type, dtype, ndim, shape,
+// contiguity, alignment), raising ValueError that names the argument and says what was expected
+// and what was given; the C++ kernels only ever see checked pointers and sizes. Numeric entry points
+// also refuse to run (RuntimeError) when MXCSR has FTZ or DAZ set in the calling thread (SPEC 4.6).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <xmmintrin.h>
+
+#include "cpu/cdot.hpp"
+#include "cpu/expf.hpp"
+#include "cpu/formats.hpp"
+#include "cpu/hwstate.hpp"
+#include "cpu/matvec.hpp"
+
+namespace py = pybind11;
+using namespace glm::cpu;
+
+namespace {
+
+// ---- validation ---------------------------------------------------------------------------------
+
+[[noreturn]] void bad(const std::string& msg) { throw py::value_error(msg); }
+
+std::string shape_str(const std::vector<py::ssize_t>& s) {
+    std::ostringstream o;
+    o << "(";
+    for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+    if (s.size() == 1) o << ",";
+    o << ")";
+    return o.str();
+}
+
+std::vector<py::ssize_t> shape_of(const py::array& a) {
+    return std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim());
+}
+
+std::string dtype_str(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
+
+std::string type_name(const py::object& obj) {  // e.g. "list", "numpy.float32"
+    const py::handle t = py::type::of(obj);
+    const std::string mod = py::str(t.attr("__module__")).cast<std::string>();
+    const std::string name = py::str(t.attr("__qualname__")).cast<std::string>();
+    return mod == "builtins" ? name : mod + "." + name;
+}
+
+// Accepted dtypes of one argument: the plain NumPy type, plus (optionally) the ml_dtypes type whose
+// storage has the same meaning (e.g. bfloat16 for bf16 bits).
+struct DType {
+    py::dtype plain;
+    const char* alias;  // ml_dtypes name accepted as well, or nullptr
+    const char* what;   // for messages
+};
+
+template <class T>
+DType dt(const char* what, const char* alias = nullptr) {
+    return DType{py::dtype::of<T>(), alias, what};
+}
+
+bool dtype_ok(const py::array& a, const DType& d) {
+    if (a.dtype().equal(d.plain)) return true;
+    if (d.alias && a.dtype().itemsize() == d.plain.itemsize() &&
+        py::str(a.dtype().attr("name")).cast<std::string>() == d.alias)
+        return true;
+    return false;
+}
+
+// Check an argument: ndarray, dtype, ndim (-1 = any), C-contiguous, aligned.
+py::array arg(const py::object& obj, const char* name, const DType& d, int ndim) {
+    if (!py::isinstance<py::array>(obj))
+        bad(std::string(name) + ": expected a numpy.ndarray of " + d.what + ", given " + type_name(obj));
+    py::array a = py::reinterpret_borrow<py::array>(obj);
+    if (!dtype_ok(a, d)) bad(std::string(name) + ": expected dtype " + d.what + ", given " + dtype_str(a));
+    if (ndim >= 0 && a.ndim() != ndim)
+        bad(std::string(name) + ": expected a " + std::to_string(ndim) + "-D array, given " +
+            std::to_string(a.ndim()) + "-D with shape " + shape_str(shape_of(a)));
+    if (!(a.flags() & py::array::c_style))
+        bad(std::string(name) + ": expected a C-contiguous array, given a non-contiguous view with shape " +
+            shape_str(shape_of(a)) + " (use numpy.ascontiguousarray)");
+    if (!(a.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_))
+        bad(std::string(name) + ": expected an aligned array, given an unaligned one");
+    return a;
+}
+
+void expect_shape(const py::array& a, const char* name, const std::vector<py::ssize_t>& want,
+                  const std::string& why = "") {
+    if (shape_of(a) != want)
+        bad(std::string(name) + ": expected shape " + shape_str(want) + (why.empty() ? "" : " (" + why + ")") +
+            ", given " + shape_str(shape_of(a)));
+}
+
+uint64_t arg_uint(const py::object& obj, const char* name, uint64_t lo, uint64_t hi) {
+    if (!py::isinstance<py::int_>(obj) || py::isinstance<py::bool_>(obj))
+        bad(std::string(name) + ": expected an int, given " + type_name(obj));
+    const py::int_ v = py::reinterpret_borrow<py::int_>(obj);
+    if (v < py::int_(lo) || v > py::int_(hi))
+        bad(std::string(name) + ": expected an int in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+            "], given " + py::str(v).cast<std::string>());
+    return v.cast<uint64_t>();
+}
+
+float arg_f32(const py::object& obj, const char* name) {
+    if (py::isinstance<py::bool_>(obj) ||
+        !(py::isinstance<py::float_>(obj) || py::isinstance<py::int_>(obj) ||
+          py::hasattr(obj, "__float__")))
+        bad(std::string(name) + ": expected a float, given " + type_name(obj));
+    return static_cast<float>(obj.cast<double>());  // f64 -> f32, RNE
+}
+
+unsigned arg_threads(const py::object& obj) { return static_cast<unsigned>(arg_uint(obj, "threads", 0, 1024)); }
+
+void require_clean_mxcsr() {
+    if (ftz_daz_enabled())
+        throw std::runtime_error(
+            "MXCSR has flush-to-zero or denormals-are-zero set in this thread (a library loaded in the "
+            "process set it); exact results are impossible, refusing to run");
+}
+
+template <class T>
+const T* ptr(const py::array& a) {
+    return static_cast<const T*>(a.data());
+}
+
+template <class T>
+py::array_t<T> empty_like_shape(const py::array& a) {
+    return py::array_t<T>(shape_of(a));
+}
+
+py::object f32_scalar(float v) {  // numpy.float32 with exactly these bits
+    py::array_t<float> a(1);
+    a.mutable_at(0) = v;
+    return a[py::int_(0)];
+}
+
+const DType kF32 = dt<float>("float32");
+const DType kF64 = dt<double>("float64");
+
+DType kBf16() { return dt<uint16_t>("uint16 (bf16 bits) or bfloat16", "bfloat16"); }
+DType kE4M3Codes() { return dt<uint8_t>("uint8 (E4M3 codes) or float8_e4m3fn", "float8_e4m3fn"); }
+DType kE8M0Codes() { return dt<uint8_t>("uint8 (E8M0 codes) or float8_e8m0fnu", "float8_e8m0fnu"); }
+DType kU8(const char* what) { return dt<uint8_t>(what); }
+
+// ---- the functions ------------------------------------------------------------------------------
+
+py::object py_cdot(const py::object& ao, const py::object& bo) {
+    const py::array a = arg(ao, "a", kF32, 1), b = arg(bo, "b", kF32, 1);
+    expect_shape(b, "b", shape_of(a), "the shape of a");
+    require_clean_mxcsr();
+    float r;
+    {
+        py::gil_scoped_release nogil;
+        r = cdot(ptr<float>(a), ptr<float>(b), static_cast<size_t>(a.shape(0)));
+    }
+    return f32_scalar(r);
+}
+
+double py_cdot64(const py::object& ao, const py::object& bo) {
+    const py::array a = arg(ao, "a", kF64, 1), b = arg(bo, "b", kF64, 1);
+    expect_shape(b, "b", shape_of(a), "the shape of a");
+    require_clean_mxcsr();
+    py::gil_scoped_release nogil;
+    return cdot64(ptr<double>(a), ptr<double>(b), static_cast<size_t>(a.shape(0)));
+}
+
+py::object py_csum(const py::object& xo) {
+    const py::array x = arg(xo, "x", kF32, 1);
+    require_clean_mxcsr();
+    float r;
+    {
+        py::gil_scoped_release nogil;
+        r = csum(ptr<float>(x), static_cast<size_t>(x.shape(0)));
+    }
+    return f32_scalar(r);
+}
+
+py::array py_expf(const py::object& xo) {
+    const py::array x = arg(xo, "x", kF32, -1);
+    require_clean_mxcsr();
+    auto y = empty_like_shape<float>(x);
+    float* out = y.mutable_data();
+    {
+        py::gil_scoped_release nogil;
+        expf_array(ptr<float>(x), out, static_cast<size_t>(x.size()));
+    }
+    return std::move(y);
+}
+
+template <uint64_t (*Check)(uint64_t, uint64_t, uint64_t*, unsigned)>
+py::tuple py_check_range(const py::object& loo, const py::object& hio) {
+    const uint64_t lo = arg_uint(loo, "lo_bits", 0, uint64_t{1} << 32);
+    const uint64_t hi = arg_uint(hio, "hi_bits", 0, uint64_t{1} << 32);
+    if (hi < lo) bad("hi_bits: expected hi_bits >= lo_bits, given " + std::to_string(hi) + " < " + std::to_string(lo));
+    require_clean_mxcsr();
+    uint64_t first = 0, n = 0;
+    {
+        py::gil_scoped_release nogil;
+        n = Check(lo, hi, &first, 0);
+    }
+    return py::make_tuple(n, n ? py::object(py::int_(first)) : py::object(py::none()));
+}
+
+py::array py_bf16_from_f32(const py::object& xo) {
+    const py::array x = arg(xo, "x", kF32, -1);
+    auto y = empty_like_shape<uint16_t>(x);
+    uint16_t* out = y.mutable_data();
+    const float* in = ptr<float>(x);
+    const size_t n = static_cast<size_t>(x.size());
+    {
+        py::gil_scoped_release nogil;
+        for (size_t i = 0; i < n; ++i) out[i] = bf16_bits(in[i]);
+    }
+    return std::move(y);
+}
+
+py::array py_bf16_from_f64(const py::object& xo) {
+    const py::array x = arg(xo, "x", kF64, -1);
+    require_clean_mxcsr();  // the f64 -> f32 step must not flush f32 subnormals
+    auto y = empty_like_shape<uint16_t>(x);
+    uint16_t* out = y.mutable_data();
+    const double* in = ptr<double>(x);
+    const size_t n = static_cast<size_t>(x.size());
+    {
+        py::gil_scoped_release nogil;
+        for (size_t i = 0; i < n; ++i) out[i] = bf16_bits_from_f64(in[i]);
+    }
+    return std::move(y);
+}
+
+template <size_t N>
+py::array decode_table(const py::object& co, const DType& d, const std::array<float, N>& table) {
+    const py::array c = arg(co, "codes", d, -1);
+    auto y = empty_like_shape<float>(c);
+    const uint8_t* in = ptr<uint8_t>(c);
+    float* out = y.mutable_data();
+    const size_t n = static_cast<size_t>(c.size());
+    for (size_t i = 0; i < n; ++i)
+        if (in[i] >= N) bad("codes: expected values in [0, " + std::to_string(N) + "), given " + std::to_string(in[i]));
+    for (size_t i = 0; i < n; ++i) out[i] = table[in[i]];
+    return std::move(y);
+}
+
+std::vector<py::ssize_t> fp8_scale_shape(py::ssize_t R, py::ssize_t C) {
+    return {(R + 127) / 128, (C + 127) / 128};
+}
+
+py::array py_decode_fp8_weight(const py::object& qo, const py::object& so) {
+    const py::array q = arg(qo, "q", kE4M3Codes(), 2);
+    const py::array s = arg(so, "scale_inv", kF32, 2);
+    const py::ssize_t R = q.shape(0), C = q.shape(1);
+    expect_shape(s, "scale_inv", fp8_scale_shape(R, C), "[ceil(R/128), ceil(C/128)] for q of shape " + shape_str({R, C}));
+    require_clean_mxcsr();
+    py::array_t<float> w({R, C});
+    float* out = w.mutable_data();
+    {
+        py::gil_scoped_release nogil;
+        decode_fp8_weight(ptr<uint8_t>(q), ptr<float>(s), R, C, out);
+    }
+    return std::move(w);
+}
+
+// packed [R, C/2], scale [R, C/32], C % 32 == 0; returns C.
+py::ssize_t check_mxfp4(const py::array& p, const py::array& s) {
+    const py::ssize_t R = p.shape(0), C = 2 * p.shape(1);
+    if (C % 32 != 0)
+        bad("packed: expected [R, C/2] with C a multiple of 32 (packed.shape[1] a multiple of 16), given shape " +
+            shape_str(shape_of(p)));
+    expect_shape(s, "scale", {R, C / 32}, "[R, C/32] for packed of shape " + shape_str(shape_of(p)));
+    return C;
+}
+
+py::array py_decode_mxfp4_weight(const py::object& po, const py::object& so) {
+    const py::array p = arg(po, "packed", kU8("uint8 (two E2M1 nibbles per byte)"), 2);
+    const py::array s = arg(so, "scale", kE8M0Codes(), 2);
+    const py::ssize_t R = p.shape(0), C = check_mxfp4(p, s);
+    require_clean_mxcsr();
+    py::array_t<float> w({R, C});
+    float* out = w.mutable_data();
+    {
+        py::gil_scoped_release nogil;
+        decode_mxfp4_weight(ptr<uint8_t>(p), ptr<uint8_t>(s), R, C, out);
+    }
+    return std::move(w);
+}
+
+py::array py_matvec_bf16(const py::object& wo, const py::object& xo, const py::object& to) {
+    const py::array W = arg(wo, "W", kBf16(), 2);
+    const py::array x = arg(xo, "x", kF32, 1);
+    const py::ssize_t R = W.shape(0), C = W.shape(1);
+    expect_shape(x, "x", {C}, "[C] for W of shape " + shape_str({R, C}));
+    const unsigned threads = arg_threads(to);
+    require_clean_mxcsr();
+    py::array_t<float> y(R);
+    float* out = y.mutable_data();
+    {
+        py::gil_scoped_release nogil;
+        matvec_bf16(ptr<uint16_t>(W), R, C, ptr<float>(x), out, threads);
+    }
+    return std::move(y);
+}
+
+py::array py_matvec_fp8(const py::object& qo, const py::object& so, const py::object& xo, const py::object& to) {
+    const py::array q = arg(qo, "q", kE4M3Codes(), 2);
+    const py::array s = arg(so, "scale_inv", kF32, 2);
+    const py::array x = arg(xo, "x", kF32, 1);
+    const py::ssize_t R = q.shape(0), C = q.shape(1);
+    expect_shape(s, "scale_inv", fp8_scale_shape(R, C), "[ceil(R/128), ceil(C/128)] for q of shape " + shape_str({R, C}));
+    expect_shape(x, "x", {C}, "[C] for q of shape " + shape_str({R, C}));
+    const unsigned threads = arg_threads(to);
+    require_clean_mxcsr();
+    py::array_t<float> y(R);
+    float* out = y.mutable_data();
+    {
+        py::gil_scoped_release nogil;
+        matvec_fp8(ptr<uint8_t>(q), ptr<float>(s), R, C, ptr<float>(x), out, threads);
+    }
+    return std::move(y);
+}
+
+py::array py_matvec_mxfp4(const py::object& po, const py::object& so, const py::object& xo, const py::object& to) {
+    const py::array p = arg(po, "packed", kU8("uint8 (two E2M1 nibbles per byte)"), 2);
+    const py::array s = arg(so, "scale", kE8M0Codes(), 2);
+    const py::array x = arg(xo, "x", kF32, 1);
+    const py::ssize_t R = p.shape(0), C = check_mxfp4(p, s);
+    expect_shape(x, "x", {C}, "[C] for packed of shape " + shape_str(shape_of(p)));
+    const unsigned threads = arg_threads(to);
+    require_clean_mxcsr();
+    py::array_t<float> y(R);
+    float* out = y.mutable_data();
+    {
+        py::gil_scoped_release nogil;
+        matvec_mxfp4(ptr<uint8_t>(p), ptr<uint8_t>(s), R, C, ptr<float>(x), out, threads);
+    }
+    return std::move(y);
+}
+
+py::array py_div_probe(const py::object& xo, const py::object& dobj) {
+    const py::array x = arg(xo, "x", kF32, 1);
+    const float d = arg_f32(dobj, "d");
+    require_clean_mxcsr();
+    py::array_t<float> y(x.shape(0));
+    div_probe(ptr<float>(x), d, y.mutable_data(), static_cast<size_t>(x.shape(0)));
+    return std::move(y);
+}
+
+py::array py_expf_table() {
+    py::array_t<uint64_t> t(32);
+    std::memcpy(t.mutable_data(), kExpfTable, sizeof(kExpfTable));
+    return std::move(t);
+}
+
+// Test hook: set or clear FTZ and DAZ in the calling thread's MXCSR; returns the previous state.
+bool py_set_ftz_daz(bool on) {
+    const bool was = ftz_daz_enabled();
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(on ? (csr | 0x8040u) : (csr & ~0x8040u));
+    return was;
+}
+
+py::dict build_info() {
+    py::dict d;
+    d["compiler"] = GLM_CXX_COMPILER;
+    d["cxx_flags"] = GLM_CXX_FLAGS;
+    d["build_type"] = GLM_BUILD_TYPE;
+#ifdef __FMA__
+    d["fma"] = true;
+#else
+    d["fma"] = false;
+#endif
+#ifdef __AVX2__
+    d["avx2"] = true;
+#else
+    d["avx2"] = false;
+#endif
+#ifdef __FAST_MATH__
+    d["fast_math"] = true;
+#else
+    d["fast_math"] = false;
+#endif
+    return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
+        throw py::import_error("fast._core needs a CPU with AVX2, FMA and F16C");
+
+    m.doc() = "GLM-5.3-Flash exact engine: CPU primitives (canonical numerics, SPEC section 4).";
+    const auto A = [](const char* n) { return py::arg(n); };
+
+    m.def("cdot", &py_cdot, A("a"), A("b"),
+          "cdot(a: f32[n], b: f32[n]) -> numpy.float32: the canonical reduction (SPEC 4.2).");
+    m.def("cdot64", &py_cdot64, A("a"), A("b"), "cdot64(a: f64[n], b: f64[n]) -> float: cdot in double.");
+    m.def("csum", &py_csum, A("x"), "csum(x: f32[n]) -> numpy.float32: cdot(x, 1).");
+    m.def("expf", &py_expf, A("x"), "expf(x: f32 array) -> f32 array: the canonical expf (SPEC 4.3).");
+    m.def("expf_check_range", &py_check_range<expf_check_range>, A("lo_bits"), A("hi_bits"),
+          "Compare the scalar canonical expf with the host libm expf on every f32 bit pattern in "
+          "[lo_bits, hi_bits) (hi_bits <= 2**32), on all cores. Returns (mismatches, first mismatching "
+          "bits or None).");
+    m.def("expf_avx2_check_range", &py_check_range<expf8_check_range>, A("lo_bits"), A("hi_bits"),
+          "As expf_check_range, for the 8-wide AVX2 expf.");
+    m.def("expf_table", &py_expf_table, "The 32-entry expf table T[i] = bits(2^(i/32)) - (i << 47), as uint64.");
+    m.def("bf16_from_f32", &py_bf16_from_f32, A("x"),
+          "bf16_from_f32(x: f32 array) -> uint16 array: RNE, every NaN -> 0x7FC0.");
+    m.def("bf16_from_f64", &py_bf16_from_f64, A("x"),
+          "bf16_from_f64(x: f64 array) -> uint16 array: f64 -> f32 (RNE) -> bf16 (RNE), NaN -> 0x7FC0.");
+    m.def("decode_e4m3", [](const py::object& c) { return decode_table(c, kE4M3Codes(), kE4M3); }, A("codes"),
+          "E4M3 (fn) codes (uint8 array) -> f32 array.");
+    m.def("decode_e2m1", [](const py::object& c) { return decode_table(c, kU8("uint8 (E2M1 codes 0..15)"), kE2M1); },
+          A("codes"), "E2M1 codes (uint8 array, values 0..15) -> f32 array.");
+    m.def("decode_e8m0", [](const py::object& c) { return decode_table(c, kE8M0Codes(), kE8M0); }, A("codes"),
+          "E8M0 codes (uint8 array) -> f32 array: 2^(e-127), 0xFF -> NaN.");
+    m.def("decode_fp8_weight", &py_decode_fp8_weight, A("q"), A("scale_inv"),
+          "decode_fp8_weight(q: u8[R, C], scale_inv: f32[ceil(R/128), ceil(C/128)]) -> f32[R, C].");
+    m.def("decode_mxfp4_weight", &py_decode_mxfp4_weight, A("packed"), A("scale"),
+          "decode_mxfp4_weight(packed: u8[R, C/2], scale: u8[R, C/32]) -> f32[R, C].");
+    m.def("matvec_bf16", &py_matvec_bf16, A("W"), A("x"), py::arg("threads") = 0,
+          "matvec_bf16(W: u16[R, C] bf16 bits, x: f32[C]) -> f32[R]; row r = cdot(W[r], x).");
+    m.def("matvec_fp8", &py_matvec_fp8, A("q"), A("scale_inv"), A("x"), py::arg("threads") = 0,
+          "matvec_fp8(q: u8[R, C], scale_inv: f32[ceil(R/128), ceil(C/128)], x: f32[C]) -> f32[R].");
+    m.def("matvec_mxfp4", &py_matvec_mxfp4, A("packed"), A("scale"), A("x"), py::arg("threads") = 0,
+          "matvec_mxfp4(packed: u8[R, C/2], scale: u8[R, C/32], x: f32[C]) -> f32[R].");
+    m.def("ftz_daz_enabled", &ftz_daz_enabled, "True when this thread's MXCSR has FTZ or DAZ set.");
+    m.def("contract_probe", &contract_probe,
+          "a*b + c for a = b = 1 + 2^-12, c = -(1 + 2^-11): 0.0 unless the build contracts into an FMA (2^-24).");
+    m.def("div_probe", &py_div_probe, A("x"), A("d"),
+          "div_probe(x: f32[n], d) -> x / f32(d), elementwise (catches reciprocal-math builds).");
+    m.def("_set_ftz_daz", &py_set_ftz_daz, A("on"),
+          "Test hook: set (True) or clear (False) FTZ and DAZ in this thread's MXCSR; returns the previous state.");
+    m.def("build_info", &build_info, "Compiler, flags and ISA of this build.");
+}
