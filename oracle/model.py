@@ -22,6 +22,7 @@ from .layers.mhc import HyperConnection
 from .layers.mla import MLA, MLACache
 from .layers.moe import MoE, Router, SwiGLU
 from .layers.norm import rms_norm
+from .inject import Injection
 from .layers.ops import Precision
 
 
@@ -30,17 +31,35 @@ class PromptError(ValueError):
 
 
 class StageSink:
-    """Hands a layer's stage values to the capture, with the layer index and first position bound."""
+    """Where a layer hands each stage value: the capture (if it wants it) and the fault injection.
 
-    def __init__(self, capture: Capture | None, layer: int, pos0: int):
+    `x = cap("stage", x)` returns the rows the model carries on with: the same rows, or a copy
+    with the injected element perturbed, so an injected fault propagates downstream.
+    """
+
+    def __init__(self, capture: Capture | None, layer: int, pos0: int, inject: Injection | None = None):
         self.capture, self.layer, self.pos0 = capture, layer, pos0
+        self.inject = inject if inject is not None and inject.layer == layer else None
 
     def wants(self, stage: str) -> bool:
-        return self.capture is not None and self.capture.wants(self.layer, stage)
+        return ((self.capture is not None and self.capture.wants(self.layer, stage))
+                or (self.inject is not None and self.inject.stage == stage))
 
-    def __call__(self, stage: str, rows) -> None:
-        if self.wants(stage):
-            self.capture.put_rows(self.layer, stage, self.pos0, rows)
+    def __call__(self, stage: str, rows):
+        """Rows of positions pos0, pos0+1, ... (an array or a list of per-position arrays)."""
+        if not self.wants(stage):
+            return rows
+        out = [self.row(stage, self.pos0 + i, r) for i, r in enumerate(rows)]
+        return out if isinstance(rows, list) else np.stack(out) if len(out) else rows
+
+    def row(self, stage: str, pos: int, value):
+        """One position's value (inside a per-position loop) -> the value to carry on with."""
+        inj = self.inject
+        if inj is not None and inj.stage == stage and inj.pos == pos:
+            value = inj.apply(value)
+        if self.capture is not None and self.capture.wants(self.layer, stage):
+            self.capture.put(self.layer, stage, pos, value)
+        return value
 
 
 class Cache:
@@ -91,29 +110,21 @@ class DecoderLayer:
         """X [T, hc, D] streams -> (streams after the layer, this layer's attention selection or None)."""
         P, c = self.P, self.c
         pre, post, comb = self.attn_hc.coefficients(X)
-        x = HyperConnection.collapse(P, X, pre)
-        cap("attn_hc.pre", pre), cap("attn_hc.post", post), cap("attn_hc.comb", comb), cap("attn_hc.collapsed", x)
-        x = rms_norm(P, x, self.attn_norm, c.rms_norm_eps)
-        cap("attn_norm", x)
+        pre, post, comb = cap("attn_hc.pre", pre), cap("attn_hc.post", post), cap("attn_hc.comb", comb)
+        x = cap("attn_hc.collapsed", HyperConnection.collapse(P, X, pre))
+        x = cap("attn_norm", rms_norm(P, x, self.attn_norm, c.rms_norm_eps))
         if isinstance(self.attn, KDA):
             u, selection = self.attn.forward(x, cache, pos0, cap), None
         else:
             u, selection = self.attn.forward(x, cache, pos0, cap, selection)
-        X = HyperConnection.expand(P, X, u, post, comb)
-        cap("attn_hc.streams", X)
+        X = cap("attn_hc.streams", HyperConnection.expand(P, X, u, post, comb))
 
         pre, post, comb = self.ffn_hc.coefficients(X)
-        x = HyperConnection.collapse(P, X, pre)
-        cap("ffn_hc.pre", pre), cap("ffn_hc.post", post), cap("ffn_hc.comb", comb), cap("ffn_hc.collapsed", x)
-        x = rms_norm(P, x, self.ffn_norm, c.rms_norm_eps)
-        cap("ffn_norm", x)
-        if isinstance(self.ffn, MoE):
-            u = self.ffn.forward(x, cap)
-        else:
-            u = self.ffn.forward(x, cap)
-            cap("mlp.out", u)
-        X = HyperConnection.expand(P, X, u, post, comb)
-        cap("ffn_hc.streams", X)
+        pre, post, comb = cap("ffn_hc.pre", pre), cap("ffn_hc.post", post), cap("ffn_hc.comb", comb)
+        x = cap("ffn_hc.collapsed", HyperConnection.collapse(P, X, pre))
+        x = cap("ffn_norm", rms_norm(P, x, self.ffn_norm, c.rms_norm_eps))
+        u = self.ffn.forward(x, cap)
+        X = cap("ffn_hc.streams", HyperConnection.expand(P, X, u, post, comb))
         return X, selection
 
 
@@ -165,43 +176,45 @@ class Model:
             raise PromptError(f"{start + a.size} positions exceed the maximum context of {self.max_context}")
         return a.astype(np.int64)
 
-    def forward(self, ids: Sequence[int], cache: Cache | None = None, capture: Capture | None = None) -> np.ndarray:
+    def forward(self, ids: Sequence[int], cache: Cache | None = None, capture: Capture | None = None,
+                inject: Injection | None = None) -> np.ndarray:
         """Run the tokens `ids` at the next positions of `cache` (appending to it) -> logits [T, V] f32."""
         cache = cache if cache is not None else self.new_cache()
         ids = self.check_ids(ids, cache.length)
         P, c, pos0 = self.P, self.config, cache.length
-        e = P.weight(self.embed[ids])
-        StageSink(capture, 0, pos0)("embed", e)
+        e = StageSink(capture, 0, pos0, inject)("embed", P.weight(self.embed[ids]))
         X = np.repeat(e[:, None, :], c.hc_mult, axis=1)
         selection = None
         for l, layer in enumerate(self.layers):
-            X, selection = layer.forward(X, cache.layers[l], pos0, StageSink(capture, l, pos0), selection)
-        logits = head(P, X, self.norm, self.lm_head, c.rms_norm_eps, StageSink(capture, c.num_hidden_layers, pos0))
+            X, selection = layer.forward(X, cache.layers[l], pos0, StageSink(capture, l, pos0, inject), selection)
+        logits = head(P, X, self.norm, self.lm_head, c.rms_norm_eps,
+                      StageSink(capture, c.num_hidden_layers, pos0, inject))
         cache.length += ids.size
         return logits
 
     def prefill(self, ids, cache: Cache | None = None, chunk: int | None = None,
-                capture: Capture | None = None) -> np.ndarray:
+                capture: Capture | None = None, inject: Injection | None = None) -> np.ndarray:
         """forward over `ids` in chunks of `chunk` tokens (None: one chunk) -> logits of every position."""
         cache = cache if cache is not None else self.new_cache()
         ids = self.check_ids(ids, cache.length)
         step = chunk or ids.size
         if step < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
-        return np.concatenate([self.forward(ids[i:i + step], cache, capture) for i in range(0, ids.size, step)])
+        return np.concatenate([self.forward(ids[i:i + step], cache, capture, inject)
+                               for i in range(0, ids.size, step)])
 
     def generate(self, ids, max_new_tokens: int, chunk: int | None = None, capture: Capture | None = None,
-                 return_logits: bool = False):
+                 return_logits: bool = False, inject: Injection | None = None):
         """Greedy decoding: prefill the prompt, then one token at a time. -> new token ids (and logits)."""
         cache = self.new_cache()
-        logits = self.prefill(ids, cache, chunk, capture)
+        logits = self.prefill(ids, cache, chunk, capture, inject)
         all_logits, out = [logits], []
         for i in range(max_new_tokens):
             tok = greedy(logits[-1])
             out.append(tok)
             if i + 1 == max_new_tokens:
                 break
-            logits = self.forward([tok], cache, capture)
+            logits = self.forward([tok], cache, capture, inject)
             all_logits.append(logits)
         if return_logits:
             return out, np.concatenate(all_logits)

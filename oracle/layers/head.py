@@ -11,8 +11,6 @@ def head(P: Precision, X: np.ndarray, norm_w: np.ndarray, lm_head: np.ndarray, e
     """X [T, hc, D] -> logits [T, V]: mean = bf16(csum over streams / hc), RMSNorm, cdot per vocab row."""
     T, hc, D = X.shape
     cols = np.ascontiguousarray(X.transpose(0, 2, 1).reshape(T * D, hc))
-    mean = P.rnd(P.rowsum(cols).reshape(T, D) / P.const(hc))
-    normed = rms_norm(P, mean, norm_w, eps)
-    logits = P.matmul(lm_head, normed)
-    cap("head.mean", mean), cap("final_norm", normed), cap("logits", logits)
-    return logits
+    mean = cap("head.mean", P.rnd(P.rowsum(cols).reshape(T, D) / P.const(hc)))
+    normed = cap("final_norm", rms_norm(P, mean, norm_w, eps))
+    return cap("logits", P.matmul(lm_head, normed))

@@ -42,19 +42,18 @@ class Indexer:
         k = layer_norm(P, P.lin(self.wk, x), self.k_norm_w, self.k_norm_b, 1e-6)
         gate = P.lin(self.gate_w, x)
         weights = P.lin(self.weights_proj, x) * P.inv_sqrt_const(self.n)
-        cap("indexer.q", q), cap("indexer.k", k), cap("indexer.gate", gate), cap("indexer.weights", weights)
+        q, k = cap("indexer.q", q), cap("indexer.k", k)
+        gate, weights = cap("indexer.gate", gate), cap("indexer.weights", weights)
 
         cache.k = np.concatenate([cache.k, k])
         cache.gate = np.concatenate([cache.gate, gate])
         self._complete_pools(cache)
 
-        selected, scores_rows = [], []
+        selected = []
         for i in range(T):
             t = pos0 + i
             scores = self._pool_scores(q[i].reshape(self.n, self.d), weights[i], cache.pool_keys[:(t + 1) // self.kp])
-            scores_rows.append(scores)
-            selected.append(self._choose(scores, t))
-        cap("indexer.scores", scores_rows)
+            selected.append(self._choose(cap.row("indexer.scores", t, scores), t))
         return selected
 
     def _complete_pools(self, cache: IndexerCache) -> None:

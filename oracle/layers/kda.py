@@ -44,9 +44,8 @@ class KDA:
     def forward(self, x: np.ndarray, cache: KDACache, pos0: int, cap) -> np.ndarray:
         P, H, d = self.P, self.H, self.d
         T = x.shape[0]
-        proj = [P.lin(W, x) for W in (self.q_proj, self.k_proj, self.v_proj)]
-        for name, value in zip(("kda.q_proj", "kda.k_proj", "kda.v_proj"), proj):
-            cap(name, value)
+        proj = [cap(name, P.lin(W, x)) for name, W in
+                (("kda.q_proj", self.q_proj), ("kda.k_proj", self.k_proj), ("kda.v_proj", self.v_proj))]
 
         # causal depthwise conv over q|k|v, then SiLU; the window holds K rows ending at t
         qkv = np.concatenate(proj, axis=1)
@@ -59,36 +58,29 @@ class KDA:
         cache.conv_tail = hist[hist.shape[0] - (K - 1):].copy()
         act = P.rnd(P.silu(conv))
         n = H * d
-        q, k, v = act[:, :n], act[:, n:2 * n], act[:, 2 * n:]
-        cap("kda.q", q), cap("kda.k", k), cap("kda.v", v)
+        q, k, v = cap("kda.q", act[:, :n]), cap("kda.k", act[:, n:2 * n]), cap("kda.v", act[:, 2 * n:])
 
         # forget gate g (f32, per channel) and beta (f32, per head)
         f = P.lin(self.f_b, P.lin(self.f_a, x))
         decay_rate = P.exp(self.A_log)                                     # [H]
         lb = P.const(self.c.linear_lower_bound)
         g = lb * P.sigmoid(np.repeat(decay_rate, d)[None, :] * (f + self.dt_bias[None, :]))
-        beta = P.sigmoid(P.lin(self.b_proj, x))
-        cap("kda.g", g), cap("kda.beta", beta)
+        g, beta = cap("kda.g", g), cap("kda.beta", P.sigmoid(P.lin(self.b_proj, x)))
 
         o = self._recurrence(q.reshape(T, H, d), k.reshape(T, H, d), v.reshape(T, H, d),
-                             g.reshape(T, H, d), beta, cache, cap)
-        cap("kda.o", o.reshape(T, n))
-
-        gate = P.lin(self.g_b, P.lin(self.g_a, x))
-        cap("kda.gate", gate)
+                             g.reshape(T, H, d), beta, cache, cap, pos0)
+        o = cap("kda.o", o.reshape(T, n)).reshape(T, H, d)
+        gate = cap("kda.gate", P.lin(self.g_b, P.lin(self.g_a, x)))
         y = gated_rms_norm(P, o, gate.reshape(T, H, d), self.o_norm, self.c.rms_norm_eps).reshape(T, n)
-        cap("kda.o_norm", y)
-        out = P.lin(self.o_proj, y)
-        cap("kda.out", out)
-        return out
+        y = cap("kda.o_norm", y)
+        return cap("kda.out", P.lin(self.o_proj, y))
 
-    def _recurrence(self, q, k, v, g, beta, cache: KDACache, cap) -> np.ndarray:
+    def _recurrence(self, q, k, v, g, beta, cache: KDACache, cap, pos0: int) -> np.ndarray:
         """The delta rule, one token at a time: S *= exp(g); u = (v - k.S) beta; S += k u^T; o = q.S."""
         P, H, d = self.P, self.H, self.d
         T = q.shape[0]
         eps, scale = P.const(1e-6), P.inv_sqrt_const(d)
         o = np.empty((T, H, d), P.dtype)
-        states = np.empty((T, H, d, d), P.dtype) if cap.wants("kda.state") else None
         decay = P.exp(g)
         for t in range(T):
             qn = q[t] / np.sqrt(P.rowdot(q[t], q[t]) + eps)[:, None]
@@ -101,8 +93,6 @@ class KDA:
                 u = (v[t, h] - pred) * beta[t, h]
                 fma_outer_update(kn[h], u, S)
                 o[t, h] = P.matmul(S.T, qs[h][None, :])[0]                # o_j = cdot(q, S[:, j])
-            if states is not None:
-                states[t] = cache.state
-        if states is not None:
-            cap("kda.state", states)
+            if cap.wants("kda.state"):                                    # the state is carried on as stored
+                cache.state[...] = cap.row("kda.state", pos0 + t, cache.state)
         return o

@@ -46,31 +46,28 @@ class MLA:
         q_lat = rms_norm(P, P.lin(self.q_a, x), self.q_a_norm, c.rms_norm_eps)
         q = P.lin(self.q_b, q_lat).reshape(T, self.nh, self.dn)
         latent = rms_norm(P, P.lin(self.kv_a, x)[:, :self.r], self.kv_a_norm, c.rms_norm_eps)
-        cap("mla.q_lat", q_lat), cap("mla.q", q.reshape(T, -1)), cap("mla.c", latent)
+        q_lat = cap("mla.q_lat", q_lat)
+        q = cap("mla.q", q.reshape(T, -1)).reshape(T, self.nh, self.dn)
+        latent = cap("mla.c", latent)
         cache.c = np.concatenate([cache.c, latent])
 
         q_abs = np.stack([P.lin(self.w_uk_t[h], q[:, h, :]) for h in range(self.nh)], axis=1)  # [T, nh, r]
-        cap("mla.q_abs", q_abs)
+        q_abs = cap("mla.q_abs", q_abs.reshape(T, -1)).reshape(T, self.nh, self.r)
 
         if self.indexer is not None:
             selection = self.indexer.select(x, q_lat, cache.indexer, pos0, cap)
         else:
             selection = shared_selection
-        cap("mla.selected", selection)
+        selection = cap("mla.selected", selection)
 
         o_lat = np.empty((T, self.nh, self.r), P.dtype)
-        rows = {"mla.scores": [], "mla.probs": []}
         for i in range(T):
             C = cache.c[selection[i]]                                          # [n_sel, r]
-            s = P.matmul(C, q_abs[i]) * self.scale                             # [nh, n_sel]
+            s = cap.row("mla.scores", pos0 + i, P.matmul(C, q_abs[i]) * self.scale)   # [nh, n_sel]
             e = P.exp(s - s.max(axis=1)[:, None])
-            p = P.rnd(e / P.rowsum(e)[:, None])
+            p = cap.row("mla.probs", pos0 + i, P.rnd(e / P.rowsum(e)[:, None]))
             o_lat[i] = P.lin(np.ascontiguousarray(C.T), p)                     # cdot over positions
-            rows["mla.scores"].append(s), rows["mla.probs"].append(p)
-        cap("mla.scores", rows["mla.scores"]), cap("mla.probs", rows["mla.probs"]), cap("mla.o_lat", o_lat)
+        o_lat = cap("mla.o_lat", o_lat.reshape(T, -1)).reshape(T, self.nh, self.r)
 
-        o = np.concatenate([P.lin(self.w_uv[h], o_lat[:, h, :]) for h in range(self.nh)], axis=1)
-        cap("mla.o", o)
-        out = P.lin(self.o_proj, o)
-        cap("mla.out", out)
-        return out, selection
+        o = cap("mla.o", np.concatenate([P.lin(self.w_uv[h], o_lat[:, h, :]) for h in range(self.nh)], axis=1))
+        return cap("mla.out", P.lin(self.o_proj, o)), selection

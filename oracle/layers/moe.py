@@ -12,14 +12,15 @@ class SwiGLU:
         self.limit = P.const(limit)
 
     def forward(self, x: np.ndarray, cap=None) -> np.ndarray:
-        """y = lin(down, bf16(silu(min(g, L)) * clamp(u, -L, L)))."""
+        """y = lin(down, bf16(silu(min(g, L)) * clamp(u, -L, L))); `cap` given for a dense layer's MLP."""
         P, L = self.P, self.limit
         g, u = P.lin(self.gate, x), P.lin(self.up, x)
         if cap is not None:
-            cap("mlp.gate", g), cap("mlp.up", u)
+            g, u = cap("mlp.gate", g), cap("mlp.up", u)
         g = np.where(g > L, L, g)
         u = np.where(u > L, L, np.where(u < -L, -L, u))
-        return P.lin(self.down, P.rnd(P.silu(g) * u))
+        y = P.lin(self.down, P.rnd(P.silu(g) * u))
+        return cap("mlp.out", y) if cap is not None else y
 
 
 class Router:
@@ -28,22 +29,24 @@ class Router:
     def __init__(self, P: Precision, weight, bias, config):
         self.P, self.weight, self.bias, self.c = P, weight, bias, config
 
-    def route(self, x: np.ndarray):
-        """-> logits [T, E], selected [T, k] (ascending expert ids), weights [T, k]."""
+    def route(self, x: np.ndarray, cap):
+        """-> selected [T, k] (ascending expert ids), weights [T, k]; logits captured on the way."""
         P, c = self.P, self.c
-        logits = P.matmul(self.weight, x)
+        logits = cap("moe.logits", P.matmul(self.weight, x))
         scores = P.sigmoid(logits)
         choice = scores + self.bias[None, :]
-        T, E = logits.shape
+        T = logits.shape[0]
         selected = np.empty((T, c.num_experts_per_tok), np.int32)
+        for t in range(T):
+            selected[t] = np.sort(self._top_experts(choice[t]))
+        selected = cap("moe.selected", selected)
         weights = np.empty((T, c.num_experts_per_tok), P.dtype)
         for t in range(T):
-            sel = np.sort(self._top_experts(choice[t]))
-            w = scores[t, sel]
+            w = scores[t, selected[t]]
             if c.norm_topk_prob:
                 w = w / (P.rowsum(w[None, :])[0] + P.const(1e-20))
-            selected[t], weights[t] = sel, w * P.const(c.routed_scaling_factor)
-        return logits, selected, weights
+            weights[t] = w * P.const(c.routed_scaling_factor)
+        return selected, cap("moe.weights", weights)
 
     def _top_experts(self, choice: np.ndarray) -> np.ndarray:
         c = self.c
@@ -67,19 +70,16 @@ class MoE:
 
     def forward(self, x: np.ndarray, cap) -> np.ndarray:
         P = self.P
-        logits, selected, weights = self.router.route(x)
-        cap("moe.logits", logits), cap("moe.selected", selected), cap("moe.weights", weights)
+        selected, weights = self.router.route(x, cap)
         T, D = x.shape
         k = selected.shape[1]
         ys = np.empty((T, k, D), P.dtype)
         for t in range(T):
             for j, e in enumerate(selected[t]):
                 ys[t, j] = self.experts[e]().forward(x[t:t + 1])[0]
-        cap("moe.experts", ys)
+        ys = cap("moe.experts", ys)
         routed = np.empty((T, D), P.dtype)
         for t in range(T):
             routed[t] = P.lin(np.ascontiguousarray(ys[t].T), weights[t][None, :])[0]   # cdot over experts
-        shared = self.shared.forward(x)
-        out = P.rnd(routed + shared)
-        cap("moe.routed", routed), cap("moe.shared", shared), cap("moe.out", out)
-        return out
+        routed, shared = cap("moe.routed", routed), cap("moe.shared", self.shared.forward(x))
+        return cap("moe.out", P.rnd(routed + shared))
