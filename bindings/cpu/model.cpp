@@ -1,0 +1,766 @@
+// The model executor: weights registration, sequences (the cache), and Engine::step, which runs
+// embed -> L x [attn_hc -> attn_norm -> KDA | MLA -> attn_hc.streams, ffn_hc -> ffn_norm -> SwiGLU | MoE
+// -> ffn_hc.streams] -> head for every row of a batch at once (docs/numerics.md).
+#include <immintrin.h>
+#include <xmmintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <set>
+#include <sstream>
+
+#include "engine.hpp"
+#include "formats.hpp"
+
+namespace glm::cpu {
+
+// ---- stages -------------------------------------------------------------------------------------
+
+const StageInfo kStages[S_COUNT] = {
+    {"embed", SDType::BF16},
+    {"attn_hc.pre", SDType::F64}, {"attn_hc.post", SDType::F64}, {"attn_hc.comb", SDType::F64},
+    {"attn_hc.collapsed", SDType::BF16}, {"attn_norm", SDType::BF16},
+    {"kda.q_proj", SDType::BF16}, {"kda.k_proj", SDType::BF16}, {"kda.v_proj", SDType::BF16},
+    {"kda.q", SDType::BF16}, {"kda.k", SDType::BF16}, {"kda.v", SDType::BF16},
+    {"kda.g", SDType::F32}, {"kda.beta", SDType::F32}, {"kda.state", SDType::F32}, {"kda.o", SDType::F32},
+    {"kda.gate", SDType::BF16}, {"kda.o_norm", SDType::BF16}, {"kda.out", SDType::BF16},
+    {"mla.q_lat", SDType::BF16}, {"mla.q", SDType::BF16}, {"mla.c", SDType::BF16}, {"mla.q_abs", SDType::BF16},
+    {"indexer.q", SDType::BF16}, {"indexer.k", SDType::BF16}, {"indexer.gate", SDType::BF16},
+    {"indexer.weights", SDType::F32}, {"indexer.scores", SDType::F32},
+    {"mla.selected", SDType::I32}, {"mla.scores", SDType::F32}, {"mla.probs", SDType::BF16},
+    {"mla.o_lat", SDType::BF16}, {"mla.o", SDType::BF16}, {"mla.out", SDType::BF16},
+    {"attn_hc.streams", SDType::BF16},
+    {"ffn_hc.pre", SDType::F64}, {"ffn_hc.post", SDType::F64}, {"ffn_hc.comb", SDType::F64},
+    {"ffn_hc.collapsed", SDType::BF16}, {"ffn_norm", SDType::BF16},
+    {"mlp.gate", SDType::BF16}, {"mlp.up", SDType::BF16}, {"mlp.out", SDType::BF16},
+    {"moe.logits", SDType::F32}, {"moe.selected", SDType::I32}, {"moe.weights", SDType::F32},
+    {"moe.experts", SDType::BF16}, {"moe.routed", SDType::BF16}, {"moe.shared", SDType::BF16},
+    {"moe.out", SDType::BF16},
+    {"ffn_hc.streams", SDType::BF16},
+    {"head.mean", SDType::BF16}, {"final_norm", SDType::BF16}, {"logits", SDType::F32},
+};
+
+int stage_by_name(const std::string& name) {
+    for (int i = 0; i < S_COUNT; ++i)
+        if (name == kStages[i].name) return i;
+    return -1;
+}
+
+// ---- numerics switches --------------------------------------------------------------------------
+
+namespace {
+const double kOnes64[64] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                            1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                            1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+}
+
+float Numerics::dot(const float* a, const float* b, size_t n) const {
+    if (!seq_dot) return cdot(a, b, n);
+    float s = 0.0f;
+    for (size_t i = 0; i < n; ++i) s = s + a[i] * b[i];
+    return s;
+}
+
+double Numerics::dot64(const double* a, const double* b, size_t n) const {
+    if (!seq_dot) return cdot64(a, b, n);
+    double s = 0.0;
+    for (size_t i = 0; i < n; ++i) s = s + a[i] * b[i];
+    return s;
+}
+
+float Numerics::sum(const float* x, size_t n) const {
+    if (!seq_dot) return csum(x, n);
+    float s = 0.0f;
+    for (size_t i = 0; i < n; ++i) s = s + x[i];
+    return s;
+}
+
+double Numerics::sum64(const double* x, size_t n) const {
+    if (n <= 64) return dot64(x, kOnes64, n);
+    std::vector<double> ones(n, 1.0);
+    return dot64(x, ones.data(), n);
+}
+
+// expf="native": the classic Cephes-style single-precision exp (range reduction by ln2 in two
+// parts, a degree-5 polynomial, 2^n by exponent bits) -- what a fast vectorized libm would do.
+// About 1 ulp; differs from the canonical expf on a good fraction of inputs, by design.
+float Numerics::fast_expf(float x) {
+    if (x != x) return x;
+    if (x > 88.3762626647949f) return INFINITY;
+    if (x < -103.972084f) return 0.0f;
+    const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+    float r = x - fx * 0.693359375f;
+    r = r - fx * -2.12194440e-4f;
+    float y = 1.9875691500E-4f;
+    y = y * r + 1.3981999507E-3f;
+    y = y * r + 8.3334519073E-3f;
+    y = y * r + 4.1665795894E-2f;
+    y = y * r + 1.6666665459E-1f;
+    y = y * r + 5.0000001201E-1f;
+    y = y * r * r + r + 1.0f;
+    return std::ldexp(y, static_cast<int>(fx));
+}
+
+// ---- config -------------------------------------------------------------------------------------
+
+void EngineConfig::validate() const {
+    auto bad = [](const std::string& field, const std::string& why) {
+        throw std::invalid_argument("config field '" + field + "': " + why);
+    };
+    auto pos = [&](const char* f, int64_t v) {
+        if (v < 1) bad(f, "must be >= 1, got " + std::to_string(v));
+    };
+    pos("vocab_size", vocab_size);
+    pos("hidden_size", hidden_size);
+    pos("num_hidden_layers", num_hidden_layers);
+    pos("hc_mult", hc_mult);
+    if (hc_mult > 63) bad("hc_mult", "must be <= 63 in the CPU engine, got " + std::to_string(hc_mult));
+    pos("hc_sinkhorn_iters", hc_sinkhorn_iters);
+    pos("max_context", max_context);
+    const size_t L = static_cast<size_t>(num_hidden_layers);
+    if (is_kda.size() != L) bad("layer_types", "needs one entry per layer");
+    if (is_moe.size() != L) bad("mlp_layer_types", "needs one entry per layer");
+    if (has_indexer.size() != L) bad("indexer_types", "needs one entry per layer");
+    bool any_kda = false, any_mla = false, any_moe = false, any_dense = false;
+    for (size_t l = 0; l < L; ++l) {
+        any_kda |= is_kda[l] != 0;
+        any_mla |= is_kda[l] == 0;
+        any_moe |= is_moe[l] != 0;
+        any_dense |= is_moe[l] == 0;
+        if (!is_kda[l] && !has_indexer[l] && (l == 0 || is_kda[l - 1] || !has_indexer[l - 1]))
+            bad("indexer_types", "layer " + std::to_string(l) +
+                                     " is a 'shared' indexed_attention layer that does not follow a 'full' one");
+    }
+    if (any_kda) {
+        pos("linear_num_heads", linear_num_heads);
+        pos("linear_head_dim", linear_head_dim);
+        pos("linear_conv_kernel_dim", linear_conv_kernel_dim);
+    }
+    if (any_mla) {
+        pos("num_attention_heads", num_attention_heads);
+        pos("q_lora_rank", q_lora_rank);
+        pos("kv_lora_rank", kv_lora_rank);
+        pos("qk_nope_head_dim", qk_nope_head_dim);
+        pos("v_head_dim", v_head_dim);
+        if (qk_rope_head_dim != 0) bad("qk_rope_head_dim", "only NoPE MLA (0) is supported");
+        pos("index_kpool", index_kpool);
+        pos("index_topk", index_topk);
+        pos("index_head_dim", index_head_dim);
+        pos("index_n_heads", index_n_heads);
+        if (index_topk % index_kpool != 0) bad("index_topk", "must be divisible by index_kpool");
+    }
+    if (any_dense) pos("intermediate_size", intermediate_size);
+    if (any_moe) {
+        pos("n_routed_experts", n_routed_experts);
+        pos("moe_intermediate_size", moe_intermediate_size);
+        pos("n_shared_experts", n_shared_experts);
+        pos("n_group", n_group);
+        pos("topk_group", topk_group);
+        pos("num_experts_per_tok", num_experts_per_tok);
+        if (num_experts_per_tok > 256) bad("num_experts_per_tok", "must be <= 256 in the CPU engine");
+        if (n_routed_experts % n_group != 0 || n_routed_experts / n_group < 2)
+            bad("n_group", "each group needs at least 2 experts and n_routed_experts must divide evenly");
+        if (topk_group > n_group) bad("topk_group", "must be <= n_group");
+        if (num_experts_per_tok > topk_group * (n_routed_experts / n_group))
+            bad("num_experts_per_tok", "exceeds the experts of topk_group groups");
+    }
+}
+
+// ---- the step context ---------------------------------------------------------------------------
+
+Step::Step(const Engine& e, ThreadPool& p, const Numerics& n) : E(e), c(e.config()), pool(p), nm(n) {}
+
+void Step::inject_f32(int layer, int stage, size_t t, float* p, size_t off, size_t n) {
+    const int64_t e = inject_element(layer, stage, t);
+    if (e < 0 || static_cast<size_t>(e) < off || static_cast<size_t>(e) >= off + n) return;
+    float* v = p + (static_cast<size_t>(e) - off);
+    if (kStages[stage].dtype == SDType::BF16) {
+        const uint16_t b = static_cast<uint16_t>((f32_bits(*v) >> 16) + static_cast<uint64_t>(inj.ulps));
+        *v = f32_from_bf16(b);
+    } else {
+        *v = f32_from_bits(static_cast<uint32_t>(f32_bits(*v) + static_cast<uint64_t>(inj.ulps)));
+    }
+    std::lock_guard<std::mutex> lk(cap_mutex);
+    out->injected += 1;
+}
+
+void Step::inject_f64(int layer, int stage, size_t t, double* p, size_t off, size_t n) {
+    const int64_t e = inject_element(layer, stage, t);
+    if (e < 0 || static_cast<size_t>(e) < off || static_cast<size_t>(e) >= off + n) return;
+    double* v = p + (static_cast<size_t>(e) - off);
+    uint64_t u;
+    std::memcpy(&u, v, 8);
+    u += static_cast<uint64_t>(inj.ulps);
+    std::memcpy(v, &u, 8);
+    std::lock_guard<std::mutex> lk(cap_mutex);
+    out->injected += 1;
+}
+
+static size_t numel(const std::vector<int64_t>& shape) {
+    size_t n = 1;
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    return n;
+}
+
+void Step::capture(int layer, int stage, size_t t, const void* p, size_t elem_bytes, std::vector<int64_t> shape) {
+    if (!wants_row(layer, stage, t)) return;
+    CaptureRecord rec;
+    rec.layer = layer;
+    rec.stage = stage;
+    rec.row = static_cast<int64_t>(t);
+    const size_t nb = numel(shape) * elem_bytes;
+    rec.shape = std::move(shape);
+    rec.bytes.resize(nb);
+    if (nb) std::memcpy(rec.bytes.data(), p, nb);
+    std::lock_guard<std::mutex> lk(cap_mutex);
+    out->captures.push_back(std::move(rec));
+}
+
+void Step::emit(int layer, int stage, size_t t, float* p, std::vector<int64_t> shape) {
+    const size_t n = numel(shape);
+    inject_f32(layer, stage, t, p, 0, n);
+    capture(layer, stage, t, p, 4, std::move(shape));
+}
+
+void Step::emit64(int layer, int stage, size_t t, double* p, std::vector<int64_t> shape) {
+    const size_t n = numel(shape);
+    inject_f64(layer, stage, t, p, 0, n);
+    capture(layer, stage, t, p, 8, std::move(shape));
+}
+
+void Step::emit_i32(int layer, int stage, size_t t, const int32_t* p, std::vector<int64_t> shape) {
+    capture(layer, stage, t, p, 4, std::move(shape));
+}
+
+void Step::emit_rows(int layer, int stage, float* p, size_t n, size_t ld, std::vector<int64_t> shape) {
+    (void)n;
+    for (size_t t = 0; t < T; ++t) emit(layer, stage, t, p + t * ld, shape);
+}
+
+void Step::linear(const Lin& W, const float* X, size_t ldx, float* Y, size_t ldy, bool round, size_t rows) const {
+    const size_t R = W.R, C = W.C;
+    if (rows == 0 || R == 0) return;
+    if (rows == 1 && !nm.seq_dot) {
+        // one token: decode in registers (H2's matvec), rows split over the pool
+        pool.parallel_for(R, [&](size_t a, size_t b) {
+            W.matvec(a, b, X, Y + a);
+            if (round)
+                for (size_t r = a; r < b; ++r) Y[r] = bf16_round(Y[r]);
+        });
+        return;
+    }
+    // several tokens: decode each weight row once, then one cdot per token
+    pool.parallel_for(R, [&](size_t a, size_t b) {
+        thread_local std::vector<float> buf;
+        if (buf.size() < C) buf.resize(C);
+        for (size_t r = a; r < b; ++r) {
+            const float* wr;
+            if (W.fmt == WFmt::F32) {
+                wr = static_cast<const float*>(W.data) + (W.row0 + r) * C;
+            } else {
+                W.decode_row(r, buf.data());
+                wr = buf.data();
+            }
+            for (size_t t = 0; t < rows; ++t) {
+                const float v = nm.dot(wr, X + t * ldx, C);
+                Y[t * ldy + r] = round ? bf16_round(v) : v;
+            }
+        }
+    });
+}
+
+// ---- the engine ---------------------------------------------------------------------------------
+
+Engine::Engine(const EngineConfig& cfg, unsigned threads, Numerics nm) : cfg_(cfg), nm_(nm) {
+    cfg_.validate();
+    pool_ = std::make_unique<ThreadPool>(threads);
+    layers.resize(static_cast<size_t>(cfg_.num_hidden_layers));
+    for (size_t l = 0; l < layers.size(); ++l) {
+        layers[l].kda = cfg_.is_kda[l] != 0;
+        layers[l].m.has_indexer = !layers[l].kda && cfg_.has_indexer[l] != 0;
+        layers[l].f.moe = cfg_.is_moe[l] != 0;
+        if (layers[l].f.moe) {
+            const size_t E = static_cast<size_t>(cfg_.n_routed_experts);
+            layers[l].f.e_gate.resize(E);
+            layers[l].f.e_up.resize(E);
+            layers[l].f.e_down.resize(E);
+        }
+    }
+}
+
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& s) {
+    std::ostringstream o;
+    o << "(";
+    for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+    if (s.size() == 1) o << ",";
+    o << ")";
+    return o.str();
+}
+
+std::vector<float> to_f32(const std::string& what, const std::string& release, const void* data, size_t n) {
+    std::vector<float> out(n);
+    if (release == "bf16") {
+        const uint16_t* p = static_cast<const uint16_t*>(data);
+        for (size_t i = 0; i < n; ++i) out[i] = f32_from_bf16(p[i]);
+    } else if (release == "f32") {
+        std::memcpy(out.data(), data, n * sizeof(float));
+    } else {
+        throw std::invalid_argument(what + ": expected a bf16 or f32 tensor, given release '" + release + "'");
+    }
+    return out;
+}
+
+}  // namespace
+
+void Engine::add_tensor(const std::string& role, int layer, int expert, const std::string& release,
+                        const void* data, const void* scale, const std::vector<int64_t>& shape,
+                        const std::vector<int64_t>& data_shape, const std::vector<int64_t>& scale_shape) {
+    if (finalized_) throw std::logic_error("add_tensor after finalize");
+    const EngineConfig& c = cfg_;
+    const int64_t L = c.num_hidden_layers;
+    std::string what = role + (layer >= 0 ? " (layer " + std::to_string(layer) + ")" : "") +
+                       (expert >= 0 ? " (expert " + std::to_string(expert) + ")" : "");
+    auto bad = [&](const std::string& why) { throw std::invalid_argument(what + ": " + why); };
+    if (data == nullptr) bad("no data");
+    if (layer >= L) bad("layer out of range");
+    for (int64_t d : shape)
+        if (d < 0) bad("negative dimension");
+    const size_t n = numel(shape);
+
+    // the stored arrays must match the logical shape in their release format
+    auto expect = [&](const std::vector<int64_t>& got, const std::vector<int64_t>& want, const char* which) {
+        if (got != want) bad(std::string(which) + " has shape " + shape_str(got) + ", expected " + shape_str(want));
+    };
+    auto make_lin = [&](size_t rows, size_t cols) -> Lin {
+        if (shape.size() != 2 || static_cast<size_t>(shape[0]) != rows || static_cast<size_t>(shape[1]) != cols)
+            bad("shape " + shape_str(shape) + ", expected " +
+                shape_str({static_cast<int64_t>(rows), static_cast<int64_t>(cols)}));
+        Lin w;
+        w.R = rows;
+        w.C = cols;
+        w.data = data;
+        w.scale = scale;
+        const int64_t R = static_cast<int64_t>(rows), C = static_cast<int64_t>(cols);
+        if (release == "bf16") {
+            w.fmt = WFmt::BF16;
+            expect(data_shape, {R, C}, "data");
+        } else if (release == "f32") {
+            w.fmt = WFmt::F32;
+            expect(data_shape, {R, C}, "data");
+        } else if (release == "fp8") {
+            w.fmt = WFmt::FP8;
+            expect(data_shape, {R, C}, "data");
+            if (!scale) bad("fp8 weight without weight_scale_inv");
+            expect(scale_shape, {(R + 127) / 128, (C + 127) / 128}, "weight_scale_inv");
+        } else if (release == "mxfp4") {
+            w.fmt = WFmt::MXFP4;
+            if (C % 32 != 0) bad("mxfp4 needs in_features % 32 == 0");
+            expect(data_shape, {R, C / 2}, "data");
+            if (!scale) bad("mxfp4 weight without weight_scale");
+            expect(scale_shape, {R, C / 32}, "weight_scale");
+        } else {
+            bad("unknown release '" + release + "'");
+        }
+        return w;
+    };
+    auto small = [&](size_t want) -> std::vector<float> {
+        if (n != want) bad("has " + std::to_string(n) + " values, expected " + std::to_string(want));
+        if (numel(data_shape) != want) bad("stored array has " + std::to_string(numel(data_shape)) + " values");
+        return to_f32(what, release, data, want);
+    };
+    auto need_layer = [&]() -> LayerWeights& {
+        if (layer < 0) bad("needs a layer index");
+        return layers[static_cast<size_t>(layer)];
+    };
+
+    const size_t D = static_cast<size_t>(c.hidden_size), V = static_cast<size_t>(c.vocab_size);
+    const size_t hc = static_cast<size_t>(c.hc_mult), P = static_cast<size_t>(c.kda_dim());
+    const size_t d = static_cast<size_t>(c.linear_head_dim), H = static_cast<size_t>(c.linear_num_heads);
+    const size_t K = static_cast<size_t>(c.linear_conv_kernel_dim);
+    const size_t nh = static_cast<size_t>(c.num_attention_heads), dn = static_cast<size_t>(c.qk_nope_head_dim);
+    const size_t dv = static_cast<size_t>(c.v_head_dim), r = static_cast<size_t>(c.kv_lora_rank);
+    const size_t rq = static_cast<size_t>(c.q_lora_rank), dr = static_cast<size_t>(c.qk_rope_head_dim);
+    const size_t ni = static_cast<size_t>(c.index_n_heads), di = static_cast<size_t>(c.index_head_dim);
+    const size_t kp = static_cast<size_t>(c.index_kpool);
+    const size_t I = static_cast<size_t>(c.intermediate_size), Im = static_cast<size_t>(c.moe_intermediate_size);
+    const size_t Is = Im * static_cast<size_t>(c.n_shared_experts), E = static_cast<size_t>(c.n_routed_experts);
+
+    const std::string key = role + "#" + std::to_string(layer) + "#" + std::to_string(expert);
+    if (have_.count(key)) bad("registered twice");
+
+    if (role == "embed") {
+        embed = make_lin(V, D);
+    } else if (role == "lm_head") {
+        lm_head = make_lin(V, D);
+    } else if (role == "final_norm") {
+        final_norm = small(D);
+    } else if (role == "attn_norm") {
+        need_layer().attn_norm = small(D);
+    } else if (role == "ffn_norm") {
+        need_layer().ffn_norm = small(D);
+    } else if (role.rfind("attn_hc.", 0) == 0 || role.rfind("ffn_hc.", 0) == 0) {
+        HcWeights& hw = role[0] == 'a' ? need_layer().attn_hc : need_layer().ffn_hc;
+        const std::string leaf = role.substr(role.find('.') + 1);
+        const size_t R = static_cast<size_t>(c.hc_dim());
+        if (leaf == "fn") {
+            const std::vector<float> f = small(R * hc * D);
+            hw.fn.assign(f.begin(), f.end());
+        } else if (leaf == "base") {
+            const std::vector<float> f = small(R);
+            hw.base.assign(f.begin(), f.end());
+        } else if (leaf == "scale") {
+            const std::vector<float> f = small(3);
+            for (int i = 0; i < 3; ++i) hw.scale[i] = f[static_cast<size_t>(i)];
+        } else {
+            bad("unknown role");
+        }
+    } else if (role.rfind("kda.", 0) == 0) {
+        LayerWeights& lw = need_layer();
+        if (!lw.kda) bad("is a KDA tensor but the layer is not a KDA layer");
+        KdaWeights& k = lw.k;
+        if (role == "kda.q_proj") k.q_proj = make_lin(P, D);
+        else if (role == "kda.k_proj") k.k_proj = make_lin(P, D);
+        else if (role == "kda.v_proj") k.v_proj = make_lin(P, D);
+        else if (role == "kda.f_a_proj") k.f_a = make_lin(d, D);
+        else if (role == "kda.f_b_proj") k.f_b = make_lin(P, d);
+        else if (role == "kda.b_proj") k.b_proj = make_lin(H, D);
+        else if (role == "kda.g_a_proj") k.g_a = make_lin(d, D);
+        else if (role == "kda.g_b_proj") k.g_b = make_lin(P, d);
+        else if (role == "kda.o_proj") k.o_proj = make_lin(D, P);
+        else if (role == "kda.q_conv" || role == "kda.k_conv" || role == "kda.v_conv") {
+            const size_t which = role == "kda.q_conv" ? 0 : role == "kda.k_conv" ? 1 : 2;
+            const std::vector<float> f = small(P * K);
+            if (k.conv.empty()) k.conv.assign(3 * P * K, 0.0f);
+            std::copy(f.begin(), f.end(), k.conv.begin() + static_cast<std::ptrdiff_t>(which * P * K));
+        } else if (role == "kda.dt_bias") k.dt_bias = small(P);
+        else if (role == "kda.A_log") k.A_log = small(H);
+        else if (role == "kda.o_norm") k.o_norm = small(d);
+        else bad("unknown role");
+    } else if (role.rfind("mla.", 0) == 0) {
+        LayerWeights& lw = need_layer();
+        if (lw.kda) bad("is an MLA tensor but the layer is a KDA layer");
+        MlaWeights& m = lw.m;
+        if (role == "mla.q_a_proj") m.q_a = make_lin(rq, D);
+        else if (role == "mla.q_b_proj") m.q_b = make_lin(nh * (dn + dr), rq);
+        else if (role == "mla.kv_a_proj") m.kv_a = make_lin(r + dr, D);
+        else if (role == "mla.kv_b_proj") m.kv_b = make_lin(nh * (dn + dv), r);
+        else if (role == "mla.o_proj") m.o_proj = make_lin(D, nh * dv);
+        else if (role == "mla.q_a_norm") m.q_a_norm = small(rq);
+        else if (role == "mla.kv_a_norm") m.kv_a_norm = small(r);
+        else bad("unknown role");
+    } else if (role.rfind("indexer.", 0) == 0) {
+        LayerWeights& lw = need_layer();
+        if (lw.kda || !lw.m.has_indexer) bad("is an indexer tensor but the layer has no full indexer");
+        MlaWeights& m = lw.m;
+        if (role == "indexer.wq_b") m.wq_b = make_lin(ni * di, rq);
+        else if (role == "indexer.wk") m.wk = make_lin(di, D);
+        else if (role == "indexer.weights_proj") m.weights_proj = make_lin(ni, D);
+        else if (role == "indexer.kpool_gate") m.kpool_gate = make_lin(di, D);
+        else if (role == "indexer.k_norm") m.k_norm_w = small(di);
+        else if (role == "indexer.k_norm_bias") m.k_norm_b = small(di);
+        else if (role == "indexer.kpool_ape") m.ape = small(kp * di);
+        else bad("unknown role");
+    } else if (role.rfind("mlp.", 0) == 0) {
+        LayerWeights& lw = need_layer();
+        if (lw.f.moe) bad("is a dense-MLP tensor but the layer is an MoE layer");
+        if (role == "mlp.gate_proj") lw.f.gate = make_lin(I, D);
+        else if (role == "mlp.up_proj") lw.f.up = make_lin(I, D);
+        else if (role == "mlp.down_proj") lw.f.down = make_lin(D, I);
+        else bad("unknown role");
+    } else if (role.rfind("moe.", 0) == 0) {
+        LayerWeights& lw = need_layer();
+        if (!lw.f.moe) bad("is an MoE tensor but the layer is a dense layer");
+        FfnWeights& f = lw.f;
+        if (role.rfind("moe.expert.", 0) == 0) {
+            if (expert < 0 || static_cast<size_t>(expert) >= E) bad("expert index out of range");
+            const size_t e = static_cast<size_t>(expert);
+            if (role == "moe.expert.gate_proj") f.e_gate[e] = make_lin(Im, D);
+            else if (role == "moe.expert.up_proj") f.e_up[e] = make_lin(Im, D);
+            else if (role == "moe.expert.down_proj") f.e_down[e] = make_lin(D, Im);
+            else bad("unknown role");
+        } else if (role == "moe.gate") f.router = make_lin(E, D);
+        else if (role == "moe.gate_bias") f.bias = small(E);
+        else if (role == "moe.shared.gate_proj") f.s_gate = make_lin(Is, D);
+        else if (role == "moe.shared.up_proj") f.s_up = make_lin(Is, D);
+        else if (role == "moe.shared.down_proj") f.s_down = make_lin(D, Is);
+        else bad("unknown role");
+    } else {
+        bad("unknown role");
+    }
+    have_[key] = 1;
+}
+
+void Engine::finalize() {
+    const EngineConfig& c = cfg_;
+    std::vector<std::string> missing;
+    auto need = [&](bool ok, const std::string& role, int layer, int expert = -1) {
+        if (!ok)
+            missing.push_back(role + (layer >= 0 ? " (layer " + std::to_string(layer) + ")" : "") +
+                              (expert >= 0 ? " (expert " + std::to_string(expert) + ")" : ""));
+    };
+    need(!embed.empty(), "embed", -1);
+    need(!final_norm.empty(), "final_norm", -1);
+    if (lm_head.empty() && c.tie_word_embeddings) lm_head = embed;
+    need(!lm_head.empty(), "lm_head", -1);
+    for (size_t li = 0; li < layers.size(); ++li) {
+        const int l = static_cast<int>(li);
+        LayerWeights& w = layers[li];
+        need(!w.attn_norm.empty(), "attn_norm", l);
+        need(!w.ffn_norm.empty(), "ffn_norm", l);
+        need(!w.attn_hc.fn.empty(), "attn_hc.fn", l);
+        need(!w.attn_hc.base.empty(), "attn_hc.base", l);
+        need(!w.ffn_hc.fn.empty(), "ffn_hc.fn", l);
+        need(!w.ffn_hc.base.empty(), "ffn_hc.base", l);
+        if (w.kda) {
+            KdaWeights& k = w.k;
+            for (auto [lin, name] : {std::pair<Lin*, const char*>{&k.q_proj, "kda.q_proj"}, {&k.k_proj, "kda.k_proj"},
+                                     {&k.v_proj, "kda.v_proj"}, {&k.f_a, "kda.f_a_proj"}, {&k.f_b, "kda.f_b_proj"},
+                                     {&k.b_proj, "kda.b_proj"}, {&k.g_a, "kda.g_a_proj"}, {&k.g_b, "kda.g_b_proj"},
+                                     {&k.o_proj, "kda.o_proj"}})
+                need(!lin->empty(), name, l);
+            need(!k.conv.empty(), "kda.q_conv/k_conv/v_conv", l);
+            need(!k.dt_bias.empty(), "kda.dt_bias", l);
+            need(!k.A_log.empty(), "kda.A_log", l);
+            need(!k.o_norm.empty(), "kda.o_norm", l);
+            k.decay_rate.resize(k.A_log.size());
+            for (size_t h = 0; h < k.A_log.size(); ++h) k.decay_rate[h] = nm_.exp(k.A_log[h]);
+        } else {
+            MlaWeights& m = w.m;
+            for (auto [lin, name] : {std::pair<Lin*, const char*>{&m.q_a, "mla.q_a_proj"}, {&m.q_b, "mla.q_b_proj"},
+                                     {&m.kv_a, "mla.kv_a_proj"}, {&m.kv_b, "mla.kv_b_proj"}, {&m.o_proj, "mla.o_proj"}})
+                need(!lin->empty(), name, l);
+            need(!m.q_a_norm.empty(), "mla.q_a_norm", l);
+            need(!m.kv_a_norm.empty(), "mla.kv_a_norm", l);
+            if (m.has_indexer) {
+                for (auto [lin, name] : {std::pair<Lin*, const char*>{&m.wq_b, "indexer.wq_b"}, {&m.wk, "indexer.wk"},
+                                         {&m.weights_proj, "indexer.weights_proj"},
+                                         {&m.kpool_gate, "indexer.kpool_gate"}})
+                    need(!lin->empty(), name, l);
+                need(!m.k_norm_w.empty(), "indexer.k_norm", l);
+                need(!m.k_norm_b.empty(), "indexer.k_norm_bias", l);
+                need(!m.ape.empty(), "indexer.kpool_ape", l);
+            }
+            if (!m.kv_b.empty()) {
+                // W_UK_h transposed: w_uk_t[h][k][i] = kv_b[h(d_n+d_v) + i][k], decoded exactly
+                const size_t nh = static_cast<size_t>(c.num_attention_heads), dn = static_cast<size_t>(c.qk_nope_head_dim);
+                const size_t dv = static_cast<size_t>(c.v_head_dim), r = static_cast<size_t>(c.kv_lora_rank);
+                m.w_uk_t.assign(nh * r * dn, 0.0f);
+                std::vector<float> row(r);
+                for (size_t h = 0; h < nh; ++h)
+                    for (size_t i = 0; i < dn; ++i) {
+                        m.kv_b.decode_row(h * (dn + dv) + i, row.data());
+                        for (size_t k = 0; k < r; ++k) m.w_uk_t[(h * r + k) * dn + i] = row[k];
+                    }
+            }
+        }
+        FfnWeights& f = w.f;
+        if (f.moe) {
+            need(!f.router.empty(), "moe.gate", l);
+            need(!f.bias.empty(), "moe.gate_bias", l);
+            need(!f.s_gate.empty(), "moe.shared.gate_proj", l);
+            need(!f.s_up.empty(), "moe.shared.up_proj", l);
+            need(!f.s_down.empty(), "moe.shared.down_proj", l);
+            for (size_t e = 0; e < f.e_gate.size(); ++e) {
+                need(!f.e_gate[e].empty(), "moe.expert.gate_proj", l, static_cast<int>(e));
+                need(!f.e_up[e].empty(), "moe.expert.up_proj", l, static_cast<int>(e));
+                need(!f.e_down[e].empty(), "moe.expert.down_proj", l, static_cast<int>(e));
+            }
+        } else {
+            need(!f.gate.empty(), "mlp.gate_proj", l);
+            need(!f.up.empty(), "mlp.up_proj", l);
+            need(!f.down.empty(), "mlp.down_proj", l);
+        }
+    }
+    if (!missing.empty()) {
+        std::string msg = std::to_string(missing.size()) + " tensor(s) missing:";
+        for (const std::string& m : missing) msg += "\n  - " + m;
+        throw std::invalid_argument(msg);
+    }
+    finalized_ = true;
+}
+
+size_t Engine::weight_bytes() const {
+    size_t b = embed.C * 2 + lm_head.bytes();
+    for (const LayerWeights& w : layers) {
+        if (w.kda) {
+            for (const Lin* l : {&w.k.q_proj, &w.k.k_proj, &w.k.v_proj, &w.k.f_a, &w.k.f_b, &w.k.b_proj, &w.k.g_a,
+                                 &w.k.g_b, &w.k.o_proj})
+                b += l->bytes();
+        } else {
+            for (const Lin* l : {&w.m.q_a, &w.m.q_b, &w.m.kv_a, &w.m.kv_b, &w.m.o_proj, &w.m.wq_b, &w.m.wk,
+                                 &w.m.weights_proj, &w.m.kpool_gate})
+                b += l->bytes();
+        }
+        if (w.f.moe) {
+            b += w.f.router.bytes() + w.f.s_gate.bytes() + w.f.s_up.bytes() + w.f.s_down.bytes();
+            const size_t k = static_cast<size_t>(cfg_.num_experts_per_tok);
+            if (!w.f.e_gate.empty())
+                b += k * (w.f.e_gate[0].bytes() + w.f.e_up[0].bytes() + w.f.e_down[0].bytes());
+        } else {
+            b += w.f.gate.bytes() + w.f.up.bytes() + w.f.down.bytes();
+        }
+    }
+    return b;
+}
+
+// ---- sequences ----------------------------------------------------------------------------------
+
+Sequence Engine::make_sequence() const {
+    const EngineConfig& c = cfg_;
+    Sequence s;
+    const size_t L = layers.size();
+    s.kda.resize(L);
+    s.mla.resize(L);
+    const size_t P = static_cast<size_t>(c.kda_dim()), d = static_cast<size_t>(c.linear_head_dim);
+    const size_t K = static_cast<size_t>(c.linear_conv_kernel_dim);
+    for (size_t l = 0; l < L; ++l)
+        if (layers[l].kda) {
+            s.kda[l].conv_tail.assign((K - 1) * 3 * P, 0.0f);
+            s.kda[l].S.assign(static_cast<size_t>(c.linear_num_heads) * d * d, 0.0f);
+        }
+    return s;
+}
+
+int64_t Engine::new_sequence() {
+    if (!finalized_) throw std::logic_error("the engine's weights are not finalized");
+    const int64_t id = next_id_++;
+    seqs_[id] = std::make_unique<Sequence>(make_sequence());
+    return id;
+}
+
+int64_t Engine::fork_sequence(int64_t id) {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
+    const int64_t nid = next_id_++;
+    seqs_[nid] = std::make_unique<Sequence>(*it->second);
+    return nid;
+}
+
+void Engine::free_sequence(int64_t id) { seqs_.erase(id); }
+
+int64_t Engine::sequence_length(int64_t id) const {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
+    return it->second->length;
+}
+
+// ---- the step -----------------------------------------------------------------------------------
+
+void Engine::check_hw() const {
+    std::atomic<int> bad{0};
+    pool_->run_all([&](unsigned) {
+        if (_mm_getcsr() & 0x8040u) bad.fetch_add(1);
+    });
+    if (bad.load())
+        throw std::runtime_error(
+            "MXCSR has flush-to-zero or denormals-are-zero set (a library loaded in the process set it); "
+            "exact results are impossible, refusing to run");
+}
+
+void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,
+                  const std::vector<uint8_t>& want_head, const std::vector<uint8_t>& cap_rows,
+                  const std::vector<uint8_t>& cap_mask, const Injection& inj, StepOutput& out) {
+    if (!finalized_) throw std::logic_error("the engine's weights are not finalized");
+    const EngineConfig& c = cfg_;
+    const size_t T = seq_ids.size();
+    const int L = static_cast<int>(c.num_hidden_layers);
+    if (T == 0) throw std::invalid_argument("a step needs at least one row");
+    if (tokens.size() != T || want_head.size() != T || cap_rows.size() != T)
+        throw std::invalid_argument("seq_ids, tokens, want_head and cap_rows must have one entry per row");
+    if (cap_mask.size() != static_cast<size_t>(L + 1) * S_COUNT)
+        throw std::invalid_argument("cap_mask must have (num_hidden_layers + 1) * n_stages entries");
+    for (size_t t = 0; t < T; ++t)
+        if (tokens[t] < 0 || tokens[t] >= c.vocab_size)
+            throw std::invalid_argument("token id " + std::to_string(tokens[t]) + " at row " + std::to_string(t) +
+                                        " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
+    if (inj.active) {
+        if (inj.layer < 0 || inj.layer > L || inj.stage < 0 || inj.stage >= S_COUNT || inj.element < 0 || inj.pos < 0)
+            throw std::invalid_argument("bad injection spec");
+        if (kStages[inj.stage].dtype == SDType::I32)
+            throw std::invalid_argument(std::string("cannot inject into the int32 stage ") + kStages[inj.stage].name);
+    }
+
+    Step s(*this, *pool_, nm_);
+    s.T = T;
+    s.out = &out;
+    s.inj = inj;
+    s.cap_row = cap_rows;
+    s.cap_mask = cap_mask;
+    s.pos.resize(T);
+    s.seg_of.resize(T);
+    std::set<int64_t> seen;
+    for (size_t t = 0; t < T;) {
+        auto it = seqs_.find(seq_ids[t]);
+        if (it == seqs_.end()) throw std::invalid_argument("unknown sequence " + std::to_string(seq_ids[t]));
+        if (!seen.insert(seq_ids[t]).second)
+            throw std::invalid_argument("the rows of sequence " + std::to_string(seq_ids[t]) + " are not consecutive");
+        size_t n = 1;
+        while (t + n < T && seq_ids[t + n] == seq_ids[t]) ++n;
+        Sequence* sq = it->second.get();
+        if (sq->length + static_cast<int64_t>(n) > c.max_context)
+            throw std::invalid_argument("sequence " + std::to_string(seq_ids[t]) + ": " +
+                                        std::to_string(sq->length + static_cast<int64_t>(n)) +
+                                        " positions exceed the maximum context of " + std::to_string(c.max_context));
+        for (size_t i = 0; i < n; ++i) {
+            s.pos[t + i] = sq->length + static_cast<int64_t>(i);
+            s.seg_of[t + i] = static_cast<uint32_t>(s.segs.size());
+        }
+        s.segs.push_back(Segment{sq, t, n, sq->length});
+        t += n;
+    }
+    check_hw();
+
+    const size_t hc = static_cast<size_t>(c.hc_mult), D = static_cast<size_t>(c.hidden_size);
+    // embed, then hc copies as the streams
+    std::vector<float> X(T * hc * D), e(T * D);
+    for (size_t t = 0; t < T; ++t) {
+        embed.decode_row(static_cast<size_t>(tokens[t]), e.data() + t * D);
+        s.emit(0, S_EMBED, t, e.data() + t * D, {static_cast<int64_t>(D)});
+        for (size_t i = 0; i < hc; ++i) std::copy(e.begin() + t * D, e.begin() + (t + 1) * D, X.begin() + (t * hc + i) * D);
+    }
+
+    std::vector<double> pre(T * hc), post(T * hc), comb(T * hc * hc);
+    std::vector<float> xin(T * D), xn(T * D), u(T * D);
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    Selection sel;
+    for (int l = 0; l < L; ++l) {
+        const LayerWeights& w = layers[static_cast<size_t>(l)];
+        // attention sublayer
+        hc_site(s, l, false, w.attn_hc, X.data(), pre.data(), post.data(), comb.data(), xin.data());
+        rms_norm_rows(s, xin.data(), T, D, w.attn_norm.data(), eps, xn.data());
+        s.emit_rows(l, S_ATTN_NORM, xn.data(), D, D, {static_cast<int64_t>(D)});
+        if (w.kda) {
+            kda_forward(s, l, w.k, xn.data(), u.data());
+            sel.clear();
+        } else {
+            mla_forward(s, l, w.m, xn.data(), u.data(), sel);
+        }
+        hc_expand(s, l, false, X.data(), u.data(), post.data(), comb.data());
+        // feed-forward sublayer
+        hc_site(s, l, true, w.ffn_hc, X.data(), pre.data(), post.data(), comb.data(), xin.data());
+        rms_norm_rows(s, xin.data(), T, D, w.ffn_norm.data(), eps, xn.data());
+        s.emit_rows(l, S_FFN_NORM, xn.data(), D, D, {static_cast<int64_t>(D)});
+        if (w.f.moe) {
+            moe_forward(s, l, w.f, xn.data(), u.data());
+        } else {
+            swiglu(s, w.f.gate, w.f.up, w.f.down, xn.data(), D, T, u.data(), l);
+            s.emit_rows(l, S_MLP_OUT, u.data(), D, D, {static_cast<int64_t>(D)});
+        }
+        hc_expand(s, l, true, X.data(), u.data(), post.data(), comb.data());
+    }
+
+    // head, for the rows that want logits
+    std::vector<size_t> hrows;
+    for (size_t t = 0; t < T; ++t)
+        if (want_head[t]) hrows.push_back(t);
+    out.head_rows.assign(hrows.begin(), hrows.end());
+    out.logits.assign(hrows.size() * static_cast<size_t>(c.vocab_size), 0.0f);
+    head_forward(s, X.data(), hrows, out.logits.data());
+
+    for (const Segment& g : s.segs) g.seq->length += static_cast<int64_t>(g.n);
+}
+
+}  // namespace glm::cpu

@@ -1,0 +1,44 @@
+// Weights of the CPU engine, kept in their release format (SPEC 3.3, 4.1).
+//
+// A `Lin` is a view of rows [row0, row0 + R) of one stored [*, C] tensor: BF16 bits, F32, FP8 E4M3
+// codes with block-128 scale_inv, or MXFP4 nibbles with E8M0 group scales. The bytes are the
+// checkpoint's own (memory-mapped numpy arrays that the Python side keeps alive); they are decoded
+// exactly to f32 inside the dot (H2's matvec kernels) or, when several token rows share a weight
+// row, once per row into a small per-thread buffer. Either way every output is cdot(W[r], x).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace glm::cpu {
+
+enum class WFmt : uint8_t { BF16 = 0, F32 = 1, FP8 = 2, MXFP4 = 3 };
+
+const char* wfmt_name(WFmt f);
+
+struct Lin {
+    WFmt fmt = WFmt::BF16;
+    size_t R = 0, C = 0;   // this view: R rows of C columns
+    size_t row0 = 0;       // first row of the view in the stored tensor
+    const void* data = nullptr;   // the stored tensor (row 0)
+    const void* scale = nullptr;  // fp8: f32 [ceil(rows/128), ceil(C/128)]; mxfp4: u8 [rows, C/32]
+
+    bool empty() const { return data == nullptr; }
+    // rows [r0, r0 + n) of this view
+    Lin rows(size_t r0, size_t n) const {
+        Lin v = *this;
+        v.row0 = row0 + r0;
+        v.R = n;
+        return v;
+    }
+    // Stored bytes of rows [0, R) of this view (weights + their scales): what one pass streams.
+    size_t bytes() const;
+    // out[c] = W[r][c] decoded exactly (r: row of the view).
+    void decode_row(size_t r, float* out) const;
+    // y[i] = cdot(W[r0 + i], x) for i < r1 - r0 (canonical cdot, decoded in registers).
+    void matvec(size_t r0, size_t r1, const float* x, float* y) const;
+};
+
+}  // namespace glm::cpu

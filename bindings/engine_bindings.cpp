@@ -1,0 +1,276 @@
+// pybind11 glue of the CPU engine: fast._core._Engine (used by fast/engine.py, the thin Python API)
+// and a few test hooks. Registered into fast._core by bindings/module.cpp through register_engine().
+//
+// Every entry point checks its arguments (types, dtypes, shapes, ranges) and raises ValueError;
+// nothing reaches the executor unchecked. The step releases the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cpu/engine.hpp"
+#include "cpu/exp64.hpp"
+
+namespace py = pybind11;
+using namespace glm::cpu;
+
+namespace {
+
+[[noreturn]] void bad(const std::string& msg) { throw py::value_error(msg); }
+
+template <class T>
+T get(const py::dict& d, const char* key) {
+    if (!d.contains(key)) bad(std::string("engine config: missing field '") + key + "'");
+    try {
+        return d[key].cast<T>();
+    } catch (const py::cast_error&) {
+        bad(std::string("engine config: field '") + key + "' has the wrong type");
+    }
+}
+
+EngineConfig config_from_dict(const py::dict& d) {
+    EngineConfig c;
+    c.vocab_size = get<int64_t>(d, "vocab_size");
+    c.hidden_size = get<int64_t>(d, "hidden_size");
+    c.num_hidden_layers = get<int64_t>(d, "num_hidden_layers");
+    c.intermediate_size = get<int64_t>(d, "intermediate_size");
+    c.moe_intermediate_size = get<int64_t>(d, "moe_intermediate_size");
+    c.n_routed_experts = get<int64_t>(d, "n_routed_experts");
+    c.num_experts_per_tok = get<int64_t>(d, "num_experts_per_tok");
+    c.n_shared_experts = get<int64_t>(d, "n_shared_experts");
+    c.n_group = get<int64_t>(d, "n_group");
+    c.topk_group = get<int64_t>(d, "topk_group");
+    c.norm_topk_prob = get<bool>(d, "norm_topk_prob");
+    c.routed_scaling_factor = get<double>(d, "routed_scaling_factor");
+    c.swiglu_limit = get<double>(d, "swiglu_limit");
+    c.rms_norm_eps = get<double>(d, "rms_norm_eps");
+    c.num_attention_heads = get<int64_t>(d, "num_attention_heads");
+    c.q_lora_rank = get<int64_t>(d, "q_lora_rank");
+    c.kv_lora_rank = get<int64_t>(d, "kv_lora_rank");
+    c.qk_nope_head_dim = get<int64_t>(d, "qk_nope_head_dim");
+    c.qk_rope_head_dim = get<int64_t>(d, "qk_rope_head_dim");
+    c.v_head_dim = get<int64_t>(d, "v_head_dim");
+    c.index_topk = get<int64_t>(d, "index_topk");
+    c.index_head_dim = get<int64_t>(d, "index_head_dim");
+    c.index_n_heads = get<int64_t>(d, "index_n_heads");
+    c.index_kpool = get<int64_t>(d, "index_kpool");
+    c.linear_num_heads = get<int64_t>(d, "linear_num_heads");
+    c.linear_head_dim = get<int64_t>(d, "linear_head_dim");
+    c.linear_conv_kernel_dim = get<int64_t>(d, "linear_conv_kernel_dim");
+    c.linear_lower_bound = get<double>(d, "linear_lower_bound");
+    c.hc_mult = get<int64_t>(d, "hc_mult");
+    c.hc_eps = get<double>(d, "hc_eps");
+    c.hc_sinkhorn_iters = get<int64_t>(d, "hc_sinkhorn_iters");
+    c.tie_word_embeddings = get<bool>(d, "tie_word_embeddings");
+    c.max_context = get<int64_t>(d, "max_context");
+    c.is_kda = get<std::vector<uint8_t>>(d, "is_kda");
+    c.is_moe = get<std::vector<uint8_t>>(d, "is_moe");
+    c.has_indexer = get<std::vector<uint8_t>>(d, "has_indexer");
+    return c;
+}
+
+std::vector<int64_t> shape_of(const py::array& a) { return std::vector<int64_t>(a.shape(), a.shape() + a.ndim()); }
+
+py::array checked(const py::object& o, const char* what, const char* kind, size_t itemsize) {
+    if (!py::isinstance<py::array>(o)) bad(std::string(what) + ": expected a numpy array");
+    py::array a = py::reinterpret_borrow<py::array>(o);
+    const char k = a.dtype().kind();
+    if (static_cast<size_t>(a.itemsize()) != itemsize || std::strchr(kind, k) == nullptr)
+        bad(std::string(what) + ": unexpected dtype " + py::str(a.dtype()).cast<std::string>());
+    if (!(a.flags() & py::array::c_style)) bad(std::string(what) + ": must be C-contiguous");
+    return a;
+}
+
+// Holds the engine and the arrays whose bytes it reads.
+struct PyEngine {
+    std::unique_ptr<Engine> eng;
+    std::vector<py::object> keep;
+};
+
+py::tuple step(PyEngine& pe, const py::object& seq_o, const py::object& tok_o, const py::object& head_o,
+               const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o) {
+    Engine& E = *pe.eng;
+    const py::array seq = checked(seq_o, "seq_ids", "i", 8);
+    const py::array tok = checked(tok_o, "tokens", "i", 4);
+    const py::array head = checked(head_o, "want_head", "b", 1);
+    const py::array caprow = checked(caprow_o, "cap_rows", "b", 1);
+    const py::array mask = checked(mask_o, "cap_mask", "b", 1);
+    if (seq.ndim() != 1 || tok.ndim() != 1 || head.ndim() != 1 || caprow.ndim() != 1 || mask.ndim() != 1)
+        bad("step: every argument must be 1-D");
+    const size_t T = static_cast<size_t>(seq.shape(0));
+    if (static_cast<size_t>(tok.shape(0)) != T || static_cast<size_t>(head.shape(0)) != T ||
+        static_cast<size_t>(caprow.shape(0)) != T)
+        bad("step: seq_ids, tokens, want_head, cap_rows must have the same length");
+    std::vector<int64_t> ids(static_cast<const int64_t*>(seq.data()), static_cast<const int64_t*>(seq.data()) + T);
+    std::vector<int32_t> toks(static_cast<const int32_t*>(tok.data()), static_cast<const int32_t*>(tok.data()) + T);
+    std::vector<uint8_t> wh(static_cast<const uint8_t*>(head.data()), static_cast<const uint8_t*>(head.data()) + T);
+    std::vector<uint8_t> cr(static_cast<const uint8_t*>(caprow.data()), static_cast<const uint8_t*>(caprow.data()) + T);
+    const size_t nm = static_cast<size_t>(mask.shape(0));
+    std::vector<uint8_t> cm(static_cast<const uint8_t*>(mask.data()), static_cast<const uint8_t*>(mask.data()) + nm);
+    Injection inj;
+    if (!inj_o.is_none()) {
+        py::tuple t;
+        try {
+            t = inj_o.cast<py::tuple>();
+            if (t.size() != 5) throw py::cast_error();
+            inj.layer = t[0].cast<int>();
+            inj.pos = t[1].cast<int64_t>();
+            inj.stage = t[2].cast<int>();
+            inj.element = t[3].cast<int64_t>();
+            inj.ulps = t[4].cast<int64_t>();
+        } catch (const py::cast_error&) {
+            bad("inject: expected (layer, pos, stage_index, element, ulps) as ints");
+        }
+        inj.active = true;
+    }
+    StepOutput out;
+    {
+        py::gil_scoped_release nogil;
+        E.step(ids, toks, wh, cr, cm, inj, out);
+    }
+    const size_t V = static_cast<size_t>(E.config().vocab_size);
+    py::array_t<int64_t> rows(static_cast<py::ssize_t>(out.head_rows.size()));
+    std::memcpy(rows.mutable_data(), out.head_rows.data(), out.head_rows.size() * 8);
+    py::array_t<float> logits({static_cast<py::ssize_t>(out.head_rows.size()), static_cast<py::ssize_t>(V)});
+    if (!out.logits.empty()) std::memcpy(logits.mutable_data(), out.logits.data(), out.logits.size() * 4);
+    py::list caps;
+    for (const CaptureRecord& r : out.captures) {
+        std::vector<py::ssize_t> shape(r.shape.begin(), r.shape.end());
+        py::array a;
+        switch (kStages[r.stage].dtype) {
+            case SDType::F64: a = py::array_t<double>(shape); break;
+            case SDType::I32: a = py::array_t<int32_t>(shape); break;
+            default: a = py::array_t<float>(shape); break;
+        }
+        if (!r.bytes.empty()) std::memcpy(a.mutable_data(), r.bytes.data(), r.bytes.size());
+        caps.append(py::make_tuple(r.layer, kStages[r.stage].name, r.row, a));
+    }
+    return py::make_tuple(rows, logits, caps, out.injected);
+}
+
+py::array exp64_array(const py::array_t<double, py::array::c_style | py::array::forcecast>& x) {
+    py::array_t<double> y(x.size());
+    const double* in = x.data();
+    double* o = y.mutable_data();
+    for (py::ssize_t i = 0; i < x.size(); ++i) o[i] = exp64(in[i]);
+    return std::move(y);
+}
+
+}  // namespace
+
+void register_engine(py::module_& m) {
+    py::class_<PyEngine>(m, "_Engine", "The CPU engine's executor (use fast.Engine).")
+        .def(py::init([](const py::dict& cfg, unsigned threads, const std::string& dot, const std::string& expf) {
+                 Numerics nm;
+                 if (dot == "sequential")
+                     nm.seq_dot = true;
+                 else if (dot != "canonical")
+                     bad("dot: expected 'canonical' or 'sequential', given '" + dot + "'");
+                 if (expf == "native")
+                     nm.native_exp = true;
+                 else if (expf != "canonical")
+                     bad("expf: expected 'canonical' or 'native', given '" + expf + "'");
+                 if (threads < 1 || threads > 1024) bad("threads: expected 1..1024");
+                 auto pe = std::make_unique<PyEngine>();
+                 try {
+                     pe->eng = std::make_unique<Engine>(config_from_dict(cfg), threads, nm);
+                 } catch (const std::invalid_argument& e) {
+                     bad(e.what());
+                 }
+                 return pe;
+             }),
+             py::arg("config"), py::arg("threads"), py::arg("dot") = "canonical", py::arg("expf") = "canonical")
+        .def(
+            "add_tensor",
+            [](PyEngine& pe, const std::string& role, int layer, int expert, const std::string& release,
+               const py::object& data_o, const py::object& scale_o, const std::vector<int64_t>& shape) {
+                const char* what = role.c_str();
+                size_t isz = release == "bf16" ? 2 : release == "f32" ? 4 : 1;
+                const char* kinds = release == "f32" ? "f" : "uf";
+                if (release != "bf16" && release != "f32" && release != "fp8" && release != "mxfp4")
+                    bad(role + ": unknown release '" + release + "'");
+                py::array data = checked(data_o, what, kinds, isz);
+                py::array scale;
+                const void* sp = nullptr;
+                std::vector<int64_t> sshape;
+                if (!scale_o.is_none()) {
+                    scale = checked(scale_o, (role + " scale").c_str(), release == "fp8" ? "f" : "u",
+                                    release == "fp8" ? 4 : 1);
+                    sp = scale.data();
+                    sshape = shape_of(scale);
+                }
+                try {
+                    pe.eng->add_tensor(role, layer, expert, release, data.data(), sp, shape, shape_of(data), sshape);
+                } catch (const std::invalid_argument& e) {
+                    bad(e.what());
+                }
+                pe.keep.push_back(data);
+                if (sp) pe.keep.push_back(scale);
+            },
+            py::arg("role"), py::arg("layer"), py::arg("expert"), py::arg("release"), py::arg("data"),
+            py::arg("scale"), py::arg("shape"))
+        .def("finalize",
+             [](PyEngine& pe) {
+                 try {
+                     pe.eng->finalize();
+                 } catch (const std::invalid_argument& e) {
+                     bad(e.what());
+                 }
+             })
+        .def("new_sequence", [](PyEngine& pe) { return pe.eng->new_sequence(); })
+        .def("fork_sequence",
+             [](PyEngine& pe, int64_t id) {
+                 try {
+                     return pe.eng->fork_sequence(id);
+                 } catch (const std::invalid_argument& e) {
+                     bad(e.what());
+                 }
+             })
+        .def("free_sequence", [](PyEngine& pe, int64_t id) { pe.eng->free_sequence(id); })
+        .def("sequence_length",
+             [](PyEngine& pe, int64_t id) {
+                 try {
+                     return pe.eng->sequence_length(id);
+                 } catch (const std::invalid_argument& e) {
+                     bad(e.what());
+                 }
+             })
+        .def_property_readonly("live_sequences", [](PyEngine& pe) { return pe.eng->live_sequences(); })
+        .def_property_readonly("threads", [](PyEngine& pe) { return pe.eng->threads(); })
+        .def_property_readonly("weight_bytes", [](PyEngine& pe) { return pe.eng->weight_bytes(); })
+        .def(
+            "step",
+            [](PyEngine& pe, const py::object& a, const py::object& b, const py::object& c, const py::object& d,
+               const py::object& e, const py::object& f) {
+                try {
+                    return step(pe, a, b, c, d, e, f);
+                } catch (const std::invalid_argument& ex) {
+                    bad(ex.what());
+                }
+            },
+            py::arg("seq_ids"), py::arg("tokens"), py::arg("want_head"), py::arg("cap_rows"), py::arg("cap_mask"),
+            py::arg("inject"),
+            "One forward step for a batch of rows -> (head_rows i64[n], logits f32[n, V], captures, injected).");
+
+    py::list names;
+    for (int i = 0; i < S_COUNT; ++i) {
+        const char* dt = kStages[i].dtype == SDType::F32 ? "f32"
+                         : kStages[i].dtype == SDType::F64 ? "f64"
+                         : kStages[i].dtype == SDType::BF16 ? "bf16"
+                                                            : "i32";
+        names.append(py::make_tuple(kStages[i].name, dt));
+    }
+    m.attr("ENGINE_STAGES") = names;
+    m.def("engine_exp64", &exp64_array, py::arg("x"), "The engine's canonical double exp (mHC), elementwise.");
+    m.def(
+        "engine_fast_expf",
+        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
+            py::array_t<float> y(x.size());
+            for (py::ssize_t i = 0; i < x.size(); ++i) y.mutable_data()[i] = Numerics::fast_expf(x.data()[i]);
+            return y;
+        },
+        py::arg("x"), "The non-canonical expf of expf='native' (for tests and the diff tool's demo).");
+}
