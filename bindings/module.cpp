@@ -24,6 +24,8 @@
 namespace py = pybind11;
 using namespace glm::cpu;
 
+void register_engine(py::module_& m);  // bindings/engine_bindings.cpp: the CPU engine (fast.Engine)
+
 namespace {
 
 // ---- validation ---------------------------------------------------------------------------------
@@ -436,4 +438,5 @@ PYBIND11_MODULE(_core, m) {
     m.def("_set_ftz_daz", &py_set_ftz_daz, A("on"),
           "Test hook: set (True) or clear (False) FTZ and DAZ in this thread's MXCSR; returns the previous state.");
     m.def("build_info", &build_info, "Compiler, flags and ISA of this build.");
+    register_engine(m);
 }

@@ -117,14 +117,12 @@ def parse_inject(spec, config) -> tuple | None:
     if stage not in valid:
         raise EngineInputError(f"inject: stage {stage!r} does not exist at layer {layer}")
     dtype = stage_dtype(stage)
-    if dtype == "i32":
-        raise EngineInputError(f"inject: {stage} is an int32 stage (positions/expert ids); inject into a float stage")
     if pos < 0:
         raise EngineInputError(f"inject: pos must be >= 0, got {pos}")
     size = _stage_size(config, stage)
     if element < 0 or (size is not None and element >= size):
         raise EngineInputError(f"inject: element {element} out of range for {stage} (size {size})")
-    bits = {"bf16": 16, "f32": 32, "f64": 64}[dtype]
+    bits = {"bf16": 16, "f32": 32, "f64": 64, "i32": 32}[dtype]
     if ulps == 0 or abs(int(ulps)) >= (1 << (bits - 1)):
         raise EngineInputError(f"inject: ulps must be nonzero and fit the {bits}-bit pattern, got {ulps}")
     return int(layer), int(pos), stage, int(element), int(ulps)
@@ -347,6 +345,12 @@ class Engine:
         head_rows, logits, caps, injected = self._core.step(seq_ids, tokens, want_head, cap_rows,
                                                             mask.reshape(-1), self._inject_core)
         self.injected += int(injected)
+        if self._inject_core is not None and not injected:
+            layer, ipos, stage, elem, _ = self._inject
+            hit = any(start <= ipos < start + ids.size and (stage not in _HEAD_STAGES or want_head[t0 + ipos - start])
+                      for (_, ids, _, _, start), (t0, _) in zip(rows, spans))
+            if hit:  # the position ran in this step but the element does not exist (variable-size stages)
+                raise EngineInputError(f"inject: {stage} at layer {layer}, position {ipos} has no element {elem}")
         # captures back into each segment's Capture, at absolute positions
         seg_of_row = np.repeat(np.arange(len(rows)), [r[1].size for r in rows])
         for layer, stage, row, value in caps:

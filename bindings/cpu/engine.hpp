@@ -229,7 +229,8 @@ struct Step {
     // Injection + capture of one row.
     void emit(int layer, int stage, size_t t, float* p, std::vector<int64_t> shape);
     void emit64(int layer, int stage, size_t t, double* p, std::vector<int64_t> shape);
-    void emit_i32(int layer, int stage, size_t t, const int32_t* p, std::vector<int64_t> shape);
+    // int32 stages (mla.selected, moe.selected): an injection adds ulps to the integer itself.
+    void emit_i32(int layer, int stage, size_t t, int32_t* p, std::vector<int64_t> shape);
     // Capture only (the injection was applied where the value was computed).
     void capture(int layer, int stage, size_t t, const void* p, size_t elem_bytes, std::vector<int64_t> shape);
     // emit() for rows [0, T) of a [T][n] array with row stride ld.

@@ -15,7 +15,7 @@ void head_forward(Step& s, const float* X, const std::vector<size_t>& rows, floa
     const int L = static_cast<int>(c.num_hidden_layers);
     if (n == 0) return;
     std::vector<float> mean(n * D), normed(n * D);
-    s.pool.parallel_for(n * D, [&](size_t a, size_t b) {
+    s.pool.parallel_for(n * D, hc, [&](size_t a, size_t b) {
         float col[64];
         for (size_t i = a; i < b; ++i) {
             const size_t r = i / D, d = i % D;

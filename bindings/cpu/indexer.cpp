@@ -75,7 +75,7 @@ void indexer_select(Step& s, int layer, const MlaWeights& w, const float* x, con
         st.k.insert(st.k.end(), k.data() + g.t0 * di, k.data() + (g.t0 + g.n) * di);
         st.gate.insert(st.gate.end(), gate.data() + g.t0 * di, gate.data() + (g.t0 + g.n) * di);
     }
-    s.pool.parallel_for(s.segs.size(), [&](size_t a, size_t b) {
+    s.pool.parallel_for(s.segs.size(), kp * di * 8, [&](size_t a, size_t b) {
         for (size_t i = a; i < b; ++i) complete_pools(nm, w, kp, di, s.segs[i].seq->mla[layer]);
     });
 
@@ -89,7 +89,7 @@ void indexer_select(Step& s, int layer, const MlaWeights& w, const float* x, con
         std::vector<float> score(npools);
         const float* qt = q.data() + t * ni * di;
         const float* wt = wts.data() + t * ni;
-        s.pool.parallel_for(npools, [&](size_t a, size_t b) {
+        s.pool.parallel_for(npools, ni * di, [&](size_t a, size_t b) {
             std::vector<float> sh(ni);
             for (size_t p = a; p < b; ++p) {
                 for (size_t h = 0; h < ni; ++h) {

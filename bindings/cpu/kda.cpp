@@ -35,7 +35,7 @@ void kda_forward(Step& s, int layer, const KdaWeights& w, const float* x, float*
 
     // kda.q, kda.k, kda.v: conv over the window [x_{t-K+1}, ..., x_t] of each channel, then bf16(silu)
     std::vector<float> act(T * 3 * P);
-    s.pool.parallel_for(3 * P, [&](size_t a, size_t b) {
+    s.pool.parallel_for(3 * P, K * T * 4, [&](size_t a, size_t b) {
         std::vector<float> win(K + T);
         for (size_t ch = a; ch < b; ++ch) {
             const float* taps = w.conv.data() + ch * K;
@@ -88,7 +88,7 @@ void kda_forward(Step& s, int layer, const KdaWeights& w, const float* x, float*
     std::vector<float> states(cap_state ? T * H * d * d : 0);
     const float qscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
     const size_t nseg = s.segs.size();
-    s.pool.parallel_for(nseg * H, [&](size_t a, size_t b) {
+    s.pool.parallel_for(nseg * H, 4 * d * d * T / (nseg ? nseg : 1), [&](size_t a, size_t b) {
         std::vector<float> qs(d), kn(d), eg(d);
         for (size_t item = a; item < b; ++item) {
             const Segment& sg = s.segs[item / H];
@@ -122,14 +122,16 @@ void kda_forward(Step& s, int layer, const KdaWeights& w, const float* x, float*
                         _mm256_storeu_ps(col + e, _mm256_fmadd_ps(_mm256_loadu_ps(kn.data() + e), uv, _mm256_loadu_ps(col + e)));
                     for (; e < d; ++e) col[e] = std::fma(kn[e], u, col[e]);
                 }
-                // kda.state: element h*d*d + i*d + j is S[i][j] = St[j*d + i]
+                // kda.o: o_j = cdot(q, S[:, j]) after the update
+                for (size_t j = 0; j < d; ++j) o[t * P + h * d + j] = nm.dot(qs.data(), St + j * d, d);
+                // kda.state (as the oracle: the token's state is handed on after o is computed, so an
+                // injected state element shows from the next token on). Element h*d*d + i*d + j is
+                // S[i][j] = St[j*d + i].
                 const int64_t el = s.inject_element(layer, S_KDA_STATE, t);
                 if (el >= 0 && static_cast<size_t>(el) / (d * d) == h) {
                     const size_t r = static_cast<size_t>(el) % (d * d);
                     s.inject_f32(layer, S_KDA_STATE, t, St + (r % d) * d + r / d, static_cast<size_t>(el), 1);
                 }
-                // kda.o: o_j = cdot(q, S[:, j]) after the update
-                for (size_t j = 0; j < d; ++j) o[t * P + h * d + j] = nm.dot(qs.data(), St + j * d, d);
                 if (cap_state && s.wants_row(layer, S_KDA_STATE, t)) {
                     float* dst = states.data() + (t * H + h) * d * d;
                     for (size_t ii = 0; ii < d; ++ii)
@@ -153,7 +155,7 @@ void kda_forward(Step& s, int layer, const KdaWeights& w, const float* x, float*
 
     // kda.o_norm per head: inv = 1/sqrtf(cdot(o,o)/d + eps), y = bf16(((o*inv)*w)*sigmoid(gate))
     std::vector<float> y(T * P);
-    s.pool.parallel_for(T * H, [&](size_t a, size_t b) {
+    s.pool.parallel_for(T * H, 8 * d, [&](size_t a, size_t b) {
         for (size_t item = a; item < b; ++item) {
             const size_t t = item / H, h = item % H;
             const float* oh = o.data() + t * P + h * d;

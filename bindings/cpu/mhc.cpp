@@ -71,7 +71,7 @@ void hc_site(Step& s, int layer, bool ffn, const HcWeights& w, const float* X, d
 
     // v (double, stream-major) and inv per token
     std::vector<double> v(T * n), inv(T), m(T * R);
-    s.pool.parallel_for(T, [&](size_t a, size_t b) {
+    s.pool.parallel_for(T, 2 * n, [&](size_t a, size_t b) {
         for (size_t t = a; t < b; ++t) {
             double* vt = v.data() + t * n;
             const float* xt = X + t * n;
@@ -80,7 +80,7 @@ void hc_site(Step& s, int layer, bool ffn, const HcWeights& w, const float* X, d
         }
     });
     // m_r = cdot64(fn_r, v) * inv, one (token, row) pair per item
-    s.pool.parallel_for(T * R, [&](size_t a, size_t b) {
+    s.pool.parallel_for(T * R, n, [&](size_t a, size_t b) {
         for (size_t k = a; k < b; ++k) {
             const size_t t = k / R, r = k % R;
             m[k] = s.nm.dot64(w.fn.data() + r * n, v.data() + t * n, n) * inv[t];
@@ -93,7 +93,7 @@ void hc_site(Step& s, int layer, bool ffn, const HcWeights& w, const float* X, d
         s.emit64(layer, S_PRE + 2, t, comb + t * hc * hc, {static_cast<int64_t>(hc), static_cast<int64_t>(hc)});
     }
     // collapsed[t][d] = bf16(cdot64([X_0[d], ...], pre_t))
-    s.pool.parallel_for(T * D, [&](size_t a, size_t b) {
+    s.pool.parallel_for(T * D, 2 * hc, [&](size_t a, size_t b) {
         double col[64];
         for (size_t k = a; k < b; ++k) {
             const size_t t = k / D, d = k % D;
@@ -116,7 +116,7 @@ void hc_expand(Step& s, int layer, bool ffn, float* X, const float* u, const dou
             mj[0] = post[t * hc + j];
             for (size_t i = 0; i < hc; ++i) mj[1 + i] = comb[t * hc * hc + i * hc + j];
         }
-    s.pool.parallel_for(T * D, [&](size_t a, size_t b) {
+    s.pool.parallel_for(T * D, 2 * hc * (hc + 1), [&](size_t a, size_t b) {
         double row[65];
         for (size_t k = a; k < b; ++k) {
             const size_t t = k / D, d = k % D;

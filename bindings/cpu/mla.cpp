@@ -35,7 +35,7 @@ void mla_forward(Step& s, int layer, const MlaWeights& w, const float* x, float*
     // mla.c = RMSNorm(lin(kv_a, x)[:r]) -> appended to the latent cache
     std::vector<float> kv(T * kva), lat(T * r);
     s.linear(w.kv_a, x, D, kv.data(), kva, true);
-    s.pool.parallel_for(T, [&](size_t a, size_t b) {
+    s.pool.parallel_for(T, 4 * r, [&](size_t a, size_t b) {
         for (size_t t = a; t < b; ++t) rms_norm_row(nm, kv.data() + t * kva, r, w.kv_a_norm.data(), eps, lat.data() + t * r);
     });
     s.emit_rows(layer, S_MLA_C, lat.data(), r, r, {static_cast<int64_t>(r)});
@@ -46,7 +46,7 @@ void mla_forward(Step& s, int layer, const MlaWeights& w, const float* x, float*
 
     // mla.q_abs[t][h][k] = bf16(cdot(W_UK_h^T[k], q_h))
     std::vector<float> q_abs(T * nh * r);
-    s.pool.parallel_for(T * nh, [&](size_t a, size_t b) {
+    s.pool.parallel_for(T * nh, r * dn, [&](size_t a, size_t b) {
         for (size_t item = a; item < b; ++item) {
             const size_t t = item / nh, h = item % nh;
             const float* qh = q.data() + t * nh * dn + h * dn;
@@ -60,13 +60,21 @@ void mla_forward(Step& s, int layer, const MlaWeights& w, const float* x, float*
     // the selection: this layer's indexer, or the previous full layer's (shared layers)
     if (w.has_indexer) indexer_select(s, layer, w, x, q_lat.data(), sel);
     if (sel.size() != T) throw std::logic_error("MLA layer without a selection (shared layer with no full layer before it)");
-    for (size_t t = 0; t < T; ++t)
+    for (size_t t = 0; t < T; ++t) {
         s.emit_i32(layer, S_MLA_SELECTED, t, sel[t].data(), {static_cast<int64_t>(sel[t].size())});
+        if (s.inject_element(layer, S_MLA_SELECTED, t) >= 0) {  // an injected position must exist
+            const size_t len = s.segs[s.seg_of[t]].seq->mla[layer].c.size() / r;
+            for (int32_t tau : sel[t])
+                if (tau < 0 || static_cast<size_t>(tau) >= len)
+                    throw std::invalid_argument("inject: mla.selected now holds position " + std::to_string(tau) +
+                                                ", outside the cache [0, " + std::to_string(len) + ")");
+        }
+    }
 
     // per row: the selected latents transposed (CT[k][j] = c_{tau_j}[k]), shared by the heads
     std::vector<std::vector<float>> CT(T);
     std::vector<std::vector<float>> scores(T), probs(T);
-    s.pool.parallel_for(T, [&](size_t a, size_t b) {
+    s.pool.parallel_for(T, r * 64, [&](size_t a, size_t b) {
         for (size_t t = a; t < b; ++t) {
             const std::vector<int32_t>& st = sel[t];
             const size_t ns = st.size();
@@ -81,7 +89,9 @@ void mla_forward(Step& s, int layer, const MlaWeights& w, const float* x, float*
         }
     });
     std::vector<float> o_lat(T * nh * r);
-    s.pool.parallel_for(T * nh, [&](size_t a, size_t b) {
+    size_t max_sel = 1;
+    for (const std::vector<int32_t>& st : sel) max_sel = std::max(max_sel, st.size());
+    s.pool.parallel_for(T * nh, 3 * r * max_sel, [&](size_t a, size_t b) {
         std::vector<float> e;
         for (size_t item = a; item < b; ++item) {
             const size_t t = item / nh, h = item % nh;

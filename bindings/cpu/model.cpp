@@ -229,7 +229,13 @@ void Step::emit64(int layer, int stage, size_t t, double* p, std::vector<int64_t
     capture(layer, stage, t, p, 8, std::move(shape));
 }
 
-void Step::emit_i32(int layer, int stage, size_t t, const int32_t* p, std::vector<int64_t> shape) {
+void Step::emit_i32(int layer, int stage, size_t t, int32_t* p, std::vector<int64_t> shape) {
+    const int64_t e = inject_element(layer, stage, t);
+    if (e >= 0 && static_cast<size_t>(e) < numel(shape)) {
+        p[e] = static_cast<int32_t>(static_cast<uint32_t>(p[e]) + static_cast<uint32_t>(static_cast<uint64_t>(inj.ulps)));
+        std::lock_guard<std::mutex> lk(cap_mutex);
+        out->injected += 1;
+    }
     capture(layer, stage, t, p, 4, std::move(shape));
 }
 
@@ -243,7 +249,7 @@ void Step::linear(const Lin& W, const float* X, size_t ldx, float* Y, size_t ldy
     if (rows == 0 || R == 0) return;
     if (rows == 1 && !nm.seq_dot) {
         // one token: decode in registers (H2's matvec), rows split over the pool
-        pool.parallel_for(R, [&](size_t a, size_t b) {
+        pool.parallel_for(R, C, [&](size_t a, size_t b) {
             W.matvec(a, b, X, Y + a);
             if (round)
                 for (size_t r = a; r < b; ++r) Y[r] = bf16_round(Y[r]);
@@ -251,7 +257,7 @@ void Step::linear(const Lin& W, const float* X, size_t ldx, float* Y, size_t ldy
         return;
     }
     // several tokens: decode each weight row once, then one cdot per token
-    pool.parallel_for(R, [&](size_t a, size_t b) {
+    pool.parallel_for(R, C * (rows + 1), [&](size_t a, size_t b) {
         thread_local std::vector<float> buf;
         if (buf.size() < C) buf.resize(C);
         for (size_t r = a; r < b; ++r) {
@@ -679,8 +685,6 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
     if (inj.active) {
         if (inj.layer < 0 || inj.layer > L || inj.stage < 0 || inj.stage >= S_COUNT || inj.element < 0 || inj.pos < 0)
             throw std::invalid_argument("bad injection spec");
-        if (kStages[inj.stage].dtype == SDType::I32)
-            throw std::invalid_argument(std::string("cannot inject into the int32 stage ") + kStages[inj.stage].name);
     }
 
     Step s(*this, *pool_, nm_);

@@ -29,7 +29,7 @@ void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const floa
         s.emit_rows(cap_layer, S_MLP_GATE, g.data(), I, I, {static_cast<int64_t>(I)});
         s.emit_rows(cap_layer, S_MLP_UP, u.data(), I, I, {static_cast<int64_t>(I)});
     }
-    s.pool.parallel_for(rows * I, [&](size_t a, size_t b) {
+    s.pool.parallel_for(rows * I, 16, [&](size_t a, size_t b) {
         for (size_t i = a; i < b; ++i) {
             const float gv = g[i] > L ? L : g[i];
             const float uv = u[i] > L ? L : (u[i] < -L ? -L : u[i]);
@@ -96,23 +96,32 @@ void moe_forward(Step& s, int layer, const FfnWeights& w, const float* x, float*
     // moe.selected, moe.weights
     std::vector<int32_t> sel(T * k);
     std::vector<float> wts(T * k);
+    std::vector<float> scores(T * E);
     for (size_t t = 0; t < T; ++t) {
-        std::vector<float> sc(E), choice(E);
+        std::vector<float> choice(E);
+        float* sc = scores.data() + t * E;
         for (size_t e = 0; e < E; ++e) {
             sc[e] = nm.sigmoid(logits[t * E + e]);
             choice[e] = sc[e] + w.bias[e];
         }
         const std::vector<int32_t> st = top_experts(c, choice.data());
         std::copy(st.begin(), st.end(), sel.begin() + static_cast<std::ptrdiff_t>(t * k));
+        s.emit_i32(layer, S_MOE_SELECTED, t, sel.data() + t * k, {static_cast<int64_t>(k)});
+        for (size_t j = 0; j < k; ++j)
+            if (sel[t * k + j] < 0 || sel[t * k + j] >= static_cast<int32_t>(E))  // only an injection can do this
+                throw std::invalid_argument("inject: moe.selected now holds expert " + std::to_string(sel[t * k + j]) +
+                                            ", outside [0, " + std::to_string(E) + ")");
+    }
+    for (size_t t = 0; t < T; ++t) {
+        const float* sc = scores.data() + t * E;
         float* wt = wts.data() + t * k;
-        for (size_t j = 0; j < k; ++j) wt[j] = sc[static_cast<size_t>(st[j])];
+        for (size_t j = 0; j < k; ++j) wt[j] = sc[static_cast<size_t>(sel[t * k + j])];
         if (c.norm_topk_prob) {
             const float den = nm.sum(wt, k) + 1e-20f;
             for (size_t j = 0; j < k; ++j) wt[j] = wt[j] / den;
         }
         const float rsf = static_cast<float>(c.routed_scaling_factor);
         for (size_t j = 0; j < k; ++j) wt[j] = wt[j] * rsf;
-        s.emit_i32(layer, S_MOE_SELECTED, t, sel.data() + t * k, {static_cast<int64_t>(k)});
         s.emit(layer, S_MOE_WEIGHTS, t, wt, {static_cast<int64_t>(k)});
     }
 
@@ -138,7 +147,7 @@ void moe_forward(Step& s, int layer, const FfnWeights& w, const float* x, float*
 
     // moe.routed[d] = bf16(cdot over j of (y_j[d], w_j))
     std::vector<float> routed(T * D);
-    s.pool.parallel_for(T * D, [&](size_t a, size_t b) {
+    s.pool.parallel_for(T * D, 2 * k, [&](size_t a, size_t b) {
         float col[256];
         for (size_t i = a; i < b; ++i) {
             const size_t t = i / D, d = i % D;

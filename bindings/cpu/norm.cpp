@@ -17,7 +17,7 @@ void rms_norm_row(const Numerics& nm, const float* x, size_t n, const float* w, 
 }
 
 void rms_norm_rows(Step& s, const float* X, size_t rows, size_t n, const float* w, float eps, float* Y) {
-    s.pool.parallel_for(rows, [&](size_t a, size_t b) {
+    s.pool.parallel_for(rows, 4 * n, [&](size_t a, size_t b) {
         for (size_t t = a; t < b; ++t) rms_norm_row(s.nm, X + t * n, n, w, eps, Y + t * n);
     });
 }

@@ -1,12 +1,14 @@
 // A small persistent thread pool for the CPU engine.
 //
-// Work is assigned in contiguous blocks: parallel_for(n, fn) gives thread t (0 = the caller) the
-// items [n*t/T, n*(t+1)/T). Every item the engine hands out (a weight row, a (token, head) pair, a
+// Work is assigned in contiguous blocks: parallel_for(n, cost, fn) gives thread t (0 = the caller)
+// the items [n*t/T, n*(t+1)/T). Every item the engine hands out (a weight row, a (token, head) pair, a
 // channel) is computed whole by one thread in the canonical order, so the split -- and therefore
-// the thread count -- never changes a bit of any result.
+// the thread count -- never changes a bit of any result. Jobs too small to pay for waking the
+// workers (n * cost below a threshold) run on the calling thread alone, which is the same result.
 //
-// Workers spin for a short while after each job (steps issue many small jobs back to back), then
-// sleep on a condition variable.
+// Workers spin briefly after a job (a step issues many jobs back to back), then sleep on a condition
+// variable; the caller likewise spins briefly, then sleeps until the last worker is done. Nothing
+// spins for long, so an oversubscribed machine is not made worse.
 #pragma once
 
 #include <atomic>
@@ -25,6 +27,9 @@ namespace glm::cpu {
 
 class ThreadPool {
    public:
+    // Work below this many "cost units" (about one multiply-add each) runs on the calling thread.
+    static constexpr size_t kInlineWork = 1 << 15;
+
     explicit ThreadPool(unsigned threads) : n_(threads < 1 ? 1 : threads) {
         for (unsigned t = 1; t < n_; ++t) workers_.emplace_back([this, t] { worker(t); });
     }
@@ -42,11 +47,12 @@ class ThreadPool {
 
     unsigned size() const { return n_; }
 
-    // fn(begin, end) on contiguous blocks of [0, n), one block per thread.
+    // fn(begin, end) on contiguous blocks of [0, n), one block per thread; `cost` is the work of one
+    // item (in multiply-adds, roughly): small jobs run inline.
     template <class Fn>
-    void parallel_for(size_t n, Fn&& fn) {
+    void parallel_for(size_t n, size_t cost, Fn&& fn) {
         if (n == 0) return;
-        if (n_ == 1 || n == 1) {
+        if (n_ == 1 || n == 1 || n * cost < kInlineWork) {
             fn(size_t{0}, n);
             return;
         }
@@ -83,12 +89,10 @@ class ThreadPool {
         } catch (...) {
             mine = std::current_exception();
         }
-        // wait for the workers: spin first (jobs are short), then yield
-        for (unsigned spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
-            if (spin < 4096)
-                _mm_pause();
-            else
-                std::this_thread::yield();
+        for (unsigned spin = 0; spin < 2000 && pending_.load(std::memory_order_acquire) != 0; ++spin) _mm_pause();
+        if (pending_.load(std::memory_order_acquire) != 0) {
+            std::unique_lock<std::mutex> lk(m_);
+            done_cv_.wait(lk, [&] { return pending_.load(std::memory_order_acquire) == 0; });
         }
         job_ = nullptr;
         if (mine) std::rethrow_exception(mine);
@@ -98,9 +102,8 @@ class ThreadPool {
     void worker(unsigned t) {
         uint64_t seen = 0;
         for (;;) {
-            // spin a little for the next job, then sleep
             uint64_t g = gen_.load(std::memory_order_acquire);
-            for (unsigned spin = 0; g == seen && spin < 20000; ++spin) {
+            for (unsigned spin = 0; g == seen && spin < 2000; ++spin) {
                 _mm_pause();
                 g = gen_.load(std::memory_order_acquire);
             }
@@ -117,14 +120,17 @@ class ThreadPool {
                 std::lock_guard<std::mutex> lk(m_);
                 if (!err_) err_ = std::current_exception();
             }
-            pending_.fetch_sub(1, std::memory_order_acq_rel);
+            if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                std::lock_guard<std::mutex> lk(m_);
+                done_cv_.notify_one();
+            }
         }
     }
 
     unsigned n_;
     std::vector<std::thread> workers_;
     std::mutex m_;
-    std::condition_variable cv_;
+    std::condition_variable cv_, done_cv_;
     std::atomic<uint64_t> gen_{0};
     std::atomic<unsigned> pending_{0};
     const std::function<void(unsigned)>* job_ = nullptr;
