@@ -218,6 +218,7 @@ def stream_py(key: int, i: int) -> int:
 
 
 _nb_cache: dict[str, Callable] = {}
+_SQRT3 = 1.7320508075688772  # fl64(sqrt(3))
 
 
 def _kernels():
@@ -226,6 +227,7 @@ def _kernels():
     import numba
 
     U = numba.uint64
+    U32 = numba.uint32
 
     @numba.njit(cache=False)
     def mix(z):
@@ -249,8 +251,129 @@ def _kernels():
             b = mix(U(key) + (c + U(2)) * g)
             out[j] = (a >> U(32)) + (a & m32) + (b >> U(32)) + (b & m32)
 
-    _nb_cache["raw"] = raw
-    _nb_cache["irwin4"] = irwin4
+    @numba.njit(parallel=True, cache=False)
+    def normal_f32(key, start, count, std, mean, add_mean, out):
+        # the fused form of: f32(normal(key, start, count) * std [+ mean])
+        g = U(_GAMMA)
+        m32 = U(0xFFFFFFFF)
+        for j in numba.prange(count):
+            c = (U(start) + U(j)) * U(2)
+            a = mix(U(key) + (c + U(1)) * g)
+            b = mix(U(key) + (c + U(2)) * g)
+            s = (a >> U(32)) + (a & m32) + (b >> U(32)) + (b & m32)
+            z = (np.float64(s) * 2.0**-32 - 2.0) * _SQRT3
+            w = z * std
+            if add_mean:
+                w = w + mean
+            out[j] = np.float32(w)
+
+    @numba.njit(parallel=True, cache=False)
+    def bf16_inplace(u):  # u: the float32 values' bits; BF16 RNE, kept as float32 bits
+        for j in numba.prange(u.size):
+            x = u[j]
+            u[j] = ((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) << np.uint32(16)
+
+    @numba.njit(parallel=True, cache=False)
+    def fp8_scale(w, sc, x):
+        # per 128x128 block: sc = fl32(amax / 448) (1 if amax = 0); x = clip(fl32(w / sc), +-448)
+        R, C = w.shape
+        Rb, Cb = sc.shape
+        for bi in numba.prange(Rb):
+            r0, r1 = bi * 128, min(R, bi * 128 + 128)
+            for bj in range(Cb):
+                c0, c1 = bj * 128, min(C, bj * 128 + 128)
+                amax = np.float32(0.0)
+                for r in range(r0, r1):
+                    for c in range(c0, c1):
+                        v = abs(w[r, c])
+                        if v > amax:
+                            amax = v
+                s = amax / np.float32(448.0) if amax > 0 else np.float32(1.0)
+                sc[bi, bj] = s
+                for r in range(r0, r1):
+                    for c in range(c0, c1):
+                        x[r, c] = min(max(w[r, c] / s, np.float32(-448.0)), np.float32(448.0))
+
+    @numba.njit(parallel=True, cache=False)
+    def enc_e4m3(u, q):
+        # u: float32 bits of values with |x| <= 448 -> E4M3fn codes, round to nearest even, sign kept
+        for j in numba.prange(u.size):
+            b = u[j]
+            a = b & U32(0x7FFFFFFF)
+            E = np.int64(a >> U32(23)) - 127
+            if E >= -6:  # E4M3 normal: keep 3 mantissa bits
+                code = np.int64(((E + 7) << 3) | np.int64((a >> U32(20)) & U32(7)))
+                rem = a & U32(0xFFFFF)
+                if rem > U32(0x80000) or (rem == U32(0x80000) and (code & 1) == 1):
+                    code += 1
+            elif E >= -127 + 1 and E >= -30:  # E4M3 subnormal: round(a * 2^9) (< 1 ulp of 2^-9 apart)
+                m = np.int64((a & U32(0x7FFFFF)) | U32(0x800000))
+                sh = 14 - E  # a * 2^9 = m * 2^(E - 14)
+                code = m >> sh
+                rem = m & ((np.int64(1) << sh) - 1)
+                half = np.int64(1) << (sh - 1)
+                if rem > half or (rem == half and (code & 1) == 1):
+                    code += 1
+            else:  # zero, f32 subnormal or below 2^-30: rounds to zero
+                code = 0
+            if b >> U32(31):
+                code |= 0x80
+            q[j] = np.uint8(code)
+
+    @numba.njit(parallel=True, cache=False)
+    def mx_scale(w, sc, x):
+        # per row and group of 32: e = smallest integer with amax <= 6 * 2^e; x = w * 2^-e (exact)
+        R, C = w.shape
+        for r in numba.prange(R):
+            for gi in range(C // 32):
+                amax = np.float32(0.0)
+                for c in range(gi * 32, gi * 32 + 32):
+                    v = abs(w[r, c])
+                    if v > amax:
+                        amax = v
+                m, k = math.frexp(np.float64(amax))
+                e = k - 3 if m <= 0.75 else k - 2
+                if amax == 0:
+                    e = 0
+                e = min(max(e, -127), 127)
+                sc[r, gi] = np.uint8(e + 127)
+                f = np.float32(2.0 ** (-e))
+                for c in range(gi * 32, gi * 32 + 32):
+                    x[r, c] = w[r, c] * f
+
+    @numba.njit(parallel=True, cache=False)
+    def enc_e2m1_pack(u, packed):
+        # u: float32 bits [R, C] of values with |x| <= 6 -> E2M1 RNE nibbles, column 2b low, 2b+1 high
+        R, C = u.shape
+        for r in numba.prange(R):
+            for c in range(C):
+                b = u[r, c]
+                a = b & U32(0x7FFFFFFF)
+                E = np.int64(a >> U32(23)) - 127
+                if E >= 0:  # E2M1 normal: keep 1 mantissa bit
+                    code = np.int64(((E + 1) << 1) | np.int64((a >> U32(22)) & U32(1)))
+                    rem = a & U32(0x3FFFFF)
+                    if rem > U32(0x200000) or (rem == U32(0x200000) and (code & 1) == 1):
+                        code += 1
+                elif E >= -3:  # subnormal: round(a * 2), a * 2 = m * 2^(E - 22)
+                    m = np.int64((a & U32(0x7FFFFF)) | U32(0x800000))
+                    sh = 22 - E
+                    code = m >> sh
+                    rem = m & ((np.int64(1) << sh) - 1)
+                    half = np.int64(1) << (sh - 1)
+                    if rem > half or (rem == half and (code & 1) == 1):
+                        code += 1
+                else:  # a < 2^-3: rounds to zero
+                    code = 0
+                if b >> U32(31):
+                    code |= 0x8
+                if c % 2 == 0:
+                    packed[r, c // 2] = np.uint8(code)
+                else:
+                    packed[r, c // 2] |= np.uint8(code << 4)
+
+    _nb_cache.update(raw=raw, irwin4=irwin4, normal_f32=normal_f32, bf16_inplace=bf16_inplace, fp8_scale=fp8_scale,
+                     enc_e4m3=enc_e4m3, mx_scale=mx_scale, enc_e2m1_pack=enc_e2m1_pack)
     return _nb_cache
 
 
@@ -258,9 +381,6 @@ def raw_stream(key: int, start: int, count: int) -> np.ndarray:
     out = np.empty(count, dtype=np.uint64)
     _kernels()["raw"](np.uint64(key), np.uint64(start), count, out)
     return out
-
-
-_SQRT3 = 1.7320508075688772  # fl64(sqrt(3))
 
 
 def normal(key: int, start: int, count: int) -> np.ndarray:
@@ -301,6 +421,21 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
 def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """w f32 [R, C] -> (E4M3 codes u8 [R, C], scale_inv f32 [ceil(R/128), ceil(C/128)]).
 
+    Numba kernel; bit-identical to quantize_fp8_reference (the readable definition, tested)."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    R, C = w.shape
+    q = np.empty((R, C), np.uint8)
+    sc = np.empty((-(-R // N.FP8_BLOCK), -(-C // N.FP8_BLOCK)), np.float32)
+    x = np.empty((R, C), np.float32)
+    k = _kernels()
+    k["fp8_scale"](w, sc, x)
+    k["enc_e4m3"](x.reshape(-1).view(np.uint32), q.reshape(-1))
+    return q, sc
+
+
+def quantize_fp8_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w f32 [R, C] -> (E4M3 codes u8 [R, C], scale_inv f32 [ceil(R/128), ceil(C/128)]).
+
     Per 128x128 block: amax = max |w| (f32); scale_inv = fl32(amax / 448) (1.0 for an all-zero block);
     code = E4M3fn RNE of fl32(w / scale_inv), clipped to +-448 first (|w / scale_inv| can exceed 448
     by an ulp).
@@ -333,6 +468,23 @@ def mxfp4_exponent(amax: np.ndarray) -> np.ndarray:
 
 
 def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w f32 [R, C] (C % 32 == 0) -> (packed u8 [R, C/2], E8M0 scale u8 [R, C/32]).
+
+    Numba kernel; bit-identical to quantize_mxfp4_reference (the readable definition, tested)."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    R, C = w.shape
+    if C % N.MXFP4_GROUP:
+        raise ValueError(f"MXFP4 needs in-features divisible by {N.MXFP4_GROUP}, got {C}")
+    packed = np.empty((R, C // 2), np.uint8)
+    sc = np.empty((R, C // N.MXFP4_GROUP), np.uint8)
+    x = np.empty((R, C), np.float32)
+    k = _kernels()
+    k["mx_scale"](w, sc, x)
+    k["enc_e2m1_pack"](x.view(np.uint32), packed)
+    return packed, sc
+
+
+def quantize_mxfp4_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """w f32 [R, C] (C % 32 == 0) -> (packed u8 [R, C/2], E8M0 scale u8 [R, C/32]).
 
     Per row and group of 32 columns: e = mxfp4_exponent(amax); nibble = E2M1 RNE of w * 2^-e (exact
@@ -398,11 +550,12 @@ def _init_rule(t: N.TensorSpec, cfg: Config) -> tuple[str, float, float]:
 def _chunk_values(t: N.TensorSpec, cfg: Config, key: int, start: int, count: int) -> np.ndarray:
     """Master float32 values of elements [start, start+count) (flat, row-major)."""
     law, mean, std = _init_rule(t, cfg)
-    if law == "normal":
-        v = normal(key, start, count) * std
-        if mean != 0.0:
-            v = v + mean
-        v = v.astype(np.float32)
+    if law == "normal":  # = f32(normal(key, start, count) * std [+ mean]), then BF16 unless kind f32
+        v = np.empty(count, np.float32)
+        _kernels()["normal_f32"](np.uint64(key), np.uint64(start), count, float(std), float(mean), mean != 0.0, v)
+        if t.kind != N.F32:
+            _kernels()["bf16_inplace"](v.view(np.uint32))
+        return v
     elif law == "A_log":  # log(U(1, 2)), then onto the BF16 grid
         v = bf16_round(np.log(1.0 + uniform(key, start, count)).astype(np.float32))
     elif law == "dt_bias":  # the peer's init: dt = exp(U(log 1e-3, log 1e-1)), dt_bias = softplus^-1(dt)
@@ -516,8 +669,8 @@ def _produce(cfg: Config, job: _Job, seed: int, fds: dict[int, int]) -> None:
         v = master(cfg, e, seed, (r0, r1))
         if job.fmt == "f32":
             parts = [v.astype("<f4")]
-        elif job.fmt == "bf16":
-            parts = [bf16_bits(v).astype("<u2")]
+        elif job.fmt == "bf16":  # the master is already on the BF16 grid: its high halves
+            parts = [(np.ascontiguousarray(v).view(np.uint32) >> np.uint32(16)).astype("<u2")]
         elif job.fmt == "fp8":
             q, s = quantize_fp8(v.reshape(r1 - r0, inner))
             parts = [q, s.astype("<f4")]

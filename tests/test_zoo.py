@@ -218,6 +218,52 @@ def test_mxfp4_encoder_is_rne_and_packs_low_nibble_first():
     assert p[0, 0] == (0x2 | (0x7 << 4)) and p[0, 16] == (0x0 | (0xE << 4))  # -0.5 * 2^3 = -4 -> 0b1110
 
 
+def _awkward_matrix(R, C, seed):
+    """Random values over many magnitudes, with zeros, ties and exact E4M3/E2M1 grid points mixed in."""
+    rng = np.random.default_rng(seed)  # test inputs only
+    w = (rng.standard_normal((R, C)) * np.exp2(rng.integers(-20, 8, (R, C)))).astype(np.float32)
+    w[rng.random((R, C)) < 0.05] = 0.0
+    w[rng.random((R, C)) < 0.02] *= -0.0
+    w[:, :32] = 0.0  # an all-zero MXFP4 group
+    if R > 2 and C >= 64:
+        w[1, 32:64] = np.linspace(-6, 6, 32, dtype=np.float32)  # E2M1 grid and midpoints at scale 1
+        w[2, 32:64] = 1e-40  # f32 subnormals
+    return w
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (130, 257), (128, 128), (300, 96)])
+def test_fp8_kernel_equals_reference(shape):
+    w = _awkward_matrix(*shape, seed=shape[0])
+    q, s = zoo.quantize_fp8(w)
+    q2, s2 = zoo.quantize_fp8_reference(w)
+    assert np.array_equal(s, s2) and np.array_equal(q, q2)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (130, 256), (96, 96)])
+def test_mxfp4_kernel_equals_reference(shape):
+    w = _awkward_matrix(*shape, seed=shape[1])
+    p, s = zoo.quantize_mxfp4(w)
+    p2, s2 = zoo.quantize_mxfp4_reference(w)
+    assert np.array_equal(s, s2) and np.array_equal(p, p2)
+
+
+def test_fused_master_equals_reference_formula():
+    """master() uses a fused Numba kernel; it must equal the readable formula on every law."""
+    cfg = zoo.zoo_config("tiny")
+    for role, layer in (("kda.q_proj", 0), ("final_norm", None), ("attn_hc.base", 2), ("moe.gate_bias", 1),
+                        ("indexer.kpool_ape", 3), ("attn_hc.scale", 0)):
+        e = N.resolve(cfg, role, layer)
+        law, mean, std = zoo._init_rule(e.spec, cfg)
+        n = int(np.prod(e.spec.shape(cfg)))
+        v = zoo.normal(zoo.tensor_key(zoo.DEFAULT_SEED, e.key), 0, n) * std
+        if mean != 0.0:
+            v = v + mean
+        v = v.astype(np.float32)
+        if e.spec.kind != N.F32:
+            v = zoo.bf16_round(v)
+        assert np.array_equal(zoo.master(cfg, e).reshape(-1), v), role
+
+
 def test_bf16_bits_match_ml_dtypes():
     import ml_dtypes
 
