@@ -1,0 +1,261 @@
+"""The CPU engine (fast.Engine) is bit-identical to the oracle: every captured stage, every position,
+the logits and the generated tokens, for tiny (golden/) and small (generated here) in every release,
+in prefill and decode.
+
+Exactness is compared on bits: stage rows by the sha256 of their canonical bytes (oracle.capture),
+logits by their uint32 view. No tolerances anywhere. The oracle runs once per case (session cache).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fast
+import oracle
+from oracle.capture import Capture
+from oracle.inject import Injection
+from oracle.stages import model_stages
+from oracle.zoo import make_zoo
+
+TINY = ("tiny-bf16", "tiny-fp8", "tiny-mxfp4")
+SMALL = ("small-bf16", "small-fp8", "small-mxfp4")
+
+# (checkpoint, prompt length, prompt seed, new tokens). tiny: index_topk 8, kpool 4, so a 40-token
+# prompt makes the indexer choose 2 of up to 10 pools; small: index_topk 16, kpool 4, 24 tokens -> 4 of 6.
+CASES = [
+    ("tiny-bf16", 5, 1, 4),
+    ("tiny-bf16", 40, 2, 3),
+    ("tiny-bf16", 13, 3, 6),
+    ("tiny-fp8", 5, 4, 4),
+    ("tiny-fp8", 40, 5, 3),
+    ("tiny-mxfp4", 5, 6, 4),
+    ("tiny-mxfp4", 40, 7, 3),
+    ("small-bf16", 24, 8, 3),
+    ("small-fp8", 24, 9, 3),
+    ("small-mxfp4", 24, 10, 3),
+]
+
+
+def case_id(case) -> str:
+    return f"{case[0]}-T{case[1]}-s{case[2]}-n{case[3]}"
+
+
+def prompt(vocab: int, n: int, seed: int) -> list[int]:
+    return [int(v) for v in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+@pytest.fixture(scope="session")
+def small_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    make_zoo("small", root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def ckpt_path(golden_dir, request):
+    cache = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            cache[name] = str(golden_dir / name) if name.startswith("tiny") else \
+                str(request.getfixturevalue("small_dir") / name)
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def engines(ckpt_path):
+    cache = {}
+
+    def get(name: str, **kw) -> fast.Engine:
+        key = (name, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = fast.Engine(ckpt_path(name), device="cpu", **kw)
+        return cache[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def models(ckpt_path):
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = oracle.load(ckpt_path(name))
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def oracle_runs(models):
+    """case -> (ids, tokens, logits, capture) of the oracle's greedy generate, every stage captured."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            name, n, seed, new = case
+            m = models(name)
+            ids = prompt(m.config.vocab_size, n, seed)
+            cap = Capture()
+            toks, logits = m.generate(ids, new, capture=cap, return_logits=True)
+            cache[case] = (ids, toks, logits, cap)
+        return cache[case]
+    return get
+
+
+def first_divergence(config, a: Capture, b: Capture, positions) -> str | None:
+    """The first (position, layer, stage) in causal order whose rows differ, with its elements."""
+    if set(a.hashes) != set(b.hashes):
+        only_a = sorted(set(a.hashes) - set(b.hashes))[:5]
+        only_b = sorted(set(b.hashes) - set(a.hashes))[:5]
+        return f"captured rows differ: only in oracle {only_a}, only in engine {only_b}"
+    order = model_stages(config)
+    for pos in positions:
+        for layer, stage, _ in order:
+            k = (layer, stage, pos)
+            if k in a.hashes and a.hashes[k] != b.hashes[k]:
+                msg = f"first divergence: position {pos}, layer {layer}, stage {stage}"
+                va, vb = a.values.get((layer, stage), {}).get(pos), b.values.get((layer, stage), {}).get(pos)
+                if va is not None and vb is not None:
+                    va, vb = np.asarray(va), np.asarray(vb)
+                    if va.shape != vb.shape:
+                        return msg + f": shapes {va.shape} vs {vb.shape}"
+                    fa, fb = va.reshape(-1), vb.reshape(-1)
+                    i = np.flatnonzero(fa.view(f"u{fa.itemsize}") != fb.view(f"u{fb.itemsize}"))
+                    if i.size:
+                        return msg + f": element {int(i[0])}: oracle {fa[i[0]]!r}, engine {fb[i[0]]!r}"
+                return msg
+    return None
+
+
+def assert_same_capture(config, a: Capture, b: Capture, positions):
+    problem = first_divergence(config, a, b, positions)
+    assert problem is None, problem
+    assert a.hashes == b.hashes
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+
+
+# ---------------------------------------------------------------------------------------------
+# every stage, prefill (one chunk) then decode, via generate
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_generate_bit_identical(case, engines, oracle_runs, models):
+    ids, toks, logits, cap = oracle_runs(case)
+    eng = engines(case[0])
+    got_cap = Capture()
+    got_toks, got_logits = eng.generate(ids, case[3], capture=got_cap, return_logits=True)
+    assert got_toks == toks
+    npos = len(ids) + case[3] - 1
+    assert_same_capture(models(case[0]).config, cap, got_cap, range(npos))
+    assert got_logits.shape == logits.shape
+    assert np.array_equal(bits(got_logits), bits(logits))
+
+
+# ---------------------------------------------------------------------------------------------
+# forward / prefill in chunks / decode through the low-level API, against the same oracle run
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("tiny-fp8", "small-mxfp4")], ids=case_id)
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_chunked_prefill_and_decode(case, chunk, engines, oracle_runs, models):
+    ids, toks, logits, cap = oracle_runs(case)
+    eng = engines(case[0])
+    got = Capture()
+    cache = eng.new_cache()
+    pre = eng.prefill(ids, cache, chunk=chunk, capture=got)
+    outs = [pre]
+    for tok in toks[:-1]:
+        outs.append(eng.decode([cache], [tok], capture=got))
+    assert cache.length == len(ids) + len(toks) - 1
+    assert np.array_equal(bits(np.concatenate(outs)), bits(logits))
+    assert_same_capture(models(case[0]).config, cap, got, range(len(ids) + len(toks) - 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# several requests in one generate call (continuous batching) against the oracle's single runs
+
+
+@pytest.mark.parametrize("name", ["tiny-bf16", "tiny-mxfp4", "small-fp8"])
+def test_batched_generate_matches_oracle(name, engines, oracle_runs, models):
+    cases = [c for c in CASES if c[0] == name]
+    runs = [oracle_runs(c) for c in cases]
+    eng = engines(name)
+    caps = [Capture(keep_values=False) for _ in cases]
+    new = max(c[3] for c in cases)
+    outs = eng.generate([r[0] for r in runs], new, capture=caps, chunk=6, arrivals=[0, 2, 3][:len(cases)])
+    for c, r, out, got in zip(cases, runs, outs, caps):
+        assert out[:c[3]] == r[1]
+        npos = len(r[0]) + c[3] - 1
+        keys = {k for k in r[3].hashes if k[2] < npos}
+        assert {k: got.hashes[k] for k in keys} == {k: r[3].hashes[k] for k in keys}
+
+
+# ---------------------------------------------------------------------------------------------
+# fault injection: the engine perturbs the same value as the oracle, and it propagates the same way
+
+INJECTIONS = [
+    "0,0,embed,3,1",
+    "1,3,attn_hc.comb,5,1000",
+    "0,4,kda.state,100,-2",
+    "5,11,kda.o,3,5",
+    "2,7,moe.selected,1,-1",
+    "3,10,mla.scores,5,3",
+    "3,15,indexer.scores,1,1",
+    "4,12,mla.selected,2,-1",
+    "1,6,moe.weights,0,1",
+    "6,9,logits,7,1",
+]
+
+
+@pytest.mark.parametrize("spec", INJECTIONS)
+def test_injection_matches_oracle(spec, models, ckpt_path, engines, oracle_runs):
+    case = ("tiny-fp8", 40, 5, 3)
+    ids, _, _, clean = oracle_runs(case)
+    m = models(case[0])
+    ids = ids[:20]
+    want = Capture(keep_values=False)
+    m.prefill(ids, m.new_cache(), 7, want, Injection.parse(spec))
+    eng = fast.Engine(ckpt_path(case[0]), inject=spec)
+    got = Capture(keep_values=False)
+    eng.prefill(ids, eng.new_cache(), chunk=7, capture=got)
+    assert eng.injected >= 1
+    assert got.hashes == want.hashes
+    # and the injection did change something
+    assert any(want.hashes[k] != clean.hashes[k] for k in want.hashes)
+
+
+# ---------------------------------------------------------------------------------------------
+# primitives of the engine that the oracle has twins of
+
+
+def test_exp64_matches_oracle():
+    from fast import _core
+    from oracle.numerics.exp_f64 import exp64_array
+    rng = np.random.default_rng(64)
+    x = np.concatenate([
+        rng.uniform(-750, 710, 400_000), rng.uniform(-40, 40, 400_000), rng.uniform(-1, 1, 200_000),
+        rng.integers(0, 2**64, 200_000, dtype=np.uint64).view(np.float64),
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-300, -1e-300, 5e-324, 709.782712893384,
+                  709.79, -745.1332191019411, -745.14, -708.39, 512.0, -512.0, 1024.0, -1024.0]),
+    ])
+    a = _core.engine_exp64(x)
+    b = exp64_array(x)
+    same = (a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))
+    assert same.all(), f"{int((~same).sum())} differ, first x = {x[~same][0]!r}"
+
+
+def test_noncanonical_switches_diverge(ckpt_path, oracle_runs, models):
+    """dot='sequential' and expf='native' are real departures, localized by a capture diff."""
+    case = ("tiny-bf16", 13, 3, 6)
+    ids, _, _, clean = oracle_runs(case)
+    cfg = models(case[0]).config
+    for opts in ({"dot": "sequential"}, {"expf": "native"}):
+        eng = fast.Engine(ckpt_path(case[0]), **opts)
+        got = Capture()
+        eng.forward(ids, eng.new_cache(), got)
+        assert any(got.hashes[k] != clean.hashes[k] for k in got.hashes), opts
+        assert first_divergence(cfg, clean, got, range(len(ids))) is not None
