@@ -159,6 +159,7 @@ struct MlaState {
 
 struct Sequence {
     int64_t length = 0;
+    bool broken = false;        // a step failed half-way through this sequence: its state is unusable
     std::vector<KdaState> kda;  // by layer (empty entries for MLA layers)
     std::vector<MlaState> mla;  // by layer (empty entries for KDA layers)
 };
@@ -286,7 +287,10 @@ class Engine {
     int64_t fork_sequence(int64_t id);
     void free_sequence(int64_t id);
     int64_t sequence_length(int64_t id) const;
-    size_t live_sequences() const { return seqs_.size(); }
+    size_t live_sequences() const {
+        std::lock_guard<std::mutex> lk(mu_);
+        return seqs_.size();
+    }
 
     // One forward step. seq_ids/tokens: one entry per row; rows of one sequence consecutive.
     // want_head: rows whose logits are wanted; cap_rows: rows whose stages may be captured;
@@ -304,6 +308,8 @@ class Engine {
     size_t weight_bytes() const;
 
    private:
+    void run_step(Step& s, const std::vector<int32_t>& tokens, const std::vector<uint8_t>& want_head,
+                  StepOutput& out) const;
     Sequence make_sequence() const;
     void check_hw() const;
 
@@ -314,6 +320,7 @@ class Engine {
     int64_t next_id_ = 1;
     bool finalized_ = false;
     std::map<std::string, int> have_;  // registered tensors by key
+    mutable std::mutex mu_;            // one step (or sequence operation) at a time
 };
 
 }  // namespace glm::cpu

@@ -631,6 +631,7 @@ Sequence Engine::make_sequence() const {
 }
 
 int64_t Engine::new_sequence() {
+    std::lock_guard<std::mutex> lk(mu_);
     if (!finalized_) throw std::logic_error("the engine's weights are not finalized");
     const int64_t id = next_id_++;
     seqs_[id] = std::make_unique<Sequence>(make_sequence());
@@ -638,6 +639,7 @@ int64_t Engine::new_sequence() {
 }
 
 int64_t Engine::fork_sequence(int64_t id) {
+    std::lock_guard<std::mutex> lk(mu_);
     auto it = seqs_.find(id);
     if (it == seqs_.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
     const int64_t nid = next_id_++;
@@ -645,9 +647,13 @@ int64_t Engine::fork_sequence(int64_t id) {
     return nid;
 }
 
-void Engine::free_sequence(int64_t id) { seqs_.erase(id); }
+void Engine::free_sequence(int64_t id) {
+    std::lock_guard<std::mutex> lk(mu_);
+    seqs_.erase(id);
+}
 
 int64_t Engine::sequence_length(int64_t id) const {
+    std::lock_guard<std::mutex> lk(mu_);
     auto it = seqs_.find(id);
     if (it == seqs_.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
     return it->second->length;
@@ -669,6 +675,7 @@ void Engine::check_hw() const {
 void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,
                   const std::vector<uint8_t>& want_head, const std::vector<uint8_t>& cap_rows,
                   const std::vector<uint8_t>& cap_mask, const Injection& inj, StepOutput& out) {
+    std::lock_guard<std::mutex> lk(mu_);
     if (!finalized_) throw std::logic_error("the engine's weights are not finalized");
     const EngineConfig& c = cfg_;
     const size_t T = seq_ids.size();
@@ -704,6 +711,9 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         size_t n = 1;
         while (t + n < T && seq_ids[t + n] == seq_ids[t]) ++n;
         Sequence* sq = it->second.get();
+        if (sq->broken)
+            throw std::invalid_argument("sequence " + std::to_string(seq_ids[t]) +
+                                        " is unusable: an earlier step failed half-way through it");
         if (sq->length + static_cast<int64_t>(n) > c.max_context)
             throw std::invalid_argument("sequence " + std::to_string(seq_ids[t]) + ": " +
                                         std::to_string(sq->length + static_cast<int64_t>(n)) +
@@ -716,7 +726,20 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         t += n;
     }
     check_hw();
+    try {
+        run_step(s, tokens, want_head, out);
+    } catch (...) {
+        for (const Segment& g : s.segs) g.seq->broken = true;  // its caches may hold part of this step
+        throw;
+    }
+    for (const Segment& g : s.segs) g.seq->length += static_cast<int64_t>(g.n);
+}
 
+void Engine::run_step(Step& s, const std::vector<int32_t>& tokens, const std::vector<uint8_t>& want_head,
+                      StepOutput& out) const {
+    const EngineConfig& c = cfg_;
+    const size_t T = s.T;
+    const int L = static_cast<int>(c.num_hidden_layers);
     const size_t hc = static_cast<size_t>(c.hc_mult), D = static_cast<size_t>(c.hidden_size);
     // embed, then hc copies as the streams
     std::vector<float> X(T * hc * D), e(T * D);
@@ -763,8 +786,6 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
     out.head_rows.assign(hrows.begin(), hrows.end());
     out.logits.assign(hrows.size() * static_cast<size_t>(c.vocab_size), 0.0f);
     head_forward(s, X.data(), hrows, out.logits.data());
-
-    for (const Segment& g : s.segs) g.seq->length += static_cast<int64_t>(g.n);
 }
 
 }  // namespace glm::cpu
