@@ -213,11 +213,9 @@ py::array py_bf16_from_f32(const py::object& xo) {
     const py::array x = arg(xo, "x", kF32, -1);
     auto y = empty_like_shape<uint16_t>(x);
     uint16_t* out = y.mutable_data();
-    const float* in = ptr<float>(x);
-    const size_t n = static_cast<size_t>(x.size());
     {
         py::gil_scoped_release nogil;
-        for (size_t i = 0; i < n; ++i) out[i] = bf16_bits(in[i]);
+        bf16_bits_array(ptr<float>(x), out, static_cast<size_t>(x.size()));
     }
     return std::move(y);
 }

@@ -50,6 +50,16 @@ const std::array<float, 256> kE4M3 = make_e4m3();
 const std::array<float, 16> kE2M1 = make_e2m1();
 const std::array<float, 256> kE8M0 = make_e8m0();
 
+void bf16_bits_array(const float* x, uint16_t* out, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i v = _mm256_srli_epi32(_mm256_castps_si256(bf16_round8(_mm256_loadu_ps(x + i))), 16);
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);  // qwords 0, 2
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(p));
+    }
+    for (; i < n; ++i) out[i] = bf16_bits(x[i]);
+}
+
 bool has_e4m3_nan(const uint8_t* q, size_t n) {
     size_t i = 0;
     __m256i any = _mm256_setzero_si256();

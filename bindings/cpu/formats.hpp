@@ -55,8 +55,8 @@ inline float f32_from_bf16(uint16_t h) { return f32_from_bits(static_cast<uint32
 // The value of bf16(x) as an f32.
 inline float bf16_round(float x) { return f32_from_bf16(bf16_bits(x)); }
 
-// Eight lanes at once: f32 -> bf16 bits held in the high half of each 32-bit lane's value,
-// returned as f32 values (i.e. bf16_round of each lane). Bit-identical to bf16_round.
+// Eight lanes at once: bf16_round of each lane (the bf16 bits in the high half of each lane, low
+// half zero), bit-identical to bf16_round.
 inline __m256 bf16_round8(__m256 x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -65,6 +65,9 @@ inline __m256 bf16_round8(__m256 x) {
     const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
 }
+
+// out[i] = bf16_bits(x[i]) (eight lanes at a time).
+void bf16_bits_array(const float* x, uint16_t* out, size_t n);
 
 // ---- 8-bit and 4-bit codes ----------------------------------------------------------------------
 
