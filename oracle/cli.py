@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-checkpoint", help="write a synthetic zoo checkpoint", add_help=False)
     m.add_argument("rest", nargs=argparse.REMAINDER)
     m.set_defaults(func=cmd_make_checkpoint)
+
+    from . import census, diff, trace                  # the debugging tools register their own parsers
+    for tool in (diff, trace, census):
+        tool.register(sub, console)
     return p
 
 
@@ -155,7 +159,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, ImportError) as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
 
