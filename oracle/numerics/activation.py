@@ -6,6 +6,10 @@
 * inv_sqrt(v)  = 1.0f / sqrtf(v)           two correctly rounded float32 operations,
                                            never an approximate rsqrt instruction
 
+The functions are compiled with ``error_model="numpy"``: Numba's default
+("python") raises ZeroDivisionError on a float division by zero, where IEEE
+gives +-inf (inv_sqrt(0) = inf).
+
 The formulas are taken literally, including at the edges: silu(-inf) is
 -inf / inf = NaN, silu(x) for x < -88.7 is x / inf = -0.0, sigmoid(-inf) = +0.
 """
@@ -21,31 +25,31 @@ __all__ = ["sigmoid", "silu", "sigmoid64", "sigmoid_array", "silu_array", "inv_s
 _ONE = np.float32(1.0)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def sigmoid(x):
     """float32 x -> float32 1 / (1 + expf(-x))."""
     return _ONE / (_ONE + expf(-x))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def silu(x):
     """float32 x -> float32 x / (1 + expf(-x))."""
     return x / (_ONE + expf(-x))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def sigmoid64(x):
     """float64 x -> float64 1 / (1 + exp64(-x))."""
     return 1.0 / (1.0 + exp64(-x))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def inv_sqrt(v):
     """float32 v -> float32 1.0f / sqrtf(v)."""
     return _ONE / np.sqrt(v)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def sigmoid_array(x):
     """Element-wise sigmoid of a float32 array of any shape."""
     out = np.empty(x.shape, np.float32)
@@ -56,7 +60,7 @@ def sigmoid_array(x):
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def silu_array(x):
     """Element-wise silu of a float32 array of any shape."""
     out = np.empty(x.shape, np.float32)

@@ -251,10 +251,8 @@ def _matrix(x, name, what):
 
 
 def decode_bf16_weight(u16):
-    """BF16 weight as uint16 [R, C] -> float32 [R, C], exact."""
-    u16 = _matrix(_as_codes(u16, "decode_bf16_weight", np.uint16, ("bfloat16",)),
-                  "decode_bf16_weight", "weight")
-    return bf16_bits_to_f32(u16)
+    """BF16 weight as uint16 (usually [R, C]; any shape) -> float32 of the same shape, exact."""
+    return bf16_bits_to_f32(_as_codes(u16, "decode_bf16_weight", np.uint16, ("bfloat16",)))
 
 
 @njit(cache=True)
