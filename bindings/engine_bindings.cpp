@@ -13,6 +13,7 @@
 
 #include "cpu/engine.hpp"
 #include "cpu/exp64.hpp"
+#include "cpu/smalldot.hpp"
 
 namespace py = pybind11;
 using namespace glm::cpu;
@@ -159,6 +160,56 @@ py::array exp64_array(const py::array_t<double, py::array::c_style | py::array::
     return std::move(y);
 }
 
+using F32Arr = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using F64Arr = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+// Test hooks: the engine's reductions for n <= 8 (closed form, smalldot.hpp) and its dispatch.
+py::array dot_columns(const F32Arr& A, const F32Arr& B) {
+    if (A.ndim() != 2 || B.ndim() != 2 || A.shape(0) != B.shape(0) || A.shape(1) != B.shape(1) || A.shape(0) > 8)
+        bad("A, B: expected two [n, m] arrays with n <= 8");
+    const size_t n = static_cast<size_t>(A.shape(0)), m = static_cast<size_t>(A.shape(1));
+    py::array_t<float> y(static_cast<py::ssize_t>(m));
+    float* o = y.mutable_data();
+    __m256 a[8], b[8];
+    size_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+        for (size_t l = 0; l < n; ++l) {
+            a[l] = _mm256_loadu_ps(A.data() + l * m + j);
+            b[l] = _mm256_loadu_ps(B.data() + l * m + j);
+        }
+        _mm256_storeu_ps(o + j, cdot_small8(a, b, n));
+    }
+    for (; j < m; ++j) {
+        float ca[8], cb[8];
+        for (size_t l = 0; l < n; ++l) ca[l] = A.data()[l * m + j], cb[l] = B.data()[l * m + j];
+        o[j] = cdot_small(ca, cb, n);
+    }
+    return std::move(y);
+}
+
+py::array dot64_columns(const F64Arr& A, const F64Arr& B) {
+    if (A.ndim() != 2 || B.ndim() != 2 || A.shape(0) != B.shape(0) || A.shape(1) != B.shape(1) || A.shape(0) > 8)
+        bad("A, B: expected two [n, m] arrays with n <= 8");
+    const size_t n = static_cast<size_t>(A.shape(0)), m = static_cast<size_t>(A.shape(1));
+    py::array_t<double> y(static_cast<py::ssize_t>(m));
+    double* o = y.mutable_data();
+    __m256d a[8], b[8];
+    size_t j = 0;
+    for (; j + 4 <= m; j += 4) {
+        for (size_t l = 0; l < n; ++l) {
+            a[l] = _mm256_loadu_pd(A.data() + l * m + j);
+            b[l] = _mm256_loadu_pd(B.data() + l * m + j);
+        }
+        _mm256_storeu_pd(o + j, cdot64_small4(a, b, n));
+    }
+    for (; j < m; ++j) {
+        double ca[8], cb[8];
+        for (size_t l = 0; l < n; ++l) ca[l] = A.data()[l * m + j], cb[l] = B.data()[l * m + j];
+        o[j] = cdot64_small(ca, cb, n);
+    }
+    return std::move(y);
+}
+
 }  // namespace
 
 void register_engine(py::module_& m) {
@@ -265,6 +316,40 @@ void register_engine(py::module_& m) {
     }
     m.attr("ENGINE_STAGES") = names;
     m.def("engine_exp64", &exp64_array, py::arg("x"), "The engine's canonical double exp (mHC), elementwise.");
+    m.def("engine_dot_columns", &dot_columns, py::arg("A"), py::arg("B"),
+          "Test hook: cdot of each column of A, B [n <= 8, m] by the engine's closed-form kernels.");
+    m.def("engine_dot64_columns", &dot64_columns, py::arg("A"), py::arg("B"),
+          "Test hook: cdot64 of each column of A, B [n <= 8, m] by the engine's closed-form kernels.");
+    m.def(
+        "engine_reduce",
+        [](const std::string& what, const py::object& a, const py::object& b) -> py::object {
+            Numerics nm;
+            if (what == "dot") {
+                const F32Arr x = F32Arr::ensure(a), y = F32Arr::ensure(b);
+                if (!x || !y || x.ndim() != 1 || y.ndim() != 1 || x.shape(0) != y.shape(0))
+                    bad("a, b: two 1-D arrays of one length");
+                return py::float_(nm.dot(x.data(), y.data(), static_cast<size_t>(x.shape(0))));
+            }
+            if (what == "sum") {
+                const F32Arr x = F32Arr::ensure(a);
+                if (!x || x.ndim() != 1) bad("a: a 1-D array");
+                return py::float_(nm.sum(x.data(), static_cast<size_t>(x.shape(0))));
+            }
+            if (what == "dot64") {
+                const F64Arr x = F64Arr::ensure(a), y = F64Arr::ensure(b);
+                if (!x || !y || x.ndim() != 1 || y.ndim() != 1 || x.shape(0) != y.shape(0))
+                    bad("a, b: two 1-D arrays of one length");
+                return py::float_(nm.dot64(x.data(), y.data(), static_cast<size_t>(x.shape(0))));
+            }
+            if (what == "sum64") {
+                const F64Arr x = F64Arr::ensure(a);
+                if (!x || x.ndim() != 1) bad("a: a 1-D array");
+                return py::float_(nm.sum64(x.data(), static_cast<size_t>(x.shape(0))));
+            }
+            bad("what: dot, sum, dot64 or sum64");
+        },
+        py::arg("what"), py::arg("a"), py::arg("b") = py::none(),
+        "Test hook: the engine's reduction dispatch (closed form for n <= 8, H2's cdot/cdot64 beyond).");
     m.def(
         "engine_fast_expf",
         [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {

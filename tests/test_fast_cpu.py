@@ -259,3 +259,41 @@ def test_noncanonical_switches_diverge(ckpt_path, oracle_runs, models):
         eng.forward(ids, eng.new_cache(), got)
         assert any(got.hashes[k] != clean.hashes[k] for k in got.hashes), opts
         assert first_divergence(cfg, clean, got, range(len(ids))) is not None
+
+
+def _adversarial(rng, shape, dtype):
+    """Values that stress the order and the signed zeros: +-0, underflowing products, subnormals,
+    huge and tiny magnitudes, infinities and NaNs mixed with ordinary numbers."""
+    fi = np.finfo(dtype)
+    pool = np.array([0.0, -0.0, 1.0, -1.0, fi.tiny, -fi.tiny, fi.smallest_subnormal, -fi.smallest_subnormal,
+                     fi.max, -fi.max, np.inf, -np.inf, np.nan, 1e-30, -1e-30, 3.0, 1 + fi.eps, -(1 + fi.eps)],
+                    dtype=dtype)
+    x = rng.standard_normal(shape).astype(dtype) * dtype(10.0) ** rng.integers(-40, 40, shape).astype(dtype)
+    pick = rng.random(shape) < 0.3
+    x[pick] = rng.choice(pool, int(pick.sum()))
+    return x
+
+
+@pytest.mark.parametrize("n", range(0, 9))
+def test_small_reductions_equal_cdot(n):
+    """The engine's closed forms for n <= 8 (smalldot.hpp) give H2's cdot/cdot64 bits."""
+    from fast import _core
+    rng = np.random.default_rng(100 + n)
+    m = 4003
+    for dtype, cols, ref, red, dot_name, sum_name in (
+            (np.float32, _core.engine_dot_columns, _core.cdot, np.uint32, "dot", "sum"),
+            (np.float64, _core.engine_dot64_columns, _core.cdot64, np.uint64, "dot64", "sum64")):
+        with np.errstate(all="ignore"):
+            A, B = _adversarial(rng, (n, m), dtype), _adversarial(rng, (n, m), dtype)
+        got = np.asarray(cols(A, B), dtype=dtype)
+        want = np.array([ref(np.ascontiguousarray(A[:, j]), np.ascontiguousarray(B[:, j])) for j in range(m)],
+                        dtype=dtype)
+        same = (got.view(red) == want.view(red)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), (dtype, n, np.flatnonzero(~same)[:3])
+        for j in range(0, m, 97):  # the scalar dispatch (Numerics::dot / sum and their 64-bit twins)
+            a, b = np.ascontiguousarray(A[:, j]), np.ascontiguousarray(B[:, j])
+            for name, args, exp in ((dot_name, (a, b), ref(a, b)), (sum_name, (a,), ref(a, np.ones_like(a)))):
+                v = dtype(_core.engine_reduce(name, *args))
+                e = dtype(exp)
+                assert np.array_equal(np.array(v).view(red), np.array(e).view(red)) or (np.isnan(v) and np.isnan(e)), \
+                    (name, n, j)

@@ -13,6 +13,8 @@
 // for a capture of that (layer, stage).
 #pragma once
 
+#include <immintrin.h>
+
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -69,6 +71,22 @@ struct Numerics {
     float exp(float x) const { return native_exp ? fast_expf(x) : glm::cpu::expf(x); }
     float sigmoid(float x) const { return 1.0f / (1.0f + exp(-x)); }
     float silu(float x) const { return x / (1.0f + exp(-x)); }
+    // Eight lanes at once, lane by lane the same operations (H2's expf8 is bit-identical to expf).
+    __m256 exp8(__m256 x) const {
+        if (!native_exp) return expf8(x);
+        alignas(32) float v[8];
+        _mm256_store_ps(v, x);
+        for (float& e : v) e = fast_expf(e);
+        return _mm256_load_ps(v);
+    }
+    __m256 sigmoid8(__m256 x) const {
+        const __m256 one = _mm256_set1_ps(1.0f);
+        return _mm256_div_ps(one, _mm256_add_ps(one, exp8(neg8(x))));
+    }
+    __m256 silu8(__m256 x) const {
+        return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(neg8(x))));
+    }
+    static __m256 neg8(__m256 x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
     static float fast_expf(float x);
 };
 
@@ -110,6 +128,7 @@ struct HcWeights {  // one mHC site
 struct KdaWeights {
     Lin q_proj, k_proj, v_proj, f_a, f_b, b_proj, g_a, g_b, o_proj;
     std::vector<float> conv;        // [3P][K]: q | k | v channels
+    std::vector<float> conv_t;      // [K][3P]: the same taps transposed (eight channels per load)
     std::vector<float> dt_bias;     // [P]
     std::vector<float> A_log;       // [H]
     std::vector<float> decay_rate;  // [H] expf(A_log) (with the engine's exp)

@@ -13,6 +13,7 @@
 
 #include "engine.hpp"
 #include "formats.hpp"
+#include "smalldot.hpp"
 
 namespace glm::cpu {
 
@@ -33,30 +34,45 @@ void kda_forward(Step& s, int layer, const KdaWeights& w, const float* x, float*
     s.emit_rows(layer, S_KDA_K_PROJ, qkv.data() + P, P, 3 * P, {static_cast<int64_t>(P)});
     s.emit_rows(layer, S_KDA_V_PROJ, qkv.data() + 2 * P, P, 3 * P, {static_cast<int64_t>(P)});
 
-    // kda.q, kda.k, kda.v: conv over the window [x_{t-K+1}, ..., x_t] of each channel, then bf16(silu)
-    std::vector<float> act(T * 3 * P);
-    s.pool.parallel_for(3 * P, K * T * 4, [&](size_t a, size_t b) {
-        std::vector<float> win(K + T);
-        for (size_t ch = a; ch < b; ++ch) {
-            const float* taps = w.conv.data() + ch * K;
-            for (const Segment& g : s.segs) {
-                const KdaState& st = g.seq->kda[layer];
-                // history of this channel: K-1 cached rows, then the segment's rows
-                for (size_t k = 0; k + 1 < K; ++k) win[k] = st.conv_tail[k * 3 * P + ch];
-                for (size_t i = 0; i < g.n; ++i) win[K - 1 + i] = qkv[(g.t0 + i) * 3 * P + ch];
-                for (size_t i = 0; i < g.n; ++i)
-                    act[(g.t0 + i) * 3 * P + ch] = bf16_round(nm.silu(nm.dot(taps, win.data() + i, K)));
+    // kda.q, kda.k, kda.v: conv over the window [x_{t-K+1}, ..., x_t] of each channel, then bf16(silu).
+    // hist (per segment): the K-1 cached pre-conv rows, then the segment's rows.
+    const size_t C3 = 3 * P;
+    std::vector<std::vector<float>> hist(s.segs.size());
+    for (size_t gi = 0; gi < s.segs.size(); ++gi) {
+        const Segment& g = s.segs[gi];
+        std::vector<float>& h = hist[gi];
+        h.resize((K - 1 + g.n) * C3);
+        std::memcpy(h.data(), g.seq->kda[layer].conv_tail.data(), (K - 1) * C3 * sizeof(float));
+        std::memcpy(h.data() + (K - 1) * C3, qkv.data() + g.t0 * C3, g.n * C3 * sizeof(float));
+    }
+    std::vector<float> act(T * C3);
+    const bool wide = !nm.seq_dot && K <= 8;  // eight channels at a time (smalldot.hpp)
+    const size_t nb = wide ? C3 / 8 : 0, per_t = nb + (C3 - 8 * nb);
+    s.pool.parallel_for(T * per_t, 8 * K + 40, [&](size_t a, size_t b) {
+        std::vector<float> win(K);
+        __m256 A[8], B[8];
+        for (size_t item = a; item < b; ++item) {
+            const size_t t = item / per_t, blk = item % per_t;
+            const size_t gi = s.seg_of[t];
+            const float* h = hist[gi].data() + (t - s.segs[gi].t0) * C3;  // row t-K+1 of the window
+            if (blk < nb) {
+                const size_t ch = 8 * blk;
+                for (size_t j = 0; j < K; ++j) {
+                    A[j] = _mm256_loadu_ps(w.conv_t.data() + j * C3 + ch);
+                    B[j] = _mm256_loadu_ps(h + j * C3 + ch);
+                }
+                _mm256_storeu_ps(act.data() + t * C3 + ch, bf16_round8(nm.silu8(cdot_small8(A, B, K))));
+            } else {
+                const size_t ch = 8 * nb + (blk - nb);
+                for (size_t j = 0; j < K; ++j) win[j] = h[j * C3 + ch];
+                act[t * C3 + ch] = bf16_round(nm.silu(nm.dot(w.conv.data() + ch * K, win.data(), K)));
             }
         }
     });
     // the conv cache keeps the last K-1 pre-conv rows
-    for (const Segment& g : s.segs) {
-        std::vector<float>& tail = g.seq->kda[layer].conv_tail;
-        const size_t keep = K - 1;
-        std::vector<float> hist((keep + g.n) * 3 * P);
-        std::memcpy(hist.data(), tail.data(), keep * 3 * P * sizeof(float));
-        std::memcpy(hist.data() + keep * 3 * P, qkv.data() + g.t0 * 3 * P, g.n * 3 * P * sizeof(float));
-        std::memcpy(tail.data(), hist.data() + g.n * 3 * P, keep * 3 * P * sizeof(float));
+    for (size_t gi = 0; gi < s.segs.size(); ++gi) {
+        const Segment& g = s.segs[gi];
+        std::memcpy(g.seq->kda[layer].conv_tail.data(), hist[gi].data() + g.n * C3, (K - 1) * C3 * sizeof(float));
     }
     s.emit_rows(layer, S_KDA_Q, act.data(), P, 3 * P, {static_cast<int64_t>(P)});
     s.emit_rows(layer, S_KDA_K, act.data() + P, P, 3 * P, {static_cast<int64_t>(P)});

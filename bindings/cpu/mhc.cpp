@@ -8,6 +8,8 @@
 //            every normalization dividing by (csum64 + hc_eps)
 //   collapsed[d]  = bf16(cdot64(pre, [X_0[d], ..., X_{hc-1}[d]]))
 //   streams X'_j[d] = bf16(cdot64([post_j, C_0j, ..., C_{hc-1,j}], [u[d], X_0[d], ..., X_{hc-1}[d]]))
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "engine.hpp"
 #include "exp64.hpp"
 #include "formats.hpp"
+#include "smalldot.hpp"
 
 namespace glm::cpu {
 namespace {
@@ -92,14 +95,30 @@ void hc_site(Step& s, int layer, bool ffn, const HcWeights& w, const float* X, d
         s.emit64(layer, S_PRE + 1, t, post + t * hc, {static_cast<int64_t>(hc)});
         s.emit64(layer, S_PRE + 2, t, comb + t * hc * hc, {static_cast<int64_t>(hc), static_cast<int64_t>(hc)});
     }
-    // collapsed[t][d] = bf16(cdot64([X_0[d], ...], pre_t))
-    s.pool.parallel_for(T * D, 2 * hc, [&](size_t a, size_t b) {
+    // collapsed[t][d] = bf16(cdot64([X_0[d], ...], pre_t)); four channels at a time when hc <= 8
+    const bool wide = !s.nm.seq_dot && hc <= 8;
+    const size_t DB = wide ? D / 4 : 0;  // blocks of four channels, then the rest one by one
+    const size_t per_t = DB + (D - 4 * DB);
+    s.pool.parallel_for(T * per_t, 2 * hc * 4, [&](size_t a, size_t b) {
         double col[64];
+        __m256d A[8], B[8];
         for (size_t k = a; k < b; ++k) {
-            const size_t t = k / D, d = k % D;
+            const size_t t = k / per_t, blk = k % per_t;
             const float* xt = X + t * n;
-            for (size_t i = 0; i < hc; ++i) col[i] = static_cast<double>(xt[i * D + d]);
-            collapsed[k] = f32_from_bf16(bf16_bits_from_f64(s.nm.dot64(col, pre + t * hc, hc)));
+            if (blk < DB) {
+                const size_t d = 4 * blk;
+                for (size_t i = 0; i < hc; ++i) {
+                    A[i] = _mm256_cvtps_pd(_mm_loadu_ps(xt + i * D + d));
+                    B[i] = _mm256_set1_pd(pre[t * hc + i]);
+                }
+                alignas(32) float r[4];
+                _mm_store_ps(r, _mm256_cvtpd_ps(cdot64_small4(A, B, hc)));
+                for (size_t j = 0; j < 4; ++j) collapsed[t * D + d + j] = bf16_round(r[j]);
+            } else {
+                const size_t d = 4 * DB + (blk - DB);
+                for (size_t i = 0; i < hc; ++i) col[i] = static_cast<double>(xt[i * D + d]);
+                collapsed[t * D + d] = f32_from_bf16(bf16_bits_from_f64(s.nm.dot64(col, pre + t * hc, hc)));
+            }
         }
     });
     for (size_t t = 0; t < T; ++t) s.emit(layer, S_PRE + 3, t, collapsed + t * D, {static_cast<int64_t>(D)});
@@ -116,16 +135,35 @@ void hc_expand(Step& s, int layer, bool ffn, float* X, const float* u, const dou
             mj[0] = post[t * hc + j];
             for (size_t i = 0; i < hc; ++i) mj[1 + i] = comb[t * hc * hc + i * hc + j];
         }
-    s.pool.parallel_for(T * D, 2 * hc * (hc + 1), [&](size_t a, size_t b) {
+    // four channels at a time when hc + 1 <= 8 (every X_j[d] of a channel is read before any is written)
+    const bool wide = !s.nm.seq_dot && hc + 1 <= 8;
+    const size_t DB = wide ? D / 4 : 0;
+    const size_t per_t = DB + (D - 4 * DB);
+    s.pool.parallel_for(T * per_t, 2 * hc * (hc + 1) * 4, [&](size_t a, size_t b) {
         double row[65];
+        __m256d A[8], B[8];
         for (size_t k = a; k < b; ++k) {
-            const size_t t = k / D, d = k % D;
+            const size_t t = k / per_t, blk = k % per_t;
             float* xt = X + t * hc * D;
-            row[0] = static_cast<double>(u[t * D + d]);
-            for (size_t i = 0; i < hc; ++i) row[1 + i] = static_cast<double>(xt[i * D + d]);
-            for (size_t j = 0; j < hc; ++j)
-                xt[j * D + d] = f32_from_bf16(bf16_bits_from_f64(
-                    s.nm.dot64(row, mix.data() + (t * hc + j) * (hc + 1), hc + 1)));
+            if (blk < DB) {
+                const size_t d = 4 * blk;
+                A[0] = _mm256_cvtps_pd(_mm_loadu_ps(u + t * D + d));
+                for (size_t i = 0; i < hc; ++i) A[1 + i] = _mm256_cvtps_pd(_mm_loadu_ps(xt + i * D + d));
+                for (size_t j = 0; j < hc; ++j) {
+                    const double* mj = mix.data() + (t * hc + j) * (hc + 1);
+                    for (size_t i = 0; i <= hc; ++i) B[i] = _mm256_set1_pd(mj[i]);
+                    alignas(32) float r[4];
+                    _mm_store_ps(r, _mm256_cvtpd_ps(cdot64_small4(A, B, hc + 1)));
+                    for (size_t e = 0; e < 4; ++e) xt[j * D + d + e] = bf16_round(r[e]);
+                }
+            } else {
+                const size_t d = 4 * DB + (blk - DB);
+                row[0] = static_cast<double>(u[t * D + d]);
+                for (size_t i = 0; i < hc; ++i) row[1 + i] = static_cast<double>(xt[i * D + d]);
+                for (size_t j = 0; j < hc; ++j)
+                    xt[j * D + d] = f32_from_bf16(bf16_bits_from_f64(
+                        s.nm.dot64(row, mix.data() + (t * hc + j) * (hc + 1), hc + 1)));
+            }
         }
     });
     const int st = ffn ? S_FFN_HC_STREAMS : S_ATTN_HC_STREAMS;

@@ -12,6 +12,7 @@
 
 #include "engine.hpp"
 #include "formats.hpp"
+#include "smalldot.hpp"
 
 namespace glm::cpu {
 
@@ -56,27 +57,28 @@ const double kOnes64[64] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1
 }
 
 float Numerics::dot(const float* a, const float* b, size_t n) const {
-    if (!seq_dot) return cdot(a, b, n);
+    if (!seq_dot) return n <= 8 ? cdot_small(a, b, n) : cdot(a, b, n);
     float s = 0.0f;
     for (size_t i = 0; i < n; ++i) s = s + a[i] * b[i];
     return s;
 }
 
 double Numerics::dot64(const double* a, const double* b, size_t n) const {
-    if (!seq_dot) return cdot64(a, b, n);
+    if (!seq_dot) return n <= 8 ? cdot64_small(a, b, n) : cdot64(a, b, n);
     double s = 0.0;
     for (size_t i = 0; i < n; ++i) s = s + a[i] * b[i];
     return s;
 }
 
 float Numerics::sum(const float* x, size_t n) const {
-    if (!seq_dot) return csum(x, n);
+    if (!seq_dot) return n <= 8 ? csum_small(x, n) : csum(x, n);
     float s = 0.0f;
     for (size_t i = 0; i < n; ++i) s = s + x[i];
     return s;
 }
 
 double Numerics::sum64(const double* x, size_t n) const {
+    if (!seq_dot && n <= 8) return csum64_small(x, n);
     if (n <= 64) return dot64(x, kOnes64, n);
     std::vector<double> ones(n, 1.0);
     return dot64(x, ones.data(), n);
@@ -531,6 +533,12 @@ void Engine::finalize() {
             need(!k.dt_bias.empty(), "kda.dt_bias", l);
             need(!k.A_log.empty(), "kda.A_log", l);
             need(!k.o_norm.empty(), "kda.o_norm", l);
+            if (!k.conv.empty()) {
+                const size_t C3 = 3 * static_cast<size_t>(c.kda_dim()), K = static_cast<size_t>(c.linear_conv_kernel_dim);
+                k.conv_t.assign(K * C3, 0.0f);
+                for (size_t ch = 0; ch < C3; ++ch)
+                    for (size_t j = 0; j < K; ++j) k.conv_t[j * C3 + ch] = k.conv[ch * K + j];
+            }
             k.decay_rate.resize(k.A_log.size());
             for (size_t h = 0; h < k.A_log.size(); ++h) k.decay_rate[h] = nm_.exp(k.A_log[h]);
         } else {

@@ -8,6 +8,8 @@
 //           top-k by choice (ties to the lower index), selected sorted by expert index;
 //           w = s_sel [/ (csum(s_sel) + 1e-20f)] * routed_scaling_factor
 //   routed[d] = bf16(cdot over j of (w_j, y_j[d])); out = bf16(routed + shared)
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -15,6 +17,7 @@
 
 #include "engine.hpp"
 #include "formats.hpp"
+#include "smalldot.hpp"
 
 namespace glm::cpu {
 
@@ -147,12 +150,24 @@ void moe_forward(Step& s, int layer, const FfnWeights& w, const float* x, float*
 
     // moe.routed[d] = bf16(cdot over j of (y_j[d], w_j))
     std::vector<float> routed(T * D);
+    const bool wide = !nm.seq_dot && k <= 8;  // eight channels at a time (smalldot.hpp)
     s.pool.parallel_for(T * D, 2 * k, [&](size_t a, size_t b) {
         float col[256];
-        for (size_t i = a; i < b; ++i) {
+        __m256 A[8], B[8];
+        for (size_t i = a; i < b;) {
             const size_t t = i / D, d = i % D;
-            for (size_t j = 0; j < k; ++j) col[j] = ys[(t * k + j) * D + d];
-            routed[i] = bf16_round(nm.dot(col, wts.data() + t * k, k));
+            if (wide && d + 8 <= D && i + 8 <= b) {
+                for (size_t j = 0; j < k; ++j) {
+                    A[j] = _mm256_loadu_ps(ys.data() + (t * k + j) * D + d);
+                    B[j] = _mm256_set1_ps(wts[t * k + j]);
+                }
+                _mm256_storeu_ps(routed.data() + i, bf16_round8(cdot_small8(A, B, k)));
+                i += 8;
+            } else {
+                for (size_t j = 0; j < k; ++j) col[j] = ys[(t * k + j) * D + d];
+                routed[i] = bf16_round(nm.dot(col, wts.data() + t * k, k));
+                i += 1;
+            }
         }
     });
     s.emit_rows(layer, S_MOE_ROUTED, routed.data(), D, D, {static_cast<int64_t>(D)});
