@@ -7,6 +7,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -210,6 +212,64 @@ py::array dot64_columns(const F64Arr& A, const F64Arr& B) {
     return std::move(y);
 }
 
+// ---- benchmark hooks (tools/bench_cpu.py) ----
+
+// Best time of `reps` copies of an nbytes buffer, split over `threads` threads in contiguous blocks.
+double bench_copy(size_t nbytes, unsigned threads, unsigned reps) {
+    if (nbytes == 0 || threads < 1 || threads > 1024 || reps < 1) bad("bench_copy: nbytes, threads, reps >= 1");
+    std::vector<uint8_t> src(nbytes, 1), dst(nbytes, 0);
+    ThreadPool pool(threads);
+    double best = 1e300;
+    for (unsigned r = 0; r < reps; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        pool.parallel_for(threads, ThreadPool::kInlineWork, [&](size_t a, size_t b) {
+            for (size_t t = a; t < b; ++t) {
+                const size_t lo = nbytes * t / threads, hi = nbytes * (t + 1) / threads;
+                std::memcpy(dst.data() + lo, src.data() + lo, hi - lo);
+            }
+        });
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+}
+
+// Best time of `reps` single-token matvecs y = W x over a release-format weight (the engine's decode
+// path: H2's kernels decoding in registers, rows split over `threads` threads).
+double bench_linear(const std::string& release, const py::array& data, const py::object& scale_o, size_t R, size_t C,
+                    unsigned threads, unsigned reps) {
+    Lin w;
+    w.R = R;
+    w.C = C;
+    w.data = data.data();
+    size_t need = 0;
+    if (release == "bf16") w.fmt = WFmt::BF16, need = R * C * 2;
+    else if (release == "fp8") w.fmt = WFmt::FP8, need = R * C;
+    else if (release == "mxfp4") w.fmt = WFmt::MXFP4, need = R * C / 2;
+    else bad("bench_linear: release bf16, fp8 or mxfp4");
+    if (static_cast<size_t>(data.nbytes()) != need || !(data.flags() & py::array::c_style)) bad("bench_linear: data size");
+    py::array scale;
+    if (w.fmt != WFmt::BF16) {
+        scale = py::reinterpret_borrow<py::array>(scale_o);
+        const size_t sneed = w.fmt == WFmt::FP8 ? ((R + 127) / 128) * ((C + 127) / 128) * 4 : R * (C / 32);
+        if (static_cast<size_t>(scale.nbytes()) != sneed || !(scale.flags() & py::array::c_style))
+            bad("bench_linear: scale size");
+        w.scale = scale.data();
+    }
+    if (w.fmt == WFmt::MXFP4 && C % 32) bad("bench_linear: mxfp4 needs C % 32 == 0");
+    if (threads < 1 || threads > 1024 || reps < 1) bad("bench_linear: threads, reps >= 1");
+    std::vector<float> x(C), y(R);
+    for (size_t i = 0; i < C; ++i) x[i] = 1.0f / static_cast<float>(1 + i % 7);
+    ThreadPool pool(threads);
+    double best = 1e300;
+    py::gil_scoped_release nogil;
+    for (unsigned r = 0; r < reps; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        pool.parallel_for(R, C, [&](size_t a, size_t b) { w.matvec(a, b, x.data(), y.data() + a); });
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+}
+
 }  // namespace
 
 void register_engine(py::module_& m) {
@@ -316,6 +376,12 @@ void register_engine(py::module_& m) {
     }
     m.attr("ENGINE_STAGES") = names;
     m.def("engine_exp64", &exp64_array, py::arg("x"), "The engine's canonical double exp (mHC), elementwise.");
+    m.def("engine_bench_copy", &bench_copy, py::arg("nbytes"), py::arg("threads"), py::arg("reps"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Benchmark hook: best seconds of one memcpy of nbytes split over threads.");
+    m.def("engine_bench_linear", &bench_linear, py::arg("release"), py::arg("data"), py::arg("scale"), py::arg("R"),
+          py::arg("C"), py::arg("threads"), py::arg("reps"),
+          "Benchmark hook: best seconds of one single-token matvec over a release-format weight.");
     m.def("engine_dot_columns", &dot_columns, py::arg("A"), py::arg("B"),
           "Test hook: cdot of each column of A, B [n <= 8, m] by the engine's closed-form kernels.");
     m.def("engine_dot64_columns", &dot64_columns, py::arg("A"), py::arg("B"),

@@ -27,8 +27,10 @@ namespace glm::cpu {
 
 class ThreadPool {
    public:
-    // Work below this many "cost units" (about one multiply-add each) runs on the calling thread.
-    static constexpr size_t kInlineWork = 1 << 15;
+    // Work below this many "cost units" (about one multiply-add each, ~50-100 us on one core) runs on
+    // the calling thread: waking a sleeping worker costs microseconds on an idle machine and up to a
+    // scheduler time slice on a busy one, which a small job cannot win back.
+    static constexpr size_t kInlineWork = 1 << 20;
 
     explicit ThreadPool(unsigned threads) : n_(threads < 1 ? 1 : threads) {
         for (unsigned t = 1; t < n_; ++t) workers_.emplace_back([this, t] { worker(t); });

@@ -1,0 +1,212 @@
+"""CPU engine benchmark (docs/engine_cpu.md): the engine against the oracle on the same work, and the
+expert dot's weight streaming against a copy-bandwidth ceiling measured in the same run.
+
+    python tools/bench_cpu.py                       # generates `small` into a temp dir first
+    python tools/bench_cpu.py --small /tmp/zoo      # reuse /tmp/zoo/small-{bf16,fp8,mxfp4}
+    python tools/bench_cpu.py --json
+
+Three measurements, each at 1 and 2 threads:
+1. prefill and decode tokens/s of fast.Engine vs the oracle on `small` (bf16, fp8, mxfp4 releases),
+   same prompt, same greedy continuation (checked equal), Numba compiled before timing;
+2. weight bytes streamed per second on the expert dot (one token: y = W x with W in FP8 block-128 and
+   MXFP4, real GLM-5.3-Flash expert width C = 4096, enough rows to stream from DRAM), decoded in
+   registers by the engine's kernels, per thread and in total;
+3. the copy ceiling: memcpy of a large buffer (bytes read per second), the same thread counts.
+`run_bench(...)` returns all of it as a dict (the `oracle bench` CLI calls it); `format_report` prints it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+
+import numpy as np
+
+__all__ = ["run_bench", "format_report", "machine_info"]
+
+
+def machine_info() -> dict:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    return {"cpu": cpu or platform.processor(), "cores": cores, "machine": platform.machine(),
+            "python": platform.python_version(), "load_1min": load}
+
+
+def _timed(fn, reps: int):
+    best, out = float("inf"), None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def bench_models(path: str, prompt: int, new: int, threads: list[int], reps: int = 2) -> dict:
+    """prefill / decode tokens/s: oracle vs fast.Engine on one checkpoint (best of `reps`)."""
+    import fast
+    import oracle
+
+    model = oracle.load(path)
+    V = model.config.vocab_size
+    ids = [(37 * i + 11) % V for i in range(prompt)]
+    model.generate(ids[:3], 2)  # compile every Numba kernel first
+
+    def run_oracle():
+        cache = model.new_cache()
+        t0 = time.perf_counter()
+        tok = int(model.forward(ids, cache)[-1].argmax())
+        t1 = time.perf_counter()
+        toks = [tok]
+        for _ in range(new - 1):
+            toks.append(int(model.forward([toks[-1]], cache)[-1].argmax()))
+        return t1 - t0, time.perf_counter() - t1, toks
+
+    res = {"checkpoint": path, "prompt": prompt, "new": new}
+    o = [run_oracle() for _ in range(reps)]
+    res["oracle"] = {"prefill_tok_s": prompt / min(r[0] for r in o), "decode_tok_s": (new - 1) / min(r[1] for r in o)}
+    ref_toks = o[0][2]
+    res["engine"] = {}
+    for th in threads:
+        eng = fast.Engine(path, threads=th)
+        eng.generate(ids[:3], 2)
+
+        def run_engine():
+            cache = eng.new_cache()
+            t0 = time.perf_counter()
+            tok = int(eng.forward(ids, cache)[-1].argmax())
+            t1 = time.perf_counter()
+            toks = [tok]
+            for _ in range(new - 1):
+                toks.append(int(eng.forward([toks[-1]], cache)[-1].argmax()))
+            return t1 - t0, time.perf_counter() - t1, toks
+
+        e = [run_engine() for _ in range(reps)]
+        if e[0][2] != ref_toks:
+            raise AssertionError(f"{path}: engine tokens differ from the oracle's: {e[0][2]} vs {ref_toks}")
+        pre, dec = min(r[0] for r in e), min(r[1] for r in e)
+        wb = int(eng._core.weight_bytes)
+        res["engine"][th] = {
+            "prefill_tok_s": prompt / pre, "decode_tok_s": (new - 1) / dec,
+            "prefill_vs_oracle": (prompt / pre) / res["oracle"]["prefill_tok_s"],
+            "decode_vs_oracle": ((new - 1) / dec) / res["oracle"]["decode_tok_s"],
+            "weight_bytes_per_token": wb, "decode_weight_GBps": wb * (new - 1) / dec / 1e9,
+        }
+    return res
+
+
+def _expert_weights(release: str, R: int, C: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    if release == "fp8":
+        q = rng.integers(0, 256, (R, C), dtype=np.uint8)
+        q[(q & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+        s = np.full(((R + 127) // 128, (C + 127) // 128), 1.0 / 448.0, np.float32)
+        return q, s, q.nbytes + s.nbytes
+    if release == "mxfp4":
+        p = rng.integers(0, 256, (R, C // 2), dtype=np.uint8)
+        s = rng.integers(120, 130, (R, C // 32), dtype=np.uint8)
+        return p, s, p.nbytes + s.nbytes
+    w = (rng.standard_normal((R, C)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return w, None, w.nbytes
+
+
+def bench_streams(threads: list[int], rows: int = 49152, cols: int = 4096, copy_mb: int = 512,
+                  reps: int = 5, releases=("fp8", "mxfp4")) -> dict:
+    """Weight bytes/s on the one-token expert dot vs memcpy bytes/s, per thread count."""
+    from fast import _core
+
+    out = {"rows": rows, "cols": cols, "copy_bytes": copy_mb << 20, "copy": {}, "expert_dot": {}}
+    for th in threads:
+        t = _core.engine_bench_copy(copy_mb << 20, th, reps)
+        out["copy"][th] = {"GBps": (copy_mb << 20) / t / 1e9, "GBps_read_plus_write": 2 * (copy_mb << 20) / t / 1e9}
+    for rel in releases:
+        data, scale, nbytes = _expert_weights(rel, rows, cols)
+        out["expert_dot"][rel] = {"weight_bytes": nbytes}
+        for th in threads:
+            t = _core.engine_bench_linear(rel, data, scale, rows, cols, th, reps)
+            gbps = nbytes / t / 1e9
+            out["expert_dot"][rel][th] = {"GBps": gbps, "GBps_per_core": gbps / th,
+                                          "fraction_of_copy": gbps / out["copy"][th]["GBps"],
+                                          "MACs_per_ns": rows * cols / t / 1e9}
+    return out
+
+
+def run_bench(small_dir: str | None = None, prompt: int = 64, new: int = 32, threads=(1, 2),
+              releases=("bf16", "fp8", "mxfp4"), stream_rows: int = 49152, progress=None) -> dict:
+    """Everything in one run -> dict (machine, per-release model speeds, expert-dot streaming, copy)."""
+    threads = list(threads)
+    say = progress or (lambda msg: None)
+    report = {"machine": machine_info(), "command": "tools/bench_cpu.py", "threads": threads}
+    tmp = None
+    if small_dir is None:
+        from oracle.zoo import make_zoo
+        tmp = tempfile.TemporaryDirectory(prefix="bench_cpu_")
+        small_dir = tmp.name
+        say(f"generating small into {small_dir}")
+        make_zoo("small", small_dir, releases=releases)
+    try:
+        report["models"] = []
+        for rel in releases:
+            say(f"small-{rel}: oracle vs engine")
+            report["models"].append(bench_models(os.path.join(small_dir, f"small-{rel}"), prompt, new, threads))
+        say("expert dot and copy bandwidth")
+        report["streams"] = bench_streams(threads, rows=stream_rows)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    report["machine"]["load_1min_after"] = machine_info()["load_1min"]
+    return report
+
+
+def format_report(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"machine: {m['cpu']} ({m['cores']} cores), load {m['load_1min']} -> {m.get('load_1min_after')}", ""]
+    lines.append("| checkpoint | oracle prefill | oracle decode | threads | engine prefill | x | engine decode | x |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for mr in r["models"]:
+        name = os.path.basename(mr["checkpoint"])
+        for th, e in mr["engine"].items():
+            lines.append(f"| {name} | {mr['oracle']['prefill_tok_s']:.0f} | {mr['oracle']['decode_tok_s']:.0f} | {th} | "
+                         f"{e['prefill_tok_s']:.0f} | {e['prefill_vs_oracle']:.1f} | {e['decode_tok_s']:.0f} | "
+                         f"{e['decode_vs_oracle']:.1f} |")
+    s = r["streams"]
+    lines += ["", f"expert dot: one token, W [{s['rows']}, {s['cols']}] (real expert width), decoded in registers",
+              "| threads | copy GB/s (read) | release | weight GB/s | per core | of copy | MAC/ns |", "|---|---|---|---|---|---|---|"]
+    for th, c in s["copy"].items():
+        for rel, d in s["expert_dot"].items():
+            e = d[th]
+            lines.append(f"| {th} | {c['GBps']:.2f} | {rel} | {e['GBps']:.2f} | {e['GBps_per_core']:.2f} | "
+                         f"{e['fraction_of_copy']:.0%} | {e['MACs_per_ns']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", help="directory holding small-{bf16,fp8,mxfp4} (default: generate into a temp dir)")
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--rows", type=int, default=49152, help="rows of the expert-dot weight (C = 4096)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    r = run_bench(a.small, a.prompt, a.new, [int(t) for t in a.threads.split(",")], stream_rows=a.rows,
+                  progress=None if a.json else (lambda msg: print(f"... {msg}", flush=True)))
+    print(json.dumps(r, indent=1, default=str) if a.json else format_report(r))
+
+
+if __name__ == "__main__":
+    main()
