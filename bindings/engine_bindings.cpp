@@ -274,7 +274,8 @@ double bench_linear(const std::string& release, const py::array& data, const py:
 
 void register_engine(py::module_& m) {
     py::class_<PyEngine>(m, "_Engine", "The CPU engine's executor (use fast.Engine).")
-        .def(py::init([](const py::dict& cfg, unsigned threads, const std::string& dot, const std::string& expf) {
+        .def(py::init([](const py::dict& cfg, unsigned threads, const std::string& dot, const std::string& expf,
+                         int64_t inline_work) {
                  Numerics nm;
                  if (dot == "sequential")
                      nm.seq_dot = true;
@@ -285,15 +286,19 @@ void register_engine(py::module_& m) {
                  else if (expf != "canonical")
                      bad("expf: expected 'canonical' or 'native', given '" + expf + "'");
                  if (threads < 1 || threads > 1024) bad("threads: expected 1..1024");
+                 if (inline_work < -1) bad("inline_work: expected >= 0 (or -1: the default)");
                  auto pe = std::make_unique<PyEngine>();
                  try {
-                     pe->eng = std::make_unique<Engine>(config_from_dict(cfg), threads, nm);
+                     pe->eng = std::make_unique<Engine>(
+                         config_from_dict(cfg), threads, nm,
+                         inline_work < 0 ? ThreadPool::kInlineWork : static_cast<size_t>(inline_work));
                  } catch (const std::invalid_argument& e) {
                      bad(e.what());
                  }
                  return pe;
              }),
-             py::arg("config"), py::arg("threads"), py::arg("dot") = "canonical", py::arg("expf") = "canonical")
+             py::arg("config"), py::arg("threads"), py::arg("dot") = "canonical", py::arg("expf") = "canonical",
+             py::arg("inline_work") = -1)
         .def(
             "add_tensor",
             [](PyEngine& pe, const std::string& role, int layer, int expert, const std::string& release,

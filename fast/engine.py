@@ -184,7 +184,8 @@ class Engine:
     """The exact CPU engine over one checkpoint (weights stay in their release format, memory-mapped)."""
 
     def __init__(self, path, device: str = "cpu", threads: int | None = None, *, dot: str = "canonical",
-                 expf: str = "canonical", inject=None, max_context: int | None = None):
+                 expf: str = "canonical", inject=None, max_context: int | None = None,
+                 parallel_work: int | None = None):
         if device != "cpu":
             raise EngineInputError(f"device {device!r}: this engine runs on 'cpu' (the CUDA engine is fast._cuda)")
         if threads is None:
@@ -195,6 +196,8 @@ class Engine:
             raise EngineInputError(f"dot must be 'canonical' or 'sequential', got {dot!r}")
         if expf not in ("canonical", "native"):
             raise EngineInputError(f"expf must be 'canonical' or 'native', got {expf!r}")
+        if parallel_work is not None and (not _is_int(parallel_work) or parallel_work < 0):
+            raise EngineInputError(f"parallel_work must be an int >= 0 or None, got {parallel_work!r}")
         core = _core()
         self.checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
         self.config = cfg = self.checkpoint.config
@@ -205,7 +208,10 @@ class Engine:
             limit = int(max_context)
         self.max_context = limit
         self.options = {"dot": dot, "expf": expf, "threads": int(threads)}
-        self._core = core._Engine(_engine_config(cfg, limit), int(threads), dot, expf)
+        # parallel_work: jobs below this many multiply-adds run on one thread (None: the engine's
+        # default, about 1M; 0 splits every job over the threads, which the tests use on tiny models)
+        self._core = core._Engine(_engine_config(cfg, limit), int(threads), dot, expf,
+                                  -1 if parallel_work is None else int(parallel_work))
         self.release = {}
         for entry in N.expected(cfg):
             role, layer, expert = entry.spec.role, entry.layer, entry.expert

@@ -70,7 +70,8 @@ def engines(ckpt_path):
     def get(name: str, **kw) -> fast.Engine:
         key = (name, tuple(sorted(kw.items())))
         if key not in cache:
-            cache[key] = fast.Engine(ckpt_path(name), device="cpu", **kw)
+            # two threads splitting every job (parallel_work=0), even on these small models
+            cache[key] = fast.Engine(ckpt_path(name), device="cpu", threads=2, parallel_work=0, **kw)
         return cache[key]
     return get
 

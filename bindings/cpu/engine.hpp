@@ -288,7 +288,9 @@ void head_forward(Step& s, const float* X, const std::vector<size_t>& rows, floa
 
 class Engine {
    public:
-    Engine(const EngineConfig& cfg, unsigned threads, Numerics nm);
+    // inline_work: jobs below this many multiply-adds run on the calling thread (0: split every job;
+    // the tests use it to exercise the threads on tiny models).
+    Engine(const EngineConfig& cfg, unsigned threads, Numerics nm, size_t inline_work = ThreadPool::kInlineWork);
 
     const EngineConfig& config() const { return cfg_; }
     const Numerics& numerics() const { return nm_; }

@@ -280,9 +280,9 @@ void Step::linear(const Lin& W, const float* X, size_t ldx, float* Y, size_t ldy
 
 // ---- the engine ---------------------------------------------------------------------------------
 
-Engine::Engine(const EngineConfig& cfg, unsigned threads, Numerics nm) : cfg_(cfg), nm_(nm) {
+Engine::Engine(const EngineConfig& cfg, unsigned threads, Numerics nm, size_t inline_work) : cfg_(cfg), nm_(nm) {
     cfg_.validate();
-    pool_ = std::make_unique<ThreadPool>(threads);
+    pool_ = std::make_unique<ThreadPool>(threads, inline_work);
     layers.resize(static_cast<size_t>(cfg_.num_hidden_layers));
     for (size_t l = 0; l < layers.size(); ++l) {
         layers[l].kda = cfg_.is_kda[l] != 0;

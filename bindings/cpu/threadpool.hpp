@@ -32,7 +32,8 @@ class ThreadPool {
     // scheduler time slice on a busy one, which a small job cannot win back.
     static constexpr size_t kInlineWork = 1 << 20;
 
-    explicit ThreadPool(unsigned threads) : n_(threads < 1 ? 1 : threads) {
+    explicit ThreadPool(unsigned threads, size_t inline_work = kInlineWork)
+        : n_(threads < 1 ? 1 : threads), inline_work_(inline_work) {
         for (unsigned t = 1; t < n_; ++t) workers_.emplace_back([this, t] { worker(t); });
     }
     ~ThreadPool() {
@@ -54,7 +55,7 @@ class ThreadPool {
     template <class Fn>
     void parallel_for(size_t n, size_t cost, Fn&& fn) {
         if (n == 0) return;
-        if (n_ == 1 || n == 1 || n * cost < kInlineWork) {
+        if (n_ == 1 || n == 1 || n * cost < inline_work_) {
             fn(size_t{0}, n);
             return;
         }
@@ -130,6 +131,7 @@ class ThreadPool {
     }
 
     unsigned n_;
+    size_t inline_work_;
     std::vector<std::thread> workers_;
     std::mutex m_;
     std::condition_variable cv_, done_cv_;
