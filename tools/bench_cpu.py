@@ -11,7 +11,9 @@ Three measurements, each at 1 and 2 threads:
 2. weight bytes streamed per second on the expert dot (one token: y = W x with W in FP8 block-128 and
    MXFP4, real GLM-5.3-Flash expert width C = 4096, enough rows to stream from DRAM), decoded in
    registers by the engine's kernels, per thread and in total;
-3. the copy ceiling: memcpy of a large buffer (bytes read per second), the same thread counts.
+3. the copy ceiling: memcpy of a large buffer (read + write bytes per second), the same thread counts;
+4. optionally (--slice DIR), decode at batch 1 on a real-width checkpoint: weight bytes read per token
+   over the copy bandwidth, i.e. the fraction of the memory roofline reached.
 `run_bench(...)` returns all of it as a dict (the `oracle bench` CLI calls it); `format_report` prints it.
 """
 from __future__ import annotations
@@ -132,7 +134,9 @@ def bench_streams(threads: list[int], rows: int = 49152, cols: int = 4096, copy_
     out = {"rows": rows, "cols": cols, "copy_bytes": copy_mb << 20, "copy": {}, "expert_dot": {}}
     for th in threads:
         t = _core.engine_bench_copy(copy_mb << 20, th, reps)
-        out["copy"][th] = {"GBps": (copy_mb << 20) / t / 1e9, "GBps_read_plus_write": 2 * (copy_mb << 20) / t / 1e9}
+        # the ceiling: memory traffic of a large memcpy, read + write (the STREAM "copy" convention; a
+        # read-only stream such as a weight sweep can exceed the read half alone)
+        out["copy"][th] = {"GBps": 2 * (copy_mb << 20) / t / 1e9, "GBps_read_only_half": (copy_mb << 20) / t / 1e9}
     for rel in releases:
         data, scale, nbytes = _expert_weights(rel, rows, cols)
         out["expert_dot"][rel] = {"weight_bytes": nbytes}
@@ -145,9 +149,33 @@ def bench_streams(threads: list[int], rows: int = 49152, cols: int = 4096, copy_
     return out
 
 
+def bench_roofline(path: str, threads: list[int], new: int = 8, copy: dict | None = None) -> dict:
+    """Decode at batch 1 on a real-width checkpoint (e.g. a `slice`): weight bytes read per token over
+    the measured copy bandwidth -> the fraction of the memory roofline reached."""
+    import fast
+
+    out = {"checkpoint": path, "new": new, "engine": {}}
+    for th in threads:
+        eng = fast.Engine(path, threads=th)
+        cache = eng.new_cache()
+        tok = int(eng.forward([1, 2, 3, 4], cache)[-1].argmax())
+        t0 = time.perf_counter()
+        for _ in range(new):
+            tok = int(eng.forward([tok], cache)[-1].argmax())
+        dt = (time.perf_counter() - t0) / new
+        wb = int(eng._core.weight_bytes)
+        gbps = wb / dt / 1e9
+        ceiling = (copy or {}).get(th, {}).get("GBps")
+        out["engine"][th] = {"decode_tok_s": 1 / dt, "weight_bytes_per_token": wb, "weight_GBps": gbps,
+                             "roofline_tok_s": ceiling * 1e9 / wb if ceiling else None,
+                             "fraction_of_roofline": gbps / ceiling if ceiling else None}
+    return out
+
+
 def run_bench(small_dir: str | None = None, prompt: int = 64, new: int = 32, threads=(1, 2),
-              releases=("bf16", "fp8", "mxfp4"), stream_rows: int = 49152, progress=None) -> dict:
-    """Everything in one run -> dict (machine, per-release model speeds, expert-dot streaming, copy)."""
+              releases=("bf16", "fp8", "mxfp4"), stream_rows: int = 49152, slice_dirs=(), progress=None) -> dict:
+    """Everything in one run -> dict (machine, per-release model speeds, expert-dot streaming, copy,
+    and, for each real-width checkpoint in `slice_dirs`, decode against the memory roofline)."""
     threads = list(threads)
     say = progress or (lambda msg: None)
     report = {"machine": machine_info(), "command": "tools/bench_cpu.py", "threads": threads}
@@ -165,6 +193,10 @@ def run_bench(small_dir: str | None = None, prompt: int = 64, new: int = 32, thr
             report["models"].append(bench_models(os.path.join(small_dir, f"small-{rel}"), prompt, new, threads))
         say("expert dot and copy bandwidth")
         report["streams"] = bench_streams(threads, rows=stream_rows)
+        report["roofline"] = []
+        for d in slice_dirs:
+            say(f"{d}: decode vs the memory roofline")
+            report["roofline"].append(bench_roofline(d, threads, copy=report["streams"]["copy"]))
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -174,7 +206,10 @@ def run_bench(small_dir: str | None = None, prompt: int = 64, new: int = 32, thr
 
 def format_report(r: dict) -> str:
     m = r["machine"]
-    lines = [f"machine: {m['cpu']} ({m['cores']} cores), load {m['load_1min']} -> {m.get('load_1min_after')}", ""]
+    def load(v):
+        return "?" if v is None else f"{v:.1f}"
+    lines = [f"machine: {m['cpu']} ({m['cores']} cores), 1-min load average {load(m['load_1min'])} before, "
+             f"{load(m.get('load_1min_after'))} after", ""]
     lines.append("| checkpoint | oracle prefill | oracle decode | threads | engine prefill | x | engine decode | x |")
     lines.append("|---|---|---|---|---|---|---|---|")
     for mr in r["models"]:
@@ -184,13 +219,23 @@ def format_report(r: dict) -> str:
                          f"{e['prefill_tok_s']:.0f} | {e['prefill_vs_oracle']:.1f} | {e['decode_tok_s']:.0f} | "
                          f"{e['decode_vs_oracle']:.1f} |")
     s = r["streams"]
-    lines += ["", f"expert dot: one token, W [{s['rows']}, {s['cols']}] (real expert width), decoded in registers",
-              "| threads | copy GB/s (read) | release | weight GB/s | per core | of copy | MAC/ns |", "|---|---|---|---|---|---|---|"]
+    lines += ["", f"expert dot: one token, W [{s['rows']}, {s['cols']}] (real expert width), decoded in registers;",
+              "copy = memcpy of 512 MiB, read + write bytes per second",
+              "| threads | copy GB/s | release | weight GB/s | per core | of copy | MAC/ns |", "|---|---|---|---|---|---|---|"]
     for th, c in s["copy"].items():
         for rel, d in s["expert_dot"].items():
             e = d[th]
             lines.append(f"| {th} | {c['GBps']:.2f} | {rel} | {e['GBps']:.2f} | {e['GBps_per_core']:.2f} | "
                          f"{e['fraction_of_copy']:.0%} | {e['MACs_per_ns']:.2f} |")
+    if r.get("roofline"):
+        lines += ["", "decode at batch 1, real widths: weight bytes per token / copy bandwidth",
+                  "| checkpoint | threads | tok/s | GB/token | weight GB/s | roofline tok/s | of roofline |",
+                  "|---|---|---|---|---|---|---|"]
+        for rr in r["roofline"]:
+            for th, e in rr["engine"].items():
+                lines.append(f"| {os.path.basename(rr['checkpoint'])} | {th} | {e['decode_tok_s']:.2f} | "
+                             f"{e['weight_bytes_per_token'] / 1e9:.2f} | {e['weight_GBps']:.2f} | "
+                             f"{e['roofline_tok_s']:.2f} | {e['fraction_of_roofline']:.0%} |")
     return "\n".join(lines)
 
 
@@ -201,10 +246,12 @@ def main() -> None:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--threads", default="1,2")
     p.add_argument("--rows", type=int, default=49152, help="rows of the expert-dot weight (C = 4096)")
+    p.add_argument("--slice", action="append", default=[],
+                   help="a real-width checkpoint (e.g. `oracle make-checkpoint slice`) for the decode roofline; repeatable")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     r = run_bench(a.small, a.prompt, a.new, [int(t) for t in a.threads.split(",")], stream_rows=a.rows,
-                  progress=None if a.json else (lambda msg: print(f"... {msg}", flush=True)))
+                  slice_dirs=a.slice, progress=None if a.json else (lambda msg: print(f"... {msg}", flush=True)))
     print(json.dumps(r, indent=1, default=str) if a.json else format_report(r))
 
 

@@ -597,16 +597,24 @@ void Engine::finalize() {
 }
 
 size_t Engine::weight_bytes() const {
-    size_t b = embed.C * 2 + lm_head.bytes();
+    // bytes one decode token reads: every weight of the layers it runs (k routed experts per MoE
+    // layer), in the form the engine reads them (release format; mHC fn as double, W_UK as f32)
+    const size_t hc_bytes = 8 * static_cast<size_t>(cfg_.hc_dim() * cfg_.hc_mult * cfg_.hidden_size);
+    size_t b = embed.C * (embed.fmt == WFmt::F32 ? 4 : 2) + lm_head.bytes();
     for (const LayerWeights& w : layers) {
+        b += 2 * hc_bytes;
         if (w.kda) {
             for (const Lin* l : {&w.k.q_proj, &w.k.k_proj, &w.k.v_proj, &w.k.f_a, &w.k.f_b, &w.k.b_proj, &w.k.g_a,
                                  &w.k.g_b, &w.k.o_proj})
                 b += l->bytes();
         } else {
-            for (const Lin* l : {&w.m.q_a, &w.m.q_b, &w.m.kv_a, &w.m.kv_b, &w.m.o_proj, &w.m.wq_b, &w.m.wk,
+            for (const Lin* l : {&w.m.q_a, &w.m.q_b, &w.m.kv_a, &w.m.o_proj, &w.m.wq_b, &w.m.wk,
                                  &w.m.weights_proj, &w.m.kpool_gate})
                 b += l->bytes();
+            const size_t nh = static_cast<size_t>(cfg_.num_attention_heads), dn = static_cast<size_t>(cfg_.qk_nope_head_dim);
+            const size_t dv = static_cast<size_t>(cfg_.v_head_dim);
+            b += w.m.w_uk_t.size() * 4;  // W_UK (decoded, transposed)
+            for (size_t h = 0; h < nh && !w.m.kv_b.empty(); ++h) b += w.m.kv_b.rows(h * (dn + dv) + dn, dv).bytes();
         }
         if (w.f.moe) {
             b += w.f.router.bytes() + w.f.s_gate.bytes() + w.f.s_up.bytes() + w.f.s_down.bytes();
