@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["make-checkpoint"]:              # its own parser, --help included
+        from .zoo import main_make_checkpoint
+        return main_make_checkpoint(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
