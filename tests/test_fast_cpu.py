@@ -298,3 +298,33 @@ def test_small_reductions_equal_cdot(n):
                 e = dtype(exp)
                 assert np.array_equal(np.array(v).view(red), np.array(e).view(red)) or (np.isnan(v) and np.isnan(e)), \
                     (name, n, j)
+
+
+def test_f32_stored_checkpoint(tmp_path, golden_dir):
+    """Weights stored as F32 (what transformers' save_pretrained writes) take the engine's F32 path."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from oracle import names as N
+    from oracle.checkpoint import open_checkpoint
+
+    src = golden_dir / "tiny-bf16"
+    ck = open_checkpoint(str(src))
+    tensors = {}
+    for entry in N.expected(ck.config):
+        raw = ck.raw(entry.spec.role, entry.layer, entry.expert)
+        a = np.asarray(raw.data)
+        tensors[raw.stored_key] = (a.astype(np.uint32) << 16).view(np.float32) if raw.release == "bf16" else a
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    eng = fast.Engine(str(tmp_path), threads=2, parallel_work=0)
+    assert set(eng.release) == {"f32"}
+    m = oracle.load(str(tmp_path))
+    ids = prompt(m.config.vocab_size, 21, 12)
+    want, got = Capture(keep_values=False), Capture(keep_values=False)
+    toks, logits = m.generate(ids, 3, capture=want, return_logits=True)
+    got_toks, got_logits = eng.generate(ids, 3, capture=got, return_logits=True)
+    assert got_toks == toks
+    assert np.array_equal(bits(got_logits), bits(logits))
+    assert got.hashes == want.hashes
