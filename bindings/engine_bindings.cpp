@@ -15,6 +15,7 @@
 
 #include "cpu/engine.hpp"
 #include "cpu/exp64.hpp"
+#include "cpu/formats.hpp"
 #include "cpu/smalldot.hpp"
 
 namespace py = pybind11;
@@ -387,6 +388,35 @@ void register_engine(py::module_& m) {
     m.def("engine_bench_linear", &bench_linear, py::arg("release"), py::arg("data"), py::arg("scale"), py::arg("R"),
           py::arg("C"), py::arg("threads"), py::arg("reps"),
           "Benchmark hook: best seconds of one single-token matvec over a release-format weight.");
+    m.def(
+        "engine_decode_rows",
+        [](const std::string& release, const py::array& data, const py::object& scale_o, size_t R, size_t C) {
+            Lin w;
+            w.R = R;
+            w.C = C;
+            w.data = data.data();
+            py::array scale;
+            size_t need = R * C * (release == "bf16" ? 2 : release == "f32" ? 4 : 1);
+            if (release == "bf16") w.fmt = WFmt::BF16;
+            else if (release == "f32") w.fmt = WFmt::F32;
+            else if (release == "fp8") w.fmt = WFmt::FP8;
+            else if (release == "mxfp4") w.fmt = WFmt::MXFP4, need = R * C / 2;
+            else bad("release: bf16, f32, fp8 or mxfp4");
+            if (static_cast<size_t>(data.nbytes()) != need || !(data.flags() & py::array::c_style)) bad("data size");
+            if (w.fmt == WFmt::FP8 || w.fmt == WFmt::MXFP4) {
+                scale = py::reinterpret_borrow<py::array>(scale_o);
+                const size_t sneed = w.fmt == WFmt::FP8 ? ((R + 127) / 128) * ((C + 127) / 128) * 4 : R * (C / 32);
+                if (static_cast<size_t>(scale.nbytes()) != sneed || !(scale.flags() & py::array::c_style)) bad("scale size");
+                w.scale = scale.data();
+                if (w.fmt == WFmt::MXFP4 && C % 32) bad("mxfp4 needs C % 32 == 0");
+                if (w.fmt == WFmt::FP8) w.fp8_nan_free = !has_e4m3_nan(static_cast<const uint8_t*>(w.data), R * C);
+            }
+            py::array_t<float> out({static_cast<py::ssize_t>(R), static_cast<py::ssize_t>(C)});
+            for (size_t r = 0; r < R; ++r) w.decode_row(r, out.mutable_data() + r * C);
+            return out;
+        },
+        py::arg("release"), py::arg("data"), py::arg("scale"), py::arg("R"), py::arg("C"),
+        "Test hook: the engine's exact row decode of a release-format weight -> f32 [R, C].");
     m.def("engine_dot_columns", &dot_columns, py::arg("A"), py::arg("B"),
           "Test hook: cdot of each column of A, B [n <= 8, m] by the engine's closed-form kernels.");
     m.def("engine_dot64_columns", &dot64_columns, py::arg("A"), py::arg("B"),

@@ -258,6 +258,23 @@ void Step::linear(const Lin& W, const float* X, size_t ldx, float* Y, size_t ldy
         });
         return;
     }
+    if (rows <= kMatvecRows && !nm.seq_dot) {
+        // a few tokens: the in-register matvec once per token over blocks of rows small enough to
+        // stay in L2, so only the first token reads the block from memory
+        pool.parallel_for(R, C * rows, [&](size_t a, size_t b) {
+            thread_local std::vector<float> tmp;
+            const size_t blk = std::max<size_t>(1, (size_t{96} << 10) / std::max<size_t>(W.bytes() / std::max<size_t>(R, 1), 1));
+            tmp.resize(std::min(blk, b - a));
+            for (size_t r0 = a; r0 < b; r0 += blk) {
+                const size_t r1 = std::min(b, r0 + blk);
+                for (size_t t = 0; t < rows; ++t) {
+                    W.matvec(r0, r1, X + t * ldx, tmp.data());
+                    for (size_t r = r0; r < r1; ++r) Y[t * ldy + r] = round ? bf16_round(tmp[r - r0]) : tmp[r - r0];
+                }
+            }
+        });
+        return;
+    }
     // several tokens: decode each weight row once, then one cdot per token
     pool.parallel_for(R, C * (rows + 1), [&](size_t a, size_t b) {
         thread_local std::vector<float> buf;
@@ -363,6 +380,7 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
             expect(data_shape, {R, C}, "data");
             if (!scale) bad("fp8 weight without weight_scale_inv");
             expect(scale_shape, {(R + 127) / 128, (C + 127) / 128}, "weight_scale_inv");
+            w.fp8_nan_free = !has_e4m3_nan(static_cast<const uint8_t*>(data), rows * cols);
         } else if (release == "mxfp4") {
             w.fmt = WFmt::MXFP4;
             if (C % 32 != 0) bad("mxfp4 needs in_features % 32 == 0");

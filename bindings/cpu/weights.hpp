@@ -24,6 +24,7 @@ struct Lin {
     size_t row0 = 0;       // first row of the view in the stored tensor
     const void* data = nullptr;   // the stored tensor (row 0)
     const void* scale = nullptr;  // fp8: f32 [ceil(rows/128), ceil(C/128)]; mxfp4: u8 [rows, C/32]
+    bool fp8_nan_free = false;    // fp8: no NaN code anywhere (checked once at load): fast row decode
 
     bool empty() const { return data == nullptr; }
     // rows [r0, r0 + n) of this view
