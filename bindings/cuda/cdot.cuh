@@ -1,0 +1,185 @@
+// The one reduction primitive on the device (SPEC 4.2, docs/numerics.md):
+//
+//   cdot(a, b) over n elements: 64 partial sums P[g][l] start at +0; element i = 64c + 8g + l goes to
+//   P[g][l] = fma(a[i], b[i], P[g][l]), chunks c in increasing order, elements past n skipped; then
+//   P[g] += P[g+w] lane-wise for w = 4, 2, 1; then P[0][l] += P[0][l+w] for w = 4, 2, 1. Result P[0][0].
+//
+// Three mappings of that one association onto threads, chosen by the shape of the work:
+//   * group_*: eight threads per dot (thread g of the group owns accumulator g: its eight lanes in
+//     registers), the 4/2/1 tree over the threads by shuffles, then over the lanes in registers.
+//     The matrix-vector kernels and every "many short dots" stage use it.
+//   * block64_dot: 64 threads per dot, thread (g, l) owns the single partial sum P[g][l]; the fold in
+//     shared memory. For a few long dots (mHC, norms of long rows): 8x the memory parallelism.
+//   * cdot_serial: one thread, all 64 partial sums in local memory. For short dots (n <= a few dozen:
+//     MoE weights, conv taps, the mHC stream mixes, pool softmax).
+// All three produce the same bits for the same (a, b, n): the order is a function of n and the
+// element index only. With dot="sequential" (Nm::seq) each computes the plain left-to-right sum
+// s = s + a[i]*b[i] instead (non-canonical, for demonstrations).
+#pragma once
+
+#include "compat.cuh"
+
+namespace glm::cuda {
+
+GLM_DEV int lane8() { return static_cast<int>(threadIdx.x & 7u); }
+
+// The 4/2/1 trees over the eight threads of a group, then over the lanes of P[0]: P[0][0] on all
+// eight threads. Every lane of the warp must call it (full-mask shuffles).
+template <class T>
+GLM_DEV T group_fold(T (&acc)[8]) {
+    const int g = lane8();
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1) {
+#pragma unroll
+        for (int l = 0; l < 8; ++l) {
+            const T o = __shfl_down_sync(kFull, acc[l], w, 8);
+            if (g < w) acc[l] = add(acc[l], o);
+        }
+    }
+    T a0 = add(acc[0], acc[4]);
+    T a1 = add(acc[1], acc[5]);
+    const T a2 = add(acc[2], acc[6]);
+    const T a3 = add(acc[3], acc[7]);
+    a0 = add(a0, a2);
+    a1 = add(a1, a3);
+    a0 = add(a0, a1);
+    return __shfl_sync(kFull, a0, 0, 8);
+}
+
+template <class T>
+GLM_DEV void zero8(T (&acc)[8]) {
+#pragma unroll
+    for (int l = 0; l < 8; ++l) acc[l] = T(0);
+}
+
+// Largest n over the warp (so that loops containing shuffles run the same count on every lane).
+GLM_DEV int warp_max_int(int n) {
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) {
+        const int m = __shfl_xor_sync(kFull, n, o);
+        n = m > n ? m : n;
+    }
+    return n;
+}
+
+// cdot over the group: get(i, a, b) yields element i < n. Every lane of the warp must call it (a
+// lane without work passes n = 0). seq: the sequential sum, carried from thread to thread.
+template <class T, class Get>
+GLM_DEV T group_dot(int n, bool seq, Get get) {
+    const int g = lane8();
+    if (!seq) {
+        T acc[8];
+        zero8(acc);
+#pragma unroll 4
+        for (int base = 8 * g; base < n; base += 64) {
+#pragma unroll
+            for (int l = 0; l < 8; ++l) {
+                const int i = base + l;
+                if (i < n) {
+                    T a, b;
+                    get(i, a, b);
+                    acc[l] = fma_(a, b, acc[l]);
+                }
+            }
+        }
+        return group_fold(acc);
+    }
+    const int nw = warp_max_int(n);
+    T s = T(0);
+    for (int base = 0; base < nw; base += 64) {
+        for (int gg = 0; gg < 8; ++gg) {
+            if (g == gg) {
+                for (int l = 0; l < 8; ++l) {
+                    const int i = base + 8 * gg + l;
+                    if (i < n) {
+                        T a, b;
+                        get(i, a, b);
+                        s = add(s, mul(a, b));
+                    }
+                }
+            }
+            s = __shfl_sync(kFull, s, gg, 8);
+        }
+    }
+    return s;
+}
+
+// cdot over the first 64 threads of a block (threadIdx.x < 64 take part; the block has >= 64
+// threads and every thread of the block calls it). red: 64 elements of shared memory of type T.
+// The result on every thread of the block.
+template <class T, class Get>
+GLM_DEV T block64_dot(int n, bool seq, T* red, Get get) {
+    const int tid = static_cast<int>(threadIdx.x);
+    __syncthreads();  // red may still be read from a previous call
+    if (!seq) {
+        if (tid < 64) {
+            T p = T(0);
+#pragma unroll 8
+            for (int i = tid; i < n; i += 64) {
+                T a, b;
+                get(i, a, b);
+                p = fma_(a, b, p);
+            }
+            red[tid] = p;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            T P[64];
+            for (int k = 0; k < 64; ++k) P[k] = red[k];
+            for (int w = 4; w >= 1; w >>= 1)
+                for (int g = 0; g < w; ++g)
+                    for (int l = 0; l < 8; ++l) P[8 * g + l] = add(P[8 * g + l], P[8 * (g + w) + l]);
+            for (int w = 4; w >= 1; w >>= 1)
+                for (int l = 0; l < w; ++l) P[l] = add(P[l], P[l + w]);
+            red[0] = P[0];
+        }
+    } else if (tid == 0) {
+        T s = T(0);
+        for (int i = 0; i < n; ++i) {
+            T a, b;
+            get(i, a, b);
+            s = add(s, mul(a, b));
+        }
+        red[0] = s;
+    }
+    __syncthreads();
+    return red[0];
+}
+
+// cdot in one thread (any n; meant for short dots).
+template <class T, class Get>
+GLM_DEV T cdot_serial(int n, bool seq, Get get) {
+    if (seq) {
+        T s = T(0);
+        for (int i = 0; i < n; ++i) {
+            T a, b;
+            get(i, a, b);
+            s = add(s, mul(a, b));
+        }
+        return s;
+    }
+    T P[64];
+    for (int k = 0; k < 64; ++k) P[k] = T(0);
+    for (int i = 0; i < n; ++i) {
+        T a, b;
+        get(i, a, b);
+        P[i & 63] = fma_(a, b, P[i & 63]);
+    }
+    for (int w = 4; w >= 1; w >>= 1)
+        for (int g = 0; g < w; ++g)
+            for (int l = 0; l < 8; ++l) P[8 * g + l] = add(P[8 * g + l], P[8 * (g + w) + l]);
+    for (int w = 4; w >= 1; w >>= 1)
+        for (int l = 0; l < w; ++l) P[l] = add(P[l], P[l + w]);
+    return P[0];
+}
+
+// Shorthands over plain arrays (b with a stride).
+template <class T>
+GLM_DEV T cdot_serial_arr(const T* a, const T* b, int n, bool seq) {
+    return cdot_serial<T>(n, seq, [&](int i, T& x, T& y) {
+        x = a[i];
+        y = b[i];
+    });
+}
+
+}  // namespace glm::cuda

@@ -1,0 +1,69 @@
+// Build glue shared by every file of the CUDA engine: the CUDA runtime (or its CPU emulation,
+// GLM_CUDA_EMU, bindings/cuda/emu), kernel launches, dynamic shared memory, error checks, and the
+// IEEE arithmetic used by every kernel.
+//
+// Exactness (SPEC 4.6): every floating-point operation of a definition is written as an explicit
+// round-to-nearest intrinsic (__fadd_rn, __fmul_rn, __fmaf_rn, __fdiv_rn, __fsqrt_rn and the double
+// twins), so nothing depends on the compiler's contraction or fast-math settings; the build adds
+// --fmad=false -prec-div=true -prec-sqrt=true --ftz=false on top and never --use_fast_math.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#if defined(GLM_CUDA_EMU)
+#include "emu/emu.hpp"
+#define GLM_LAUNCH(kernel, grid, block, smem, ...) \
+    ::glm_emu::launch(dim3(grid), dim3(block), (smem), [&] { kernel(__VA_ARGS__); })
+#define GLM_DYN_SMEM(type, name) type* name = reinterpret_cast<type*>(::glm_emu::dyn_smem())
+#else
+#include <cuda_runtime.h>
+#define GLM_LAUNCH(kernel, grid, block, smem, ...) kernel<<<(grid), (block), (smem), 0>>>(__VA_ARGS__)
+#define GLM_DYN_SMEM(type, name)                              \
+    extern __shared__ __align__(16) unsigned char glm_smem_[]; \
+    type* name = reinterpret_cast<type*>(glm_smem_)
+#endif
+
+#define GLM_DEV __device__ __forceinline__
+
+namespace glm::cuda {
+
+inline void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
+}
+// After a launch: a launch-configuration error is reported here (execution errors at the next sync).
+inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
+
+// ---- arithmetic (all round-to-nearest-even, never fused unless written as an fma) ---------------
+GLM_DEV float fadd(float a, float b) { return __fadd_rn(a, b); }
+GLM_DEV float fsub(float a, float b) { return __fsub_rn(a, b); }
+GLM_DEV float fmul(float a, float b) { return __fmul_rn(a, b); }
+GLM_DEV float fdiv(float a, float b) { return __fdiv_rn(a, b); }
+GLM_DEV float fsqrt(float a) { return __fsqrt_rn(a); }
+GLM_DEV float ffma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+GLM_DEV double dadd(double a, double b) { return __dadd_rn(a, b); }
+GLM_DEV double dsub(double a, double b) { return __dsub_rn(a, b); }
+GLM_DEV double dmul(double a, double b) { return __dmul_rn(a, b); }
+GLM_DEV double ddiv(double a, double b) { return __ddiv_rn(a, b); }
+GLM_DEV double dsqrt(double a) { return __dsqrt_rn(a); }
+GLM_DEV double dfma(double a, double b, double c) { return __fma_rn(a, b, c); }
+// Overloads so that templates over float/double read like the definition.
+GLM_DEV float add(float a, float b) { return __fadd_rn(a, b); }
+GLM_DEV double add(double a, double b) { return __dadd_rn(a, b); }
+GLM_DEV float mul(float a, float b) { return __fmul_rn(a, b); }
+GLM_DEV double mul(double a, double b) { return __dmul_rn(a, b); }
+GLM_DEV float fma_(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+GLM_DEV double fma_(double a, double b, double c) { return __fma_rn(a, b, c); }
+
+GLM_DEV uint32_t f32_bits(float x) { return __float_as_uint(x); }
+GLM_DEV float f32_from_bits(uint32_t u) { return __uint_as_float(u); }
+GLM_DEV uint64_t f64_bits(double x) { return static_cast<uint64_t>(__double_as_longlong(x)); }
+GLM_DEV double f64_from_bits(uint64_t u) { return __longlong_as_double(static_cast<long long>(u)); }
+GLM_DEV bool is_nan(float x) { return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+GLM_DEV bool is_nan64(double x) { return (f64_bits(x) & 0x7FFFFFFFFFFFFFFFull) > 0x7FF0000000000000ull; }
+
+constexpr unsigned kFull = 0xffffffffu;
+
+}  // namespace glm::cuda

@@ -1,0 +1,328 @@
+// pybind11 glue of the CUDA engine: the extension module fast._cuda (fast._cuda_emu for the CPU
+// emulation build, bindings/cuda/emu). Compiled by the host compiler; it sees only engine_api.hpp.
+//
+// fast._cuda._Engine has the CPU engine's interface (bindings/engine_bindings.cpp) method for method,
+// so fast/cuda.py is fast/engine.py over another core. Every entry point checks its arguments and
+// raises ValueError; the step releases the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "engine_api.hpp"
+
+#ifndef GLM_CUDA_MODULE
+#define GLM_CUDA_MODULE _cuda
+#endif
+
+namespace py = pybind11;
+using namespace glm::cuda;
+
+namespace {
+
+[[noreturn]] void bad(const std::string& msg) { throw py::value_error(msg); }
+
+template <class T>
+T get(const py::dict& d, const char* key) {
+    if (!d.contains(key)) bad(std::string("engine config: missing field '") + key + "'");
+    try {
+        return d[key].cast<T>();
+    } catch (const py::cast_error&) {
+        bad(std::string("engine config: field '") + key + "' has the wrong type");
+    }
+}
+
+Config config_from_dict(const py::dict& d) {
+    Config c;
+    c.vocab_size = get<int64_t>(d, "vocab_size");
+    c.hidden_size = get<int64_t>(d, "hidden_size");
+    c.num_hidden_layers = get<int64_t>(d, "num_hidden_layers");
+    c.intermediate_size = get<int64_t>(d, "intermediate_size");
+    c.moe_intermediate_size = get<int64_t>(d, "moe_intermediate_size");
+    c.n_routed_experts = get<int64_t>(d, "n_routed_experts");
+    c.num_experts_per_tok = get<int64_t>(d, "num_experts_per_tok");
+    c.n_shared_experts = get<int64_t>(d, "n_shared_experts");
+    c.n_group = get<int64_t>(d, "n_group");
+    c.topk_group = get<int64_t>(d, "topk_group");
+    c.norm_topk_prob = get<bool>(d, "norm_topk_prob");
+    c.routed_scaling_factor = get<double>(d, "routed_scaling_factor");
+    c.swiglu_limit = get<double>(d, "swiglu_limit");
+    c.rms_norm_eps = get<double>(d, "rms_norm_eps");
+    c.num_attention_heads = get<int64_t>(d, "num_attention_heads");
+    c.q_lora_rank = get<int64_t>(d, "q_lora_rank");
+    c.kv_lora_rank = get<int64_t>(d, "kv_lora_rank");
+    c.qk_nope_head_dim = get<int64_t>(d, "qk_nope_head_dim");
+    c.qk_rope_head_dim = get<int64_t>(d, "qk_rope_head_dim");
+    c.v_head_dim = get<int64_t>(d, "v_head_dim");
+    c.index_topk = get<int64_t>(d, "index_topk");
+    c.index_head_dim = get<int64_t>(d, "index_head_dim");
+    c.index_n_heads = get<int64_t>(d, "index_n_heads");
+    c.index_kpool = get<int64_t>(d, "index_kpool");
+    c.linear_num_heads = get<int64_t>(d, "linear_num_heads");
+    c.linear_head_dim = get<int64_t>(d, "linear_head_dim");
+    c.linear_conv_kernel_dim = get<int64_t>(d, "linear_conv_kernel_dim");
+    c.linear_lower_bound = get<double>(d, "linear_lower_bound");
+    c.hc_mult = get<int64_t>(d, "hc_mult");
+    c.hc_eps = get<double>(d, "hc_eps");
+    c.hc_sinkhorn_iters = get<int64_t>(d, "hc_sinkhorn_iters");
+    c.tie_word_embeddings = get<bool>(d, "tie_word_embeddings");
+    c.max_context = get<int64_t>(d, "max_context");
+    c.is_kda = get<std::vector<uint8_t>>(d, "is_kda");
+    c.is_moe = get<std::vector<uint8_t>>(d, "is_moe");
+    c.has_indexer = get<std::vector<uint8_t>>(d, "has_indexer");
+    return c;
+}
+
+std::vector<int64_t> shape_of(const py::array& a) { return std::vector<int64_t>(a.shape(), a.shape() + a.ndim()); }
+
+py::array checked(const py::object& o, const char* what, const char* kind, size_t itemsize) {
+    if (!py::isinstance<py::array>(o)) bad(std::string(what) + ": expected a numpy array");
+    py::array a = py::reinterpret_borrow<py::array>(o);
+    const char k = a.dtype().kind();
+    if (static_cast<size_t>(a.itemsize()) != itemsize || std::strchr(kind, k) == nullptr)
+        bad(std::string(what) + ": unexpected dtype " + py::str(a.dtype()).cast<std::string>());
+    if (!(a.flags() & py::array::c_style)) bad(std::string(what) + ": must be C-contiguous");
+    return a;
+}
+
+struct PyEngine {
+    std::unique_ptr<Engine> eng;
+    unsigned threads = 1;
+};
+
+py::tuple step(PyEngine& pe, const py::object& seq_o, const py::object& tok_o, const py::object& head_o,
+               const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o) {
+    Engine& E = *pe.eng;
+    const py::array seq = checked(seq_o, "seq_ids", "i", 8);
+    const py::array tok = checked(tok_o, "tokens", "i", 4);
+    const py::array head = checked(head_o, "want_head", "b", 1);
+    const py::array caprow = checked(caprow_o, "cap_rows", "b", 1);
+    const py::array mask = checked(mask_o, "cap_mask", "b", 1);
+    if (seq.ndim() != 1 || tok.ndim() != 1 || head.ndim() != 1 || caprow.ndim() != 1 || mask.ndim() != 1)
+        bad("step: every argument must be 1-D");
+    const size_t T = static_cast<size_t>(seq.shape(0));
+    if (static_cast<size_t>(tok.shape(0)) != T || static_cast<size_t>(head.shape(0)) != T ||
+        static_cast<size_t>(caprow.shape(0)) != T)
+        bad("step: seq_ids, tokens, want_head, cap_rows must have the same length");
+    std::vector<int64_t> ids(static_cast<const int64_t*>(seq.data()), static_cast<const int64_t*>(seq.data()) + T);
+    std::vector<int32_t> toks(static_cast<const int32_t*>(tok.data()), static_cast<const int32_t*>(tok.data()) + T);
+    std::vector<uint8_t> wh(static_cast<const uint8_t*>(head.data()), static_cast<const uint8_t*>(head.data()) + T);
+    std::vector<uint8_t> cr(static_cast<const uint8_t*>(caprow.data()), static_cast<const uint8_t*>(caprow.data()) + T);
+    const size_t nm = static_cast<size_t>(mask.shape(0));
+    std::vector<uint8_t> cm(static_cast<const uint8_t*>(mask.data()), static_cast<const uint8_t*>(mask.data()) + nm);
+    Injection inj;
+    if (!inj_o.is_none()) {
+        py::tuple t;
+        try {
+            t = inj_o.cast<py::tuple>();
+            if (t.size() != 5) throw py::cast_error();
+            inj.layer = t[0].cast<int>();
+            inj.pos = t[1].cast<int64_t>();
+            inj.stage = t[2].cast<int>();
+            inj.element = t[3].cast<int64_t>();
+            inj.ulps = t[4].cast<int64_t>();
+        } catch (const py::cast_error&) {
+            bad("inject: expected (layer, pos, stage_index, element, ulps) as ints");
+        }
+        inj.active = true;
+    }
+    StepOutput out;
+    {
+        py::gil_scoped_release nogil;
+        E.step(ids, toks, wh, cr, cm, inj, out);
+    }
+    const size_t V = out.head_rows.empty() ? 0 : out.logits.size() / out.head_rows.size();
+    py::array_t<int64_t> rows(static_cast<py::ssize_t>(out.head_rows.size()));
+    if (!out.head_rows.empty()) std::memcpy(rows.mutable_data(), out.head_rows.data(), out.head_rows.size() * 8);
+    py::array_t<float> logits({static_cast<py::ssize_t>(out.head_rows.size()), static_cast<py::ssize_t>(V)});
+    if (!out.logits.empty()) std::memcpy(logits.mutable_data(), out.logits.data(), out.logits.size() * 4);
+    py::list caps;
+    for (const CaptureRecord& r : out.captures) {
+        std::vector<py::ssize_t> shape(r.shape.begin(), r.shape.end());
+        py::array a;
+        switch (stage_dtype(r.stage)) {
+            case SDType::F64: a = py::array_t<double>(shape); break;
+            case SDType::I32: a = py::array_t<int32_t>(shape); break;
+            default: a = py::array_t<float>(shape); break;
+        }
+        if (!r.bytes.empty()) std::memcpy(a.mutable_data(), r.bytes.data(), r.bytes.size());
+        caps.append(py::make_tuple(r.layer, stage_name(r.stage), r.row, a));
+    }
+    return py::make_tuple(rows, logits, caps, out.injected);
+}
+
+template <class F>
+auto translate(F&& f) -> decltype(f()) {
+    try {
+        return f();
+    } catch (const std::invalid_argument& e) {
+        bad(e.what());
+    }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
+    m.doc() = "The exact CUDA engine (use fast.cuda.CudaEngine or fast.Engine(path, device='cuda')).";
+#if defined(GLM_CUDA_EMU)
+    m.attr("EMULATED") = true;
+#else
+    m.attr("EMULATED") = false;
+#endif
+    py::class_<PyEngine>(m, "_Engine", "The CUDA engine's executor (use fast.cuda.CudaEngine).")
+        .def(py::init([](const py::dict& cfg, unsigned threads, const std::string& dot, const std::string& expf) {
+                 bool seq = false, native = false;
+                 if (dot == "sequential")
+                     seq = true;
+                 else if (dot != "canonical")
+                     bad("dot: expected 'canonical' or 'sequential', given '" + dot + "'");
+                 if (expf == "native")
+                     native = true;
+                 else if (expf != "canonical")
+                     bad("expf: expected 'canonical' or 'native', given '" + expf + "'");
+                 if (threads < 1 || threads > 1024) bad("threads: expected 1..1024");
+                 auto pe = std::make_unique<PyEngine>();
+                 pe->threads = threads;
+                 try {
+                     pe->eng = std::make_unique<Engine>(config_from_dict(cfg), seq, native);
+                 } catch (const std::invalid_argument& e) {
+                     bad(e.what());
+                 }
+                 return pe;
+             }),
+             py::arg("config"), py::arg("threads") = 1, py::arg("dot") = "canonical", py::arg("expf") = "canonical")
+        .def(
+            "add_tensor",
+            [](PyEngine& pe, const std::string& role, int layer, int expert, const std::string& release,
+               const py::object& data_o, const py::object& scale_o, const std::vector<int64_t>& shape) {
+                const char* what = role.c_str();
+                size_t isz = release == "bf16" ? 2 : release == "f32" ? 4 : 1;
+                const char* kinds = release == "f32" ? "f" : "uf";
+                if (release != "bf16" && release != "f32" && release != "fp8" && release != "mxfp4")
+                    bad(role + ": unknown release '" + release + "'");
+                py::array data = checked(data_o, what, kinds, isz);
+                py::array scale;
+                const void* sp = nullptr;
+                std::vector<int64_t> sshape;
+                if (!scale_o.is_none()) {
+                    scale = checked(scale_o, (role + " scale").c_str(), release == "fp8" ? "f" : "u",
+                                    release == "fp8" ? 4 : 1);
+                    sp = scale.data();
+                    sshape = shape_of(scale);
+                }
+                translate([&] {
+                    pe.eng->add_tensor(role, layer, expert, release, data.data(), sp, shape, shape_of(data), sshape);
+                    return 0;
+                });
+            },
+            py::arg("role"), py::arg("layer"), py::arg("expert"), py::arg("release"), py::arg("data"),
+            py::arg("scale"), py::arg("shape"))
+        .def("finalize", [](PyEngine& pe) { translate([&] { pe.eng->finalize(); return 0; }); })
+        .def("new_sequence", [](PyEngine& pe) { return pe.eng->new_sequence(); })
+        .def("fork_sequence", [](PyEngine& pe, int64_t id) { return translate([&] { return pe.eng->fork_sequence(id); }); })
+        .def("free_sequence", [](PyEngine& pe, int64_t id) { pe.eng->free_sequence(id); })
+        .def("sequence_length",
+             [](PyEngine& pe, int64_t id) { return translate([&] { return pe.eng->sequence_length(id); }); })
+        .def_property_readonly("live_sequences", [](PyEngine& pe) { return pe.eng->live_sequences(); })
+        .def_property_readonly("threads", [](PyEngine& pe) { return pe.threads; })
+        .def_property_readonly("weight_bytes", [](PyEngine& pe) { return pe.eng->weight_bytes(); })
+        .def_property_readonly("device_bytes", [](PyEngine& pe) { return pe.eng->device_bytes(); })
+        .def_property_readonly("device_name", [](PyEngine& pe) { return pe.eng->device_name(); })
+        .def_property_readonly("decode_path", [](PyEngine& pe) { return pe.eng->decode_path(); })
+        .def("set_timing", [](PyEngine& pe, bool on) { pe.eng->set_timing(on); }, py::arg("on"))
+        .def("reset_stage_times", [](PyEngine& pe) { pe.eng->reset_stage_times(); })
+        .def("stage_times",
+             [](PyEngine& pe) {
+                 const StageTimes t = pe.eng->stage_times();
+                 py::dict d;
+                 for (size_t i = 0; i < t.names.size(); ++i) d[py::str(t.names[i])] = t.ms[i];
+                 return d;
+             })
+        .def(
+            "step",
+            [](PyEngine& pe, const py::object& a, const py::object& b, const py::object& c, const py::object& d,
+               const py::object& e, const py::object& f) { return translate([&] { return step(pe, a, b, c, d, e, f); }); },
+            py::arg("seq_ids"), py::arg("tokens"), py::arg("want_head"), py::arg("cap_rows"), py::arg("cap_mask"),
+            py::arg("inject"),
+            "One forward step for a batch of rows -> (head_rows i64[n], logits f32[n, V], captures, injected).");
+
+    py::list names;
+    for (int i = 0; i < stage_count(); ++i) {
+        const SDType t = stage_dtype(i);
+        const char* dt = t == SDType::F32 ? "f32" : t == SDType::F64 ? "f64" : t == SDType::BF16 ? "bf16" : "i32";
+        names.append(py::make_tuple(stage_name(i), dt));
+    }
+    m.attr("ENGINE_STAGES") = names;
+
+    auto expf_fn = [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x, bool native) {
+        py::array_t<float> y(std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));
+        {
+            py::gil_scoped_release nogil;
+            expf_device(x.data(), y.mutable_data(), static_cast<size_t>(x.size()), native);
+        }
+        return y;
+    };
+    m.def("expf", expf_fn, py::arg("x"), py::arg("native") = false,
+          "expf(x: f32 array) -> f32 array: the canonical expf computed on the device (native=True: CUDA's expf).");
+    m.def("expf_device", expf_fn, py::arg("x"), py::arg("native") = false, "Alias of expf.");
+    m.def(
+        "expf_device_bits",
+        [](uint64_t lo, uint64_t n) {
+            if (lo + n > (uint64_t{1} << 32)) bad("expf_device_bits: lo + n must be <= 2**32");
+            py::array_t<float> y(static_cast<py::ssize_t>(n));
+            {
+                py::gil_scoped_release nogil;
+                expf_device_bits(lo, static_cast<size_t>(n), y.mutable_data());
+            }
+            return y;
+        },
+        py::arg("lo"), py::arg("n"), "The canonical device expf of the f32 bit patterns lo .. lo+n-1 (made on the device).");
+    m.def(
+        "exp64",
+        [](const py::array_t<double, py::array::c_style | py::array::forcecast>& x) {
+            py::array_t<double> y(std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));
+            {
+                py::gil_scoped_release nogil;
+                exp64_device(x.data(), y.mutable_data(), static_cast<size_t>(x.size()));
+            }
+            return y;
+        },
+        py::arg("x"), "The canonical double exp of mHC, computed on the device.");
+    m.def(
+        "expf_census",
+        [](const std::string& kind, uint64_t lo, uint64_t hi) {
+            CensusResult r;
+            translate([&] {
+                py::gil_scoped_release nogil;
+                r = expf_census(kind, lo, hi);
+                return 0;
+            });
+            py::dict d;
+            d["kind"] = kind;
+            d["inputs"] = r.inputs;
+            d["differ"] = r.differ;
+            d["differ_bf16"] = r.differ_bf16;
+            d["differ_nonpos"] = r.differ_nonpos;
+            d["nonpos_inputs"] = r.nonpos_inputs;
+            d["max_ulps"] = r.max_ulps;
+            d["first"] = r.first < 0 ? py::object(py::none()) : py::object(py::int_(r.first));
+            d["seconds"] = r.seconds;
+            return d;
+        },
+        py::arg("kind") = "expf", py::arg("lo") = 0, py::arg("hi") = uint64_t{1} << 32,
+        "Exhaustive census on the device: how many f32 inputs in [lo, hi) give a different result with CUDA's "
+        "'expf' or '__expf' (or 'canonical', a control) than the canonical device expf; also after BF16 rounding "
+        "and for x <= 0. Returns a dict of counts.");
+    m.def(
+        "decode_table",
+        [](const std::string& which) {
+            const std::vector<float> v = translate([&] { return decode_table_device(which); });
+            py::array_t<float> a(static_cast<py::ssize_t>(v.size()));
+            if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(float));
+            return a;
+        },
+        py::arg("which"), "Decoded values of all codes on the device: 'e4m3', 'e4m3_sw', 'e2m1' (scale 1), 'e8m0'.");
+}

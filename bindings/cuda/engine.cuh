@@ -1,0 +1,299 @@
+// The CUDA engine's internals: stages, device weights, per-sequence device state, and the step
+// context handed to every module (mhc.cu, norm.cu, kda.cu, mla.cu, indexer.cu, moe.cu, head.cu;
+// model.cu holds the executor). The structure follows the CPU engine (bindings/cpu/engine.hpp)
+// module for module and stage for stage.
+//
+// One step runs every row of a batch (rows of several sequences, each sequence's rows consecutive
+// and in position order) through all layers as a sequence of kernel launches on one stream; the
+// host only enqueues. Stage values pass through Step::emit right after they are computed: it applies
+// the optional fault injection (a one-element kernel) and copies the rows asked for back to the host.
+#pragma once
+
+#include <map>
+#include <string>
+#include <memory>
+#include <vector>
+
+#include "engine_api.hpp"
+#include "weights.cuh"
+
+namespace glm::cuda {
+
+enum Stage : int {
+    S_EMBED,
+    S_ATTN_HC_PRE, S_ATTN_HC_POST, S_ATTN_HC_COMB, S_ATTN_HC_COLLAPSED, S_ATTN_NORM,
+    S_KDA_Q_PROJ, S_KDA_K_PROJ, S_KDA_V_PROJ, S_KDA_Q, S_KDA_K, S_KDA_V, S_KDA_G, S_KDA_BETA, S_KDA_STATE,
+    S_KDA_O, S_KDA_GATE, S_KDA_O_NORM, S_KDA_OUT,
+    S_MLA_Q_LAT, S_MLA_Q, S_MLA_C, S_MLA_Q_ABS, S_IDX_Q, S_IDX_K, S_IDX_GATE, S_IDX_WEIGHTS, S_IDX_SCORES,
+    S_MLA_SELECTED, S_MLA_SCORES, S_MLA_PROBS, S_MLA_O_LAT, S_MLA_O, S_MLA_OUT,
+    S_ATTN_HC_STREAMS,
+    S_FFN_HC_PRE, S_FFN_HC_POST, S_FFN_HC_COMB, S_FFN_HC_COLLAPSED, S_FFN_NORM,
+    S_MLP_GATE, S_MLP_UP, S_MLP_OUT,
+    S_MOE_LOGITS, S_MOE_SELECTED, S_MOE_WEIGHTS, S_MOE_EXPERTS, S_MOE_ROUTED, S_MOE_SHARED, S_MOE_OUT,
+    S_FFN_HC_STREAMS,
+    S_HEAD_MEAN, S_FINAL_NORM, S_LOGITS,
+    S_COUNT
+};
+
+// ---- device memory --------------------------------------------------------------------------------
+
+// Owning device allocation.
+struct DBuf {
+    void* p = nullptr;
+    size_t n = 0;
+    DBuf() = default;
+    explicit DBuf(size_t bytes);
+    DBuf(DBuf&& o) noexcept : p(o.p), n(o.n) {
+        o.p = nullptr;
+        o.n = 0;
+    }
+    DBuf& operator=(DBuf&& o) noexcept;
+    DBuf(const DBuf&) = delete;
+    DBuf& operator=(const DBuf&) = delete;
+    ~DBuf();
+    template <class T>
+    T* as() const {
+        return static_cast<T*>(p);
+    }
+};
+
+// Bump allocator over large device chunks (weights: allocated once, freed with the engine).
+class Arena {
+   public:
+    void* alloc(size_t bytes);
+    size_t used() const { return used_; }
+
+   private:
+    std::vector<DBuf> chunks_;
+    size_t off_ = 0, used_ = 0;
+};
+
+// Per-step scratch: device memory and pinned host staging, reset after every step (the step ends
+// with a synchronization, so nothing in flight still reads them).
+class Scratch {
+   public:
+    ~Scratch();
+    void* dev(size_t bytes);
+    template <class T>
+    T* d(size_t n) {
+        return static_cast<T*>(dev(n * sizeof(T)));
+    }
+    // Copy host bytes to fresh device scratch through pinned staging (asynchronous, stream order).
+    void* upload(const void* host, size_t bytes);
+    template <class T>
+    T* up(const std::vector<T>& v) {
+        return static_cast<T*>(upload(v.data(), v.size() * sizeof(T)));
+    }
+    void reset();
+
+   private:
+    DBuf main_;
+    std::vector<DBuf> extra_;
+    size_t off_ = 0, need_ = 0;
+    void* pinned_ = nullptr;
+    size_t pinned_cap_ = 0, pinned_off_ = 0;
+    std::vector<void*> pinned_extra_;
+};
+
+// ---- weights --------------------------------------------------------------------------------------
+
+struct HcW {
+    double* fn = nullptr;    // [(2+hc)*hc][hc*D]
+    double* base = nullptr;  // [(2+hc)*hc]
+    double scale[3] = {0, 0, 0};
+};
+
+struct KdaW {
+    Lin q_proj, k_proj, v_proj, f_a, f_b, b_proj, g_a, g_b, o_proj;
+    float* conv = nullptr;     // [3P][K]: q | k | v channels
+    float* dt_bias = nullptr;  // [P]
+    float* A_log = nullptr;    // [H]
+    float* decay = nullptr;    // [H] exp(A_log) with the engine's exp (finalize)
+    float* o_norm = nullptr;   // [d]
+};
+
+struct MlaW {
+    Lin q_a, q_b, kv_a, kv_b, o_proj;
+    float* q_a_norm = nullptr;
+    float* kv_a_norm = nullptr;
+    float* w_uk_t = nullptr;  // [nh][r][dn] W_UK_h transposed, decoded exactly (finalize)
+    bool has_indexer = false;
+    Lin wq_b, wk, weights_proj, kpool_gate;
+    float* k_norm_w = nullptr;
+    float* k_norm_b = nullptr;
+    float* ape = nullptr;  // [kp][d_i]
+};
+
+struct FfnW {
+    bool moe = false;
+    Lin gate, up, down;
+    Lin router;
+    float* bias = nullptr;
+    std::vector<Lin> e_gate, e_up, e_down;  // per expert (host view)
+    ExpertTable t_gate, t_up, t_down;       // device pointer tables (finalize)
+    Lin s_gate, s_up, s_down;
+};
+
+struct LayerW {
+    HcW attn_hc, ffn_hc;
+    float* attn_norm = nullptr;
+    float* ffn_norm = nullptr;
+    bool kda = false;
+    KdaW k;
+    MlaW m;
+    FfnW f;
+};
+
+// ---- per-sequence device state --------------------------------------------------------------------
+
+struct KdaState {
+    DBuf conv_tail;  // [K-1][3P] the last K-1 pre-conv rows, oldest first (+0 before position 0)
+    DBuf S;          // [H][d (j)][d (i)]: S[h][i][j] stored transposed, columns contiguous
+};
+
+struct MlaState {
+    int64_t cap = 0;  // positions the buffers hold
+    DBuf c;           // [cap][r]   the latent cache (mla.c)
+    DBuf k, gate;     // [cap][d_i] indexer.k, indexer.gate
+    DBuf pk;          // [cap/kp][d_i] keys of complete pools
+};
+
+struct Sequence {
+    int64_t length = 0;
+    std::vector<KdaState> kda;
+    std::vector<MlaState> mla;
+};
+
+// Per-segment device pointers of one layer (uploaded per layer and step).
+struct SegDev {
+    int t0, n;
+    int pos0;
+    int pad_;
+    float* conv;  // KDA
+    float* S;
+    float* c;     // MLA
+    float* k;
+    float* gate;
+    float* pk;
+};
+
+struct Segment {
+    Sequence* seq;
+    int t0, n;
+    int64_t pos0;
+};
+
+struct Step;
+
+// ---- modules --------------------------------------------------------------------------------------
+
+void rms_norm_rows(Step& s, const float* X, int64_t ldx, int rows, int n, const float* w, float eps, float* Y,
+                   int64_t ldy);                                                                        // norm.cu
+void layer_norm_rows(Step& s, const float* X, int rows, int n, const float* w, const float* b, float eps, float* Y);
+void hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double* pre, double* post, double* comb,
+             float* collapsed);                                                                         // mhc.cu
+void hc_expand(Step& s, int layer, bool ffn, float* X, const float* u, const double* post, const double* comb);
+void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out);                       // kda.cu
+void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out);                       // mla.cu
+void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const float* q_lat);             // indexer.cu
+void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const float* x, int rows, float* y,
+            int cap_layer);                                                                             // moe.cu
+void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out);
+void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits);               // head.cu
+void embed_rows(Step& s, const Lin& embed, int* d_tok, float* e, float* X);                                        // head.cu
+
+// Small elementwise kernels shared by the modules (norm.cu).
+// Append rows [T][n] into each row's sequence cache at its position (which: 0 = mla.c, 1 = indexer.k,
+// 2 = indexer.gate) (mla.cu).
+void append_rows(Step& s, int layer, const float* src, int64_t lds, int n, int which);
+void copy_rows(const float* src, int64_t lds, float* dst, int64_t ldd, int rows, int n);
+void inject_value(void* p, int dtype, int64_t ulps);  // one element, bits + ulps in its dtype
+
+// ---- the step context -----------------------------------------------------------------------------
+
+struct EngineCore;  // weights, sequences, options (model.cu)
+
+struct Step {
+    EngineCore& E;
+    const Config& c;
+    Nm nm;
+    bool hw8 = true;
+    int T = 0;
+    std::vector<Segment> segs;
+    std::vector<int64_t> pos;     // [T]
+    std::vector<int> seg_of;      // [T]
+    std::vector<uint8_t> cap_row;
+    std::vector<uint8_t> cap_mask;
+    Injection inj;
+    StepOutput* out = nullptr;
+    Scratch& scratch;
+    int* d_pos = nullptr;         // [T] device positions
+    int* d_seg = nullptr;         // [T] device segment of each row
+
+    // MLA selection of the current (or last full) layer: positions per row, ascending, flat.
+    std::vector<int64_t> sel_off, sel_n;  // host: offset and count of each row's selection
+    int64_t sel_total = 0;
+    int* d_sel = nullptr;                 // device [sel_total]
+    int64_t* d_sel_off = nullptr;         // device [T]
+    int* d_sel_n = nullptr;               // device [T]
+    bool have_sel = false;
+
+    Step(EngineCore& e, Scratch& sc);
+
+    bool wants(int layer, int stage) const { return cap_mask[static_cast<size_t>(layer) * S_COUNT + stage] != 0; }
+    bool wants_any(int layer, int stage) const;  // some row of the step is captured at (layer, stage)
+    // Row t is hit by the injection at (layer, stage): the element index, or -1.
+    int64_t inject_element(int layer, int stage, int t) const {
+        return (inj.active && inj.layer == layer && inj.stage == stage && inj.pos == pos[static_cast<size_t>(t)])
+                   ? inj.element
+                   : -1;
+    }
+    // Injection + capture of rows [0, T) of a [T][ld] device array (f32 for F32/BF16 stages, f64 for
+    // F64, i32 for I32) with per-row shape `shape`.
+    void emit(int layer, int stage, void* p, int64_t ld, const std::vector<int64_t>& shape);
+    // Rows of different sizes: row t starts at off[t] and has shape shapes[t].
+    void emit_var(int layer, int stage, void* p, const std::vector<int64_t>& off,
+                  const std::vector<std::vector<int64_t>>& shapes);
+    // emit() for a subset of the step's rows: buffer row r holds step row rows[r] (the head).
+    void emit_rows(int layer, int stage, void* p, int64_t ld, const std::vector<int64_t>& shape,
+                   const std::vector<int>& rows);
+    // Capture only (no injection) of rows [0, T) of a [T][ld] array.
+    void capture(int layer, int stage, const void* p, int64_t ld, const std::vector<int64_t>& shape);
+    // The per-segment device table of one layer.
+    SegDev* seg_table(int layer);
+
+    // Stage timing (set_timing): brackets of events named by module.
+    void mark(const char* name);
+
+    std::vector<SegDev*> seg_cache_;  // per layer, uploaded on first use in this step
+};
+
+// ---- the engine core --------------------------------------------------------------------------------
+
+struct EngineCore {
+    Config cfg;
+    Nm nm;
+    bool hw8 = true;
+    std::string decode_path = "software";
+    Arena arena;
+    std::vector<LayerW> layers;
+    Lin embed, lm_head;
+    float* final_norm = nullptr;
+    std::map<int64_t, std::unique_ptr<Sequence>> seqs;
+    int64_t next_id = 1;
+    bool finalized = false;
+    std::map<std::string, int> have;
+    std::vector<DBuf> tables;  // expert pointer tables
+    Scratch scratch;
+    // timing
+    bool timing = false;
+    std::vector<std::pair<std::string, cudaEvent_t>> marks;
+    std::map<std::string, double> stage_ms;
+    std::vector<std::string> stage_order;
+    std::vector<cudaEvent_t> event_pool;
+    size_t event_next = 0;
+
+    int E() const { return static_cast<int>(cfg.n_routed_experts); }
+};
+
+}  // namespace glm::cuda

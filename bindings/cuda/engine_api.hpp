@@ -1,0 +1,138 @@
+// The CUDA engine's host interface (plain C++: the pybind11 glue in cuda_bindings.cpp includes only
+// this header, so it compiles with the host compiler and never sees CUDA types).
+//
+// The executor mirrors the CPU engine (bindings/cpu/engine.hpp) call for call: the same config,
+// the same tensor roles, the same stage table (names and dtypes, oracle/stages.py), the same
+// injection spec and the same step interface, so that fast/cuda.py is fast/engine.py over another
+// core. Weights are uploaded once, in their release format; every sequence's state (KDA conv
+// windows and recurrent state, MLA latents, indexer keys and pools) lives on the GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace glm::cuda {
+
+struct Config {
+    int64_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0;
+    int64_t intermediate_size = 0, moe_intermediate_size = 0;
+    int64_t n_routed_experts = 0, num_experts_per_tok = 0, n_shared_experts = 0, n_group = 1, topk_group = 1;
+    bool norm_topk_prob = true;
+    double routed_scaling_factor = 1.0, swiglu_limit = 10.0, rms_norm_eps = 1e-5;
+    int64_t num_attention_heads = 0, q_lora_rank = 0, kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0,
+            v_head_dim = 0;
+    int64_t index_topk = 0, index_head_dim = 0, index_n_heads = 0, index_kpool = 1;
+    int64_t linear_num_heads = 0, linear_head_dim = 0, linear_conv_kernel_dim = 1;
+    double linear_lower_bound = -5.0;
+    int64_t hc_mult = 4;
+    double hc_eps = 1e-6;
+    int64_t hc_sinkhorn_iters = 20;
+    bool tie_word_embeddings = false;
+    int64_t max_context = 0;
+    std::vector<uint8_t> is_kda, is_moe, has_indexer;  // per layer
+
+    int64_t kda_dim() const { return linear_num_heads * linear_head_dim; }
+    int64_t hc_dim() const { return (2 + hc_mult) * hc_mult; }
+    void validate() const;  // throws std::invalid_argument naming the field
+};
+
+enum class SDType : uint8_t { F32, F64, BF16, I32 };
+
+int stage_count();
+const char* stage_name(int i);
+SDType stage_dtype(int i);
+
+struct Injection {
+    bool active = false;
+    int layer = -1;
+    int64_t pos = -1;
+    int stage = -1;
+    int64_t element = 0;
+    int64_t ulps = 0;
+};
+
+struct CaptureRecord {
+    int layer;
+    int stage;
+    int64_t row;
+    std::vector<int64_t> shape;
+    std::vector<uint8_t> bytes;  // f32 for F32/BF16 stages, f64 for F64, i32 for I32
+};
+
+struct StepOutput {
+    std::vector<int64_t> head_rows;
+    std::vector<float> logits;  // [head_rows.size()][V]
+    std::vector<CaptureRecord> captures;
+    int64_t injected = 0;
+};
+
+// Per-stage device time of the last step(s) (timing mode only): name -> milliseconds.
+struct StageTimes {
+    std::vector<std::string> names;
+    std::vector<double> ms;
+};
+
+class Engine {
+   public:
+    Engine(const Config& cfg, bool seq_dot, bool native_exp);
+    ~Engine();
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+
+    void add_tensor(const std::string& role, int layer, int expert, const std::string& release, const void* data,
+                    const void* scale, const std::vector<int64_t>& shape, const std::vector<int64_t>& data_shape,
+                    const std::vector<int64_t>& scale_shape);
+    void finalize();
+
+    int64_t new_sequence();
+    int64_t fork_sequence(int64_t id);
+    void free_sequence(int64_t id);
+    int64_t sequence_length(int64_t id) const;
+    size_t live_sequences() const;
+
+    void step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,
+              const std::vector<uint8_t>& want_head, const std::vector<uint8_t>& cap_rows,
+              const std::vector<uint8_t>& cap_mask, const Injection& inj, StepOutput& out);
+
+    size_t weight_bytes() const;         // streamed bytes of the weights one decode token reads
+    size_t device_bytes() const;         // device memory held for weights
+    std::string device_name() const;
+    std::string decode_path() const;     // how FP8 codes are decoded ("hardware cvt" or "software")
+
+    // Timing: when on, each module's kernels are bracketed by events and summed per stage group.
+    void set_timing(bool on);
+    StageTimes stage_times() const;
+    void reset_stage_times();
+
+    struct Impl;
+
+   private:
+    std::unique_ptr<Impl> p_;
+};
+
+// ---- numerics entry points (tests, census) ------------------------------------------------------
+
+// y[i] = the device's canonical expf(x[i]) (native: CUDA's expf instead).
+void expf_device(const float* x, float* y, size_t n, bool native);
+// y[i] = canonical expf of the f32 whose bits are lo + i, for i < n (inputs made on the device).
+void expf_device_bits(uint64_t lo, size_t n, float* y);
+// y[i] = the device's canonical exp64(x[i]).
+void exp64_device(const double* x, double* y, size_t n);
+
+struct CensusResult {
+    uint64_t inputs = 0, differ = 0, differ_bf16 = 0, differ_nonpos = 0, nonpos_inputs = 0, max_ulps = 0;
+    int64_t first = -1;  // smallest differing input bits, -1 if none
+    double seconds = 0;
+};
+// Every f32 bit pattern in [lo, hi) through CUDA's `expf` (kind "expf") or `__expf` ("__expf"), or the
+// canonical device expf itself ("canonical", a control), counted against the canonical device expf.
+CensusResult expf_census(const std::string& kind, uint64_t lo, uint64_t hi);
+
+// Decode tables computed on the device: e4m3 of all 256 codes by the path the engine uses, e2m1
+// (16 codes, scale 1) and e8m0 (256 codes).
+std::vector<float> decode_table_device(const std::string& which);
+
+}  // namespace glm::cuda

@@ -1,0 +1,77 @@
+// The embedding (stage embed at layer 0, then hc copies as the streams) and the head (docs/numerics.md,
+// Head; stages at layer index L): head.mean, final_norm, logits.
+//   head.mean[d] = bf16(csum([X_0[d], ..., X_{hc-1}[d]]) / hc); final_norm = RMSNorm(norm.weight);
+//   logits[v] = cdot(lm_head[v], final_norm) (f32; embed_tokens when tied).
+#include "engine.cuh"
+
+namespace glm::cuda {
+namespace {
+
+unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+__global__ void k_embed(int fmt, const void* data, const void* scale, int64_t C, const int* __restrict__ tok, int T,
+                        float* e) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= static_cast<int64_t>(T) * C) return;
+    const int64_t t = i / C, d = i % C;
+    e[i] = decode_elem(fmt, data, scale, tok[t], d, C);
+}
+
+__global__ void k_streams(const float* __restrict__ e, int T, int hc, int D, float* X) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= static_cast<int64_t>(T) * hc * D) return;
+    const int64_t d = i % D, t = i / (static_cast<int64_t>(hc) * D);
+    X[i] = e[t * D + d];
+}
+
+__global__ void k_head_mean(const float* __restrict__ X, const int* __restrict__ rows, int n, int hc, int D,
+                            float* mean, Nm nm) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= static_cast<int64_t>(n) * D) return;
+    const int64_t r = i / D, d = i % D;
+    const float* xt = X + static_cast<int64_t>(rows[r]) * hc * D;
+    const float sum = cdot_serial<float>(hc, nm.seq, [&](int j, float& a, float& b) {
+        a = xt[static_cast<int64_t>(j) * D + d];
+        b = 1.0f;
+    });
+    mean[i] = bf16r(fdiv(sum, static_cast<float>(hc)));
+}
+
+}  // namespace
+
+void embed_rows(Step& s, const Lin& embed, int* d_tok, float* e, float* X) {
+    const int T = s.T, D = static_cast<int>(s.c.hidden_size), hc = static_cast<int>(s.c.hc_mult);
+    {
+        auto k = k_embed;
+        GLM_LAUNCH(k, blocks(static_cast<int64_t>(T) * D, 256), 256, 0, embed.fmt, embed.data, embed.scale, embed.C,
+                   d_tok, T, e);
+        check_launch("embed");
+    }
+    s.emit(0, S_EMBED, e, D, {D});
+    auto k = k_streams;
+    GLM_LAUNCH(k, blocks(static_cast<int64_t>(T) * hc * D, 256), 256, 0, e, T, hc, D, X);
+    check_launch("streams");
+}
+
+void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits) {
+    const Config& c = s.c;
+    const int n = static_cast<int>(rows.size()), hc = static_cast<int>(c.hc_mult), D = static_cast<int>(c.hidden_size);
+    const int V = static_cast<int>(c.vocab_size), L = static_cast<int>(c.num_hidden_layers);
+    if (n == 0) return;
+    s.mark("head");
+    int* d_rows = s.scratch.up(rows);
+    float* mean = s.scratch.d<float>(static_cast<size_t>(n) * D);
+    float* normed = s.scratch.d<float>(static_cast<size_t>(n) * D);
+    {
+        auto k = k_head_mean;
+        GLM_LAUNCH(k, blocks(static_cast<int64_t>(n) * D, 256), 256, 0, X, d_rows, n, hc, D, mean, s.nm);
+        check_launch("head_mean");
+    }
+    s.emit_rows(L, S_HEAD_MEAN, mean, D, {D}, rows);
+    rms_norm_rows(s, mean, D, n, D, s.E.final_norm, static_cast<float>(c.rms_norm_eps), normed, D);
+    s.emit_rows(L, S_FINAL_NORM, normed, D, {D}, rows);
+    linear(s.E.lm_head, normed, D, logits, V, n, false, s.nm, s.hw8);
+    s.emit_rows(L, S_LOGITS, logits, V, {V}, rows);
+}
+
+}  // namespace glm::cuda

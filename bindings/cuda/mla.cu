@@ -1,0 +1,291 @@
+// MLA: multi-head latent attention in the absorbed form, NoPE (docs/numerics.md, MLA). Stages
+// mla.q_lat, mla.q, mla.c, mla.q_abs, mla.selected, mla.scores, mla.probs, mla.o_lat, mla.o, mla.out.
+//
+// The cache on the GPU holds only the normalized latent c (kv_lora_rank values) per position. Each
+// head folds W_UK into its query (q_abs_h[k] = bf16(cdot over i < d_n of q_h[i] W_UK_h[i][k])) and
+// applies W_UV after the weighted sum over the selected positions. Scores and o_lat are computed by
+// groups of eight threads for a tile of HT heads at once (one read of a latent row / column serves
+// HT heads); each (head, element) still has its own canonical cdot.
+#include "engine.cuh"
+
+namespace glm::cuda {
+namespace {
+
+constexpr int HT = 8;  // heads per tile
+
+unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+// Append rows [T][n] (row stride lds) into each row's segment cache at its position.
+// which: 0 = c (MLA latent), 1 = k (indexer keys), 2 = gate (indexer gates).
+__global__ void k_append(const float* __restrict__ src, int64_t lds, int T, int n, const SegDev* __restrict__ segs,
+                         const int* __restrict__ seg_of, const int* __restrict__ pos, int which) {
+    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= static_cast<int64_t>(T) * n) return;
+    const int t = static_cast<int>(idx / n), k = static_cast<int>(idx % n);
+    const SegDev& sg = segs[seg_of[t]];
+    float* base = which == 0 ? sg.c : (which == 1 ? sg.k : sg.gate);
+    base[static_cast<int64_t>(pos[t]) * n + k] = src[static_cast<int64_t>(t) * lds + k];
+}
+
+// mla.scores[t][h][j] = cdot(q_abs[t][h], c[sel_j]) * scale. Group per (t, j, head tile).
+__global__ void __launch_bounds__(256) k_mla_scores(const float* __restrict__ q_abs, int nh, int r,
+                                                    const int* __restrict__ sel, const int64_t* __restrict__ sel_off,
+                                                    const int* __restrict__ sel_n, const SegDev* __restrict__ segs,
+                                                    const int* __restrict__ seg_of, float scale, float* scores, Nm nm) {
+    const int g = lane8();
+    const int t = static_cast<int>(blockIdx.y);
+    const int j = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x >> 3);
+    const int h0 = static_cast<int>(blockIdx.z) * HT;
+    const int ns = sel_n[t];
+    const bool live = j < ns;
+    const int tau = sel[sel_off[t] + (live ? j : 0)];
+    const float* crow = segs[seg_of[t]].c + static_cast<int64_t>(tau) * r;
+    const float* qa = q_abs + static_cast<int64_t>(t) * nh * r;
+    float* out = scores + sel_off[t] * nh;
+    if (!nm.seq) {
+        float acc[HT][8];
+#pragma unroll
+        for (int hh = 0; hh < HT; ++hh) zero8(acc[hh]);
+        const int n = live ? r : 0;
+        for (int base = 8 * g; base < n; base += 64) {
+#pragma unroll
+            for (int l = 0; l < 8; ++l) {
+                const int i = base + l;
+                if (i < n) {
+                    const float cv = crow[i];
+#pragma unroll
+                    for (int hh = 0; hh < HT; ++hh)
+                        if (h0 + hh < nh) acc[hh][l] = ffma(qa[static_cast<int64_t>(h0 + hh) * r + i], cv, acc[hh][l]);
+                }
+            }
+        }
+#pragma unroll
+        for (int hh = 0; hh < HT; ++hh) {
+            const float v = group_fold(acc[hh]);
+            if (live && g == 0 && h0 + hh < nh) out[static_cast<int64_t>(h0 + hh) * ns + j] = fmul(v, scale);
+        }
+    } else {
+        for (int hh = 0; hh < HT; ++hh) {
+            const int h = h0 + hh < nh ? h0 + hh : nh - 1;
+            const float v = group_dot<float>(live ? r : 0, true, [&](int i, float& a, float& b) {
+                a = qa[static_cast<int64_t>(h) * r + i];
+                b = crow[i];
+            });
+            if (live && g == 0 && h0 + hh < nh) out[static_cast<int64_t>(h) * ns + j] = fmul(v, scale);
+        }
+    }
+}
+
+// mla.probs per (t, h), one warp: m = max (NaN semantics of a left-to-right std::max: a NaN first
+// score wins, later NaNs are ignored), e = expf(s - m), p = bf16(e / csum(e)).
+__global__ void k_mla_softmax(const float* __restrict__ scores, int T, int nh, const int64_t* __restrict__ sel_off,
+                              const int* __restrict__ sel_n, float* probs, Nm nm) {
+    const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = static_cast<int>(threadIdx.x & 31);
+    const bool live = warp < T * nh;
+    const int item = live ? warp : 0;
+    const int t = item / nh, h = item % nh;
+    const int ns = sel_n[t];
+    const float* sc = scores + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
+    float* p = probs + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
+    float mx = -INFINITY;
+    bool any = false;
+    if (live)
+        for (int jj = lane; jj < ns; jj += 32) {
+            const float v = sc[jj];
+            if (!is_nan(v) && (!any || v > mx)) mx = v;
+            any = any || !is_nan(v);
+        }
+    for (int o = 16; o >= 1; o >>= 1) {
+        const float om = __shfl_xor_sync(kFull, mx, o);
+        const int oa = __shfl_xor_sync(kFull, any ? 1 : 0, o);
+        if (oa && (!any || om > mx)) mx = om;
+        any = any || oa;
+    }
+    if (live && (is_nan(sc[0]) || !any)) mx = sc[0];
+    if (live)
+        for (int jj = lane; jj < ns; jj += 32) p[jj] = nm.exp(fsub(sc[jj], mx));
+    __syncwarp();
+    const float sum = __shfl_sync(kFull,
+                                  group_dot<float>((live && lane < 8) ? ns : 0, nm.seq,
+                                                   [&](int i, float& a, float& b) {
+                                                       a = p[i];
+                                                       b = 1.0f;
+                                                   }),
+                                  0);
+    __syncwarp();
+    if (live)
+        for (int jj = lane; jj < ns; jj += 32) p[jj] = bf16r(fdiv(p[jj], sum));
+}
+
+// mla.o_lat[t][h][k] = bf16(cdot over rank j of (p_h[j], c[sel_j][k])). Group per (t, k, head tile).
+__global__ void __launch_bounds__(256) k_mla_olat(const float* __restrict__ probs, int nh, int r,
+                                                  const int* __restrict__ sel, const int64_t* __restrict__ sel_off,
+                                                  const int* __restrict__ sel_n, const SegDev* __restrict__ segs,
+                                                  const int* __restrict__ seg_of, float* o_lat, Nm nm) {
+    const int g = lane8();
+    const int t = static_cast<int>(blockIdx.y);
+    const int kk = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x >> 3);
+    const int h0 = static_cast<int>(blockIdx.z) * HT;
+    const bool live = kk < r;
+    const int k = live ? kk : 0;
+    const int ns = sel_n[t];
+    const int* st = sel + sel_off[t];
+    const float* cache = segs[seg_of[t]].c;
+    const float* pr = probs + sel_off[t] * nh;
+    float* out = o_lat + static_cast<int64_t>(t) * nh * r;
+    if (!nm.seq) {
+        float acc[HT][8];
+#pragma unroll
+        for (int hh = 0; hh < HT; ++hh) zero8(acc[hh]);
+        const int n = live ? ns : 0;
+        for (int base = 8 * g; base < n; base += 64) {
+#pragma unroll
+            for (int l = 0; l < 8; ++l) {
+                const int i = base + l;
+                if (i < n) {
+                    const float cv = cache[static_cast<int64_t>(st[i]) * r + k];
+#pragma unroll
+                    for (int hh = 0; hh < HT; ++hh)
+                        if (h0 + hh < nh) acc[hh][l] = ffma(pr[static_cast<int64_t>(h0 + hh) * ns + i], cv, acc[hh][l]);
+                }
+            }
+        }
+#pragma unroll
+        for (int hh = 0; hh < HT; ++hh) {
+            const float v = group_fold(acc[hh]);
+            if (live && g == 0 && h0 + hh < nh) out[static_cast<int64_t>(h0 + hh) * r + k] = bf16r(v);
+        }
+    } else {
+        for (int hh = 0; hh < HT; ++hh) {
+            const int h = h0 + hh < nh ? h0 + hh : nh - 1;
+            const float v = group_dot<float>(live ? ns : 0, true, [&](int i, float& a, float& b) {
+                a = pr[static_cast<int64_t>(h) * ns + i];
+                b = cache[static_cast<int64_t>(st[i]) * r + k];
+            });
+            if (live && g == 0 && h0 + hh < nh) out[static_cast<int64_t>(h) * r + k] = bf16r(v);
+        }
+    }
+}
+
+}  // namespace
+
+void append_rows(Step& s, int layer, const float* src, int64_t lds, int n, int which) {
+    const int T = s.T;
+    auto k = k_append;
+    GLM_LAUNCH(k, blocks(static_cast<int64_t>(T) * n, 256), 256, 0, src, lds, T, n, s.seg_table(layer), s.d_seg,
+               s.d_pos, which);
+    check_launch("append");
+}
+
+void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) {
+    const Config& c = s.c;
+    const Nm nm = s.nm;
+    const int T = s.T, D = static_cast<int>(c.hidden_size);
+    const int nh = static_cast<int>(c.num_attention_heads), dn = static_cast<int>(c.qk_nope_head_dim);
+    const int dv = static_cast<int>(c.v_head_dim), r = static_cast<int>(c.kv_lora_rank);
+    const int rq = static_cast<int>(c.q_lora_rank), kva = r + static_cast<int>(c.qk_rope_head_dim);
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    const float scale =
+        static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.qk_nope_head_dim + c.qk_rope_head_dim)));
+    s.mark("mla.proj");
+    // mla.q_lat = RMSNorm(lin(q_a, x))
+    float* qa = s.scratch.d<float>(static_cast<size_t>(T) * rq);
+    float* q_lat = s.scratch.d<float>(static_cast<size_t>(T) * rq);
+    linear(w.q_a, x, D, qa, rq, T, true, nm, s.hw8);
+    rms_norm_rows(s, qa, rq, T, rq, w.q_a_norm, eps, q_lat, rq);
+    s.emit(layer, S_MLA_Q_LAT, q_lat, rq, {rq});
+    // mla.q = lin(q_b, q_lat)
+    float* q = s.scratch.d<float>(static_cast<size_t>(T) * nh * dn);
+    linear(w.q_b, q_lat, rq, q, static_cast<int64_t>(nh) * dn, T, true, nm, s.hw8);
+    s.emit(layer, S_MLA_Q, q, static_cast<int64_t>(nh) * dn, {static_cast<int64_t>(nh) * dn});
+    // mla.c = RMSNorm(lin(kv_a, x)[:r]) -> appended to the latent cache
+    float* kv = s.scratch.d<float>(static_cast<size_t>(T) * kva);
+    float* lat = s.scratch.d<float>(static_cast<size_t>(T) * r);
+    linear(w.kv_a, x, D, kv, kva, T, true, nm, s.hw8);
+    rms_norm_rows(s, kv, kva, T, r, w.kv_a_norm, eps, lat, r);
+    s.emit(layer, S_MLA_C, lat, r, {r});
+    append_rows(s, layer, lat, r, r, 0);
+    // mla.q_abs[t][h][k] = bf16(cdot(W_UK_h^T[k], q_h))
+    float* q_abs = s.scratch.d<float>(static_cast<size_t>(T) * nh * r);
+    {
+        Lin wt;
+        wt.fmt = W_F32;
+        wt.R = static_cast<int64_t>(nh) * r;
+        wt.C = dn;
+        wt.data = w.w_uk_t;
+        linear_heads(wt, nh * r, r, r, 0, q, static_cast<int64_t>(nh) * dn, dn, q_abs, static_cast<int64_t>(nh) * r, T,
+                     true, nm, s.hw8);
+    }
+    s.emit(layer, S_MLA_Q_ABS, q_abs, static_cast<int64_t>(nh) * r, {nh, r});
+
+    // the selection: this layer's indexer, or the previous full layer's (shared layers)
+    s.mark("mla.indexer");
+    if (w.has_indexer) indexer_select(s, layer, w, x, q_lat);
+    if (!s.have_sel) throw std::logic_error("MLA layer without a selection (shared layer with no full layer before it)");
+    s.mark("mla.attention");
+    {
+        std::vector<std::vector<int64_t>> shapes(static_cast<size_t>(T));
+        for (int t = 0; t < T; ++t) shapes[static_cast<size_t>(t)] = {s.sel_n[static_cast<size_t>(t)]};
+        s.emit_var(layer, S_MLA_SELECTED, s.d_sel, s.sel_off, shapes);
+        for (int t = 0; t < T; ++t) {
+            if (s.inject_element(layer, S_MLA_SELECTED, t) < 0) continue;  // an injected position must exist
+            const int len = static_cast<int>(s.segs[static_cast<size_t>(s.seg_of[static_cast<size_t>(t)])].pos0 +
+                                             s.segs[static_cast<size_t>(s.seg_of[static_cast<size_t>(t)])].n);
+            std::vector<int> row(static_cast<size_t>(s.sel_n[static_cast<size_t>(t)]));
+            check(cudaMemcpy(row.data(), s.d_sel + s.sel_off[static_cast<size_t>(t)], row.size() * sizeof(int),
+                             cudaMemcpyDeviceToHost),
+                  "selection read-back");
+            for (int tau : row)
+                if (tau < 0 || tau >= len)
+                    throw std::invalid_argument("inject: mla.selected now holds position " + std::to_string(tau) +
+                                                ", outside the cache [0, " + std::to_string(len) + ")");
+        }
+    }
+    int max_ns = 1;
+    for (int64_t n : s.sel_n) max_ns = std::max(max_ns, static_cast<int>(n));
+    float* scores = s.scratch.d<float>(static_cast<size_t>(s.sel_total) * nh);
+    float* probs = s.scratch.d<float>(static_cast<size_t>(s.sel_total) * nh);
+    SegDev* segs = s.seg_table(layer);
+    const unsigned ntile = static_cast<unsigned>((nh + HT - 1) / HT);
+    {
+        auto k = k_mla_scores;
+        GLM_LAUNCH(k, dim3(blocks(max_ns, 32), T, ntile), 256, 0, q_abs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs,
+                   s.d_seg, scale, scores, nm);
+        check_launch("mla_scores");
+    }
+    std::vector<int64_t> off(static_cast<size_t>(T));
+    std::vector<std::vector<int64_t>> shapes(static_cast<size_t>(T));
+    for (int t = 0; t < T; ++t) {
+        off[static_cast<size_t>(t)] = s.sel_off[static_cast<size_t>(t)] * nh;
+        shapes[static_cast<size_t>(t)] = {nh, s.sel_n[static_cast<size_t>(t)]};
+    }
+    s.emit_var(layer, S_MLA_SCORES, scores, off, shapes);
+    {
+        auto k = k_mla_softmax;
+        GLM_LAUNCH(k, blocks(static_cast<int64_t>(T) * nh * 32, 256), 256, 0, scores, T, nh, s.d_sel_off, s.d_sel_n,
+                   probs, nm);
+        check_launch("mla_softmax");
+    }
+    s.emit_var(layer, S_MLA_PROBS, probs, off, shapes);
+    float* o_lat = s.scratch.d<float>(static_cast<size_t>(T) * nh * r);
+    {
+        auto k = k_mla_olat;
+        GLM_LAUNCH(k, dim3(blocks(r, 32), T, ntile), 256, 0, probs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs,
+                   s.d_seg, o_lat, nm);
+        check_launch("mla_olat");
+    }
+    s.emit(layer, S_MLA_O_LAT, o_lat, static_cast<int64_t>(nh) * r, {nh, r});
+
+    s.mark("mla.out");
+    // mla.o: o_h = lin(W_UV_h, o_lat_h), W_UV_h = rows h(d_n+d_v) + d_n + [0, d_v) of kv_b_proj
+    float* o = s.scratch.d<float>(static_cast<size_t>(T) * nh * dv);
+    linear_heads(w.kv_b, nh * dv, dv, dn + dv, dn, o_lat, static_cast<int64_t>(nh) * r, r, o,
+                 static_cast<int64_t>(nh) * dv, T, true, nm, s.hw8);
+    s.emit(layer, S_MLA_O, o, static_cast<int64_t>(nh) * dv, {static_cast<int64_t>(nh) * dv});
+    // mla.out = lin(o_proj, o)
+    linear(w.o_proj, o, static_cast<int64_t>(nh) * dv, out, D, T, true, nm, s.hw8);
+    s.emit(layer, S_MLA_OUT, out, D, {D});
+}
+
+}  // namespace glm::cuda

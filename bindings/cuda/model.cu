@@ -1,0 +1,1256 @@
+// The CUDA engine's executor: weights registration and upload, sequences (the device cache), and
+// Engine::step, which enqueues embed -> L x [attn_hc -> attn_norm -> KDA | MLA -> attn_hc.streams,
+// ffn_hc -> ffn_norm -> SwiGLU | MoE -> ffn_hc.streams] -> head for every row of a batch at once
+// (docs/numerics.md), then copies the logits (and any captured stage) back.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <set>
+#include <sstream>
+
+#include "engine.cuh"
+
+namespace glm::cuda {
+
+// ---- stages ---------------------------------------------------------------------------------------
+
+namespace {
+struct StageInfo {
+    const char* name;
+    SDType dtype;
+};
+const StageInfo kStages[S_COUNT] = {
+    {"embed", SDType::BF16},
+    {"attn_hc.pre", SDType::F64}, {"attn_hc.post", SDType::F64}, {"attn_hc.comb", SDType::F64},
+    {"attn_hc.collapsed", SDType::BF16}, {"attn_norm", SDType::BF16},
+    {"kda.q_proj", SDType::BF16}, {"kda.k_proj", SDType::BF16}, {"kda.v_proj", SDType::BF16},
+    {"kda.q", SDType::BF16}, {"kda.k", SDType::BF16}, {"kda.v", SDType::BF16},
+    {"kda.g", SDType::F32}, {"kda.beta", SDType::F32}, {"kda.state", SDType::F32}, {"kda.o", SDType::F32},
+    {"kda.gate", SDType::BF16}, {"kda.o_norm", SDType::BF16}, {"kda.out", SDType::BF16},
+    {"mla.q_lat", SDType::BF16}, {"mla.q", SDType::BF16}, {"mla.c", SDType::BF16}, {"mla.q_abs", SDType::BF16},
+    {"indexer.q", SDType::BF16}, {"indexer.k", SDType::BF16}, {"indexer.gate", SDType::BF16},
+    {"indexer.weights", SDType::F32}, {"indexer.scores", SDType::F32},
+    {"mla.selected", SDType::I32}, {"mla.scores", SDType::F32}, {"mla.probs", SDType::BF16},
+    {"mla.o_lat", SDType::BF16}, {"mla.o", SDType::BF16}, {"mla.out", SDType::BF16},
+    {"attn_hc.streams", SDType::BF16},
+    {"ffn_hc.pre", SDType::F64}, {"ffn_hc.post", SDType::F64}, {"ffn_hc.comb", SDType::F64},
+    {"ffn_hc.collapsed", SDType::BF16}, {"ffn_norm", SDType::BF16},
+    {"mlp.gate", SDType::BF16}, {"mlp.up", SDType::BF16}, {"mlp.out", SDType::BF16},
+    {"moe.logits", SDType::F32}, {"moe.selected", SDType::I32}, {"moe.weights", SDType::F32},
+    {"moe.experts", SDType::BF16}, {"moe.routed", SDType::BF16}, {"moe.shared", SDType::BF16},
+    {"moe.out", SDType::BF16},
+    {"ffn_hc.streams", SDType::BF16},
+    {"head.mean", SDType::BF16}, {"final_norm", SDType::BF16}, {"logits", SDType::F32},
+};
+
+size_t elem_bytes(SDType t) { return t == SDType::F64 ? 8 : 4; }
+
+size_t numel(const std::vector<int64_t>& shape) {
+    size_t n = 1;
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    return n;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+    std::ostringstream o;
+    o << "(";
+    for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+    if (s.size() == 1) o << ",";
+    o << ")";
+    return o.str();
+}
+}  // namespace
+
+int stage_count() { return S_COUNT; }
+const char* stage_name(int i) { return kStages[i].name; }
+SDType stage_dtype(int i) { return kStages[i].dtype; }
+
+// ---- config ---------------------------------------------------------------------------------------
+
+void Config::validate() const {
+    auto bad = [](const std::string& field, const std::string& why) {
+        throw std::invalid_argument("config field '" + field + "': " + why);
+    };
+    auto pos = [&](const char* f, int64_t v) {
+        if (v < 1) bad(f, "must be >= 1, got " + std::to_string(v));
+    };
+    pos("vocab_size", vocab_size);
+    pos("hidden_size", hidden_size);
+    pos("num_hidden_layers", num_hidden_layers);
+    pos("hc_mult", hc_mult);
+    if (hc_mult > 16) bad("hc_mult", "must be <= 16 in the CUDA engine, got " + std::to_string(hc_mult));
+    pos("hc_sinkhorn_iters", hc_sinkhorn_iters);
+    pos("max_context", max_context);
+    if (max_context > (int64_t{1} << 30)) bad("max_context", "must be < 2^30 in the CUDA engine");
+    const size_t L = static_cast<size_t>(num_hidden_layers);
+    if (is_kda.size() != L) bad("layer_types", "needs one entry per layer");
+    if (is_moe.size() != L) bad("mlp_layer_types", "needs one entry per layer");
+    if (has_indexer.size() != L) bad("indexer_types", "needs one entry per layer");
+    bool any_kda = false, any_mla = false, any_moe = false, any_dense = false;
+    for (size_t l = 0; l < L; ++l) {
+        any_kda |= is_kda[l] != 0;
+        any_mla |= is_kda[l] == 0;
+        any_moe |= is_moe[l] != 0;
+        any_dense |= is_moe[l] == 0;
+        if (!is_kda[l] && !has_indexer[l] && (l == 0 || is_kda[l - 1] || !has_indexer[l - 1]))
+            bad("indexer_types", "layer " + std::to_string(l) +
+                                     " is a 'shared' indexed_attention layer that does not follow a 'full' one");
+    }
+    if (any_kda) {
+        pos("linear_num_heads", linear_num_heads);
+        pos("linear_head_dim", linear_head_dim);
+        pos("linear_conv_kernel_dim", linear_conv_kernel_dim);
+        if (linear_head_dim > 256) bad("linear_head_dim", "must be <= 256 in the CUDA engine");
+    }
+    if (any_mla) {
+        pos("num_attention_heads", num_attention_heads);
+        pos("q_lora_rank", q_lora_rank);
+        pos("kv_lora_rank", kv_lora_rank);
+        pos("qk_nope_head_dim", qk_nope_head_dim);
+        pos("v_head_dim", v_head_dim);
+        if (qk_rope_head_dim != 0) bad("qk_rope_head_dim", "only NoPE MLA (0) is supported");
+        pos("index_kpool", index_kpool);
+        pos("index_topk", index_topk);
+        pos("index_head_dim", index_head_dim);
+        pos("index_n_heads", index_n_heads);
+        if (index_topk % index_kpool != 0) bad("index_topk", "must be divisible by index_kpool");
+    }
+    if (any_dense) pos("intermediate_size", intermediate_size);
+    if (any_moe) {
+        pos("n_routed_experts", n_routed_experts);
+        pos("moe_intermediate_size", moe_intermediate_size);
+        pos("n_shared_experts", n_shared_experts);
+        pos("n_group", n_group);
+        pos("topk_group", topk_group);
+        pos("num_experts_per_tok", num_experts_per_tok);
+        if (num_experts_per_tok > 256) bad("num_experts_per_tok", "must be <= 256 in the CUDA engine");
+        if (n_routed_experts > 8192) bad("n_routed_experts", "must be <= 8192 in the CUDA engine");
+        if (n_routed_experts % n_group != 0 || n_routed_experts / n_group < 2)
+            bad("n_group", "each group needs at least 2 experts and n_routed_experts must divide evenly");
+        if (topk_group > n_group) bad("topk_group", "must be <= n_group");
+        if (num_experts_per_tok > topk_group * (n_routed_experts / n_group))
+            bad("num_experts_per_tok", "exceeds the experts of topk_group groups");
+    }
+}
+
+// ---- device memory --------------------------------------------------------------------------------
+
+DBuf::DBuf(size_t bytes) : n(bytes) {
+    if (bytes) check(cudaMalloc(&p, bytes), "cudaMalloc");
+}
+DBuf& DBuf::operator=(DBuf&& o) noexcept {
+    if (this != &o) {
+        if (p) cudaFree(p);
+        p = o.p;
+        n = o.n;
+        o.p = nullptr;
+        o.n = 0;
+    }
+    return *this;
+}
+DBuf::~DBuf() {
+    if (p) cudaFree(p);
+}
+
+void* Arena::alloc(size_t bytes) {
+    bytes = (bytes + 255) / 256 * 256;
+    if (bytes == 0) bytes = 256;
+    if (chunks_.empty() || off_ + bytes > chunks_.back().n) {
+        const size_t chunk = std::max<size_t>(bytes, size_t{1} << 30);
+        // a large tensor gets its own allocation; small ones share 1 GiB chunks
+        chunks_.emplace_back(bytes >= (size_t{256} << 20) ? bytes : chunk);
+        off_ = 0;
+        if (bytes >= (size_t{256} << 20)) {
+            void* p = chunks_.back().p;
+            off_ = chunks_.back().n;  // full: the next small tensor opens a new chunk
+            used_ += bytes;
+            return p;
+        }
+    }
+    void* p = static_cast<char*>(chunks_.back().p) + off_;
+    off_ += bytes;
+    used_ += bytes;
+    return p;
+}
+
+Scratch::~Scratch() {
+    if (pinned_) cudaFreeHost(pinned_);
+    for (void* p : pinned_extra_) cudaFreeHost(p);
+}
+
+void* Scratch::dev(size_t bytes) {
+    bytes = (bytes + 255) / 256 * 256;
+    if (bytes == 0) bytes = 256;
+    need_ += bytes;
+    if (off_ + bytes <= main_.n) {
+        void* p = static_cast<char*>(main_.p) + off_;
+        off_ += bytes;
+        return p;
+    }
+    extra_.emplace_back(bytes);
+    return extra_.back().p;
+}
+
+void* Scratch::upload(const void* host, size_t bytes) {
+    void* d = dev(bytes);
+    if (bytes == 0) return d;
+    const size_t b = (bytes + 255) / 256 * 256;
+    void* h;
+    if (pinned_off_ + b <= pinned_cap_) {
+        h = static_cast<char*>(pinned_) + pinned_off_;
+        pinned_off_ += b;
+    } else {
+        check(cudaMallocHost(&h, b), "cudaMallocHost");
+        pinned_extra_.push_back(h);
+    }
+    std::memcpy(h, host, bytes);
+    check(cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, 0), "upload");
+    return d;
+}
+
+void Scratch::reset() {
+    if (!extra_.empty() || need_ > main_.n) {
+        extra_.clear();
+        const size_t want = std::max(need_ + need_ / 4, main_.n);
+        main_ = DBuf();
+        main_ = DBuf(want);
+    }
+    if (!pinned_ || !pinned_extra_.empty()) {
+        for (void* p : pinned_extra_) cudaFreeHost(p);
+        pinned_extra_.clear();
+        const size_t want = pinned_ ? 2 * pinned_cap_ : size_t{1} << 20;
+        if (pinned_) cudaFreeHost(pinned_);
+        pinned_ = nullptr;
+        check(cudaMallocHost(&pinned_, want), "cudaMallocHost");
+        pinned_cap_ = want;
+    }
+    off_ = 0;
+    need_ = 0;
+    pinned_off_ = 0;
+}
+
+// ---- the step context -----------------------------------------------------------------------------
+
+Step::Step(EngineCore& e, Scratch& sc) : E(e), c(e.cfg), nm(e.nm), hw8(e.hw8), scratch(sc) {}
+
+bool Step::wants_any(int layer, int stage) const {
+    if (!wants(layer, stage)) return false;
+    for (uint8_t r : cap_row)
+        if (r) return true;
+    return false;
+}
+
+namespace {
+// Capture rows of a device array: one copy of the whole span, then one record per wanted row.
+void capture_rows(Step& s, int layer, int stage, const void* p, const std::vector<int64_t>& off,
+                  const std::vector<std::vector<int64_t>>& shapes, const std::vector<int>* rowmap) {
+    const size_t eb = elem_bytes(kStages[stage].dtype);
+    const size_t n = off.size();
+    int64_t lo = -1, hi = 0;
+    for (size_t r = 0; r < n; ++r) {
+        const int t = rowmap ? (*rowmap)[r] : static_cast<int>(r);
+        if (!s.cap_row[static_cast<size_t>(t)]) continue;
+        const int64_t a = off[r], b = off[r] + static_cast<int64_t>(numel(shapes[r]));
+        if (lo < 0 || a < lo) lo = a;
+        hi = std::max(hi, b);
+    }
+    if (lo < 0) return;
+    std::vector<uint8_t> host(static_cast<size_t>(hi - lo) * eb);
+    if (!host.empty())
+        check(cudaMemcpy(host.data(), static_cast<const char*>(p) + static_cast<size_t>(lo) * eb, host.size(),
+                         cudaMemcpyDeviceToHost),
+              "capture");
+    for (size_t r = 0; r < n; ++r) {
+        const int t = rowmap ? (*rowmap)[r] : static_cast<int>(r);
+        if (!s.cap_row[static_cast<size_t>(t)]) continue;
+        CaptureRecord rec;
+        rec.layer = layer;
+        rec.stage = stage;
+        rec.row = t;
+        rec.shape = shapes[r];
+        const size_t nb = numel(shapes[r]) * eb;
+        rec.bytes.resize(nb);
+        if (nb) std::memcpy(rec.bytes.data(), host.data() + static_cast<size_t>(off[r] - lo) * eb, nb);
+        s.out->captures.push_back(std::move(rec));
+    }
+}
+
+void emit_impl(Step& s, int layer, int stage, void* p, const std::vector<int64_t>& off,
+               const std::vector<std::vector<int64_t>>& shapes, const std::vector<int>* rowmap) {
+    const SDType dt = kStages[stage].dtype;
+    const size_t eb = elem_bytes(dt);
+    for (size_t r = 0; r < off.size(); ++r) {
+        const int t = rowmap ? (*rowmap)[r] : static_cast<int>(r);
+        const int64_t e = s.inject_element(layer, stage, t);
+        if (e < 0 || static_cast<size_t>(e) >= numel(shapes[r])) continue;
+        inject_value(static_cast<char*>(p) + static_cast<size_t>(off[r] + e) * eb, static_cast<int>(dt), s.inj.ulps);
+        s.out->injected += 1;
+    }
+    if (s.wants(layer, stage)) capture_rows(s, layer, stage, p, off, shapes, rowmap);
+}
+}  // namespace
+
+void Step::emit(int layer, int stage, void* p, int64_t ld, const std::vector<int64_t>& shape) {
+    std::vector<int64_t> off(static_cast<size_t>(T));
+    for (int t = 0; t < T; ++t) off[static_cast<size_t>(t)] = t * ld;
+    emit_impl(*this, layer, stage, p, off, std::vector<std::vector<int64_t>>(static_cast<size_t>(T), shape), nullptr);
+}
+
+void Step::emit_var(int layer, int stage, void* p, const std::vector<int64_t>& off,
+                    const std::vector<std::vector<int64_t>>& shapes) {
+    emit_impl(*this, layer, stage, p, off, shapes, nullptr);
+}
+
+void Step::emit_rows(int layer, int stage, void* p, int64_t ld, const std::vector<int64_t>& shape,
+                     const std::vector<int>& rows) {
+    std::vector<int64_t> off(rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) off[r] = static_cast<int64_t>(r) * ld;
+    emit_impl(*this, layer, stage, p, off, std::vector<std::vector<int64_t>>(rows.size(), shape), &rows);
+}
+
+void Step::capture(int layer, int stage, const void* p, int64_t ld, const std::vector<int64_t>& shape) {
+    if (!wants(layer, stage)) return;
+    std::vector<int64_t> off(static_cast<size_t>(T));
+    for (int t = 0; t < T; ++t) off[static_cast<size_t>(t)] = t * ld;
+    capture_rows(*this, layer, stage, p, off, std::vector<std::vector<int64_t>>(static_cast<size_t>(T), shape), nullptr);
+}
+
+SegDev* Step::seg_table(int layer) {
+    if (seg_cache_.empty()) seg_cache_.assign(static_cast<size_t>(c.num_hidden_layers), nullptr);
+    SegDev*& cached = seg_cache_[static_cast<size_t>(layer)];
+    if (cached) return cached;
+    std::vector<SegDev> v(segs.size());
+    for (size_t i = 0; i < segs.size(); ++i) {
+        SegDev& d = v[i];
+        std::memset(&d, 0, sizeof(d));
+        d.t0 = segs[i].t0;
+        d.n = segs[i].n;
+        d.pos0 = static_cast<int>(segs[i].pos0);
+        Sequence& q = *segs[i].seq;
+        if (E.layers[static_cast<size_t>(layer)].kda) {
+            d.conv = q.kda[static_cast<size_t>(layer)].conv_tail.as<float>();
+            d.S = q.kda[static_cast<size_t>(layer)].S.as<float>();
+        } else {
+            MlaState& m = q.mla[static_cast<size_t>(layer)];
+            d.c = m.c.as<float>();
+            d.k = m.k.as<float>();
+            d.gate = m.gate.as<float>();
+            d.pk = m.pk.as<float>();
+        }
+    }
+    cached = scratch.up(v);
+    return cached;
+}
+
+void Step::mark(const char* name) {
+    if (!E.timing) return;
+    if (E.event_next >= E.event_pool.size()) {
+        cudaEvent_t ev;
+        check(cudaEventCreate(&ev), "cudaEventCreate");
+        E.event_pool.push_back(ev);
+    }
+    cudaEvent_t ev = E.event_pool[E.event_next++];
+    check(cudaEventRecord(ev, 0), "cudaEventRecord");
+    E.marks.emplace_back(name, ev);
+}
+
+// ---- the engine -----------------------------------------------------------------------------------
+
+struct Engine::Impl : EngineCore {};
+
+namespace {
+
+__global__ void k_decay(const float* a_log, int n, float* out, Nm nm) {
+    const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+    if (i < n) out[i] = nm.exp(a_log[i]);
+}
+
+// w_uk_t[(h*r + k)*dn + i] = kv_b[h(dn+dv) + i][k], decoded exactly.
+__global__ void k_build_wuk(int fmt, const void* data, const void* scale, int64_t C, int nh, int dn, int dv, int r,
+                            float* out) {
+    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= static_cast<int64_t>(nh) * r * dn) return;
+    const int64_t i = idx % dn, k = (idx / dn) % r, h = idx / (static_cast<int64_t>(dn) * r);
+    out[idx] = decode_elem(fmt, data, scale, h * (dn + dv) + i, k, C);
+}
+
+// Every E4M3 code in every position of a group of eight, hardware path vs software path.
+__global__ void k_e4m3_selftest(int* mismatches) {
+    const int test = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+    if (test >= 256) return;
+    const int base = (test / 8) * 8, rot = test % 8;
+    uint32_t code[8];
+    for (int l = 0; l < 8; ++l) code[l] = static_cast<uint32_t>((base + ((l + rot) % 8)) & 0xFF);
+    const uint32_t lo = code[0] | (code[1] << 8) | (code[2] << 16) | (code[3] << 24);
+    const uint32_t hi = code[4] | (code[5] << 8) | (code[6] << 16) | (code[7] << 24);
+    float w[8];
+    e4m3x8<true>(lo, hi, w);
+    for (int l = 0; l < 8; ++l) {
+        const float ref = e4m3_sw(code[l]);
+        const bool both_nan = is_nan(ref) && is_nan(w[l]);
+        if (!both_nan && f32_bits(ref) != f32_bits(w[l])) atomicAdd(mismatches, 1);
+    }
+}
+
+std::vector<float> to_f32(const std::string& what, const std::string& release, const void* data, size_t n) {
+    std::vector<float> out(n);
+    if (release == "bf16") {
+        const uint16_t* p = static_cast<const uint16_t*>(data);
+        for (size_t i = 0; i < n; ++i) {
+            const uint32_t u = static_cast<uint32_t>(p[i]) << 16;
+            std::memcpy(&out[i], &u, 4);
+        }
+    } else if (release == "f32") {
+        std::memcpy(out.data(), data, n * sizeof(float));
+    } else {
+        throw std::invalid_argument(what + ": expected a bf16 or f32 tensor, given release '" + release + "'");
+    }
+    return out;
+}
+
+}  // namespace
+
+Engine::Engine(const Config& cfg, bool seq_dot, bool native_exp) : p_(std::make_unique<Impl>()) {
+    Impl& e = *p_;
+    e.cfg = cfg;
+    e.cfg.validate();
+    e.nm.seq = seq_dot;
+    e.nm.native = native_exp;
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1) {
+        cudaGetLastError();
+        throw std::runtime_error("no CUDA device is available");
+    }
+    // the E4M3 decode path: the hardware conversion if it agrees with the software decode everywhere
+    {
+        DBuf bad(sizeof(int));
+        check(cudaMemset(bad.p, 0, sizeof(int)), "memset");
+        auto k = k_e4m3_selftest;
+        GLM_LAUNCH(k, 1, 256, 0, bad.as<int>());
+        check_launch("e4m3 self-test");
+        int mism = 0;
+        check(cudaMemcpy(&mism, bad.p, sizeof(int), cudaMemcpyDeviceToHost), "e4m3 self-test");
+        e.hw8 = mism == 0;
+#if defined(GLM_CUDA_EMU)
+        e.decode_path = "software (CPU emulation)";
+#else
+        e.decode_path = e.hw8 ? "hardware cvt.rn.f16x2.e4m3x2" : "software (the hardware conversion disagreed)";
+#endif
+    }
+    const size_t L = static_cast<size_t>(cfg.num_hidden_layers);
+    e.layers.resize(L);
+    for (size_t l = 0; l < L; ++l) {
+        e.layers[l].kda = e.cfg.is_kda[l] != 0;
+        e.layers[l].m.has_indexer = !e.layers[l].kda && e.cfg.has_indexer[l] != 0;
+        e.layers[l].f.moe = e.cfg.is_moe[l] != 0;
+        if (e.layers[l].f.moe) {
+            const size_t E = static_cast<size_t>(e.cfg.n_routed_experts);
+            e.layers[l].f.e_gate.resize(E);
+            e.layers[l].f.e_up.resize(E);
+            e.layers[l].f.e_down.resize(E);
+        }
+    }
+    e.scratch.reset();
+}
+
+Engine::~Engine() {
+    if (p_) {
+        cudaDeviceSynchronize();
+        for (cudaEvent_t ev : p_->event_pool) cudaEventDestroy(ev);
+    }
+}
+
+void Engine::add_tensor(const std::string& role, int layer, int expert, const std::string& release, const void* data,
+                        const void* scale, const std::vector<int64_t>& shape, const std::vector<int64_t>& data_shape,
+                        const std::vector<int64_t>& scale_shape) {
+    Impl& E_ = *p_;
+    if (E_.finalized) throw std::logic_error("add_tensor after finalize");
+    const Config& c = E_.cfg;
+    const int64_t L = c.num_hidden_layers;
+    std::string what = role + (layer >= 0 ? " (layer " + std::to_string(layer) + ")" : "") +
+                       (expert >= 0 ? " (expert " + std::to_string(expert) + ")" : "");
+    auto bad = [&](const std::string& why) { throw std::invalid_argument(what + ": " + why); };
+    if (data == nullptr) bad("no data");
+    if (layer >= L) bad("layer out of range");
+    for (int64_t d : shape)
+        if (d < 0) bad("negative dimension");
+    const size_t n = numel(shape);
+    auto expect = [&](const std::vector<int64_t>& got, const std::vector<int64_t>& want, const char* which) {
+        if (got != want) bad(std::string(which) + " has shape " + shape_str(got) + ", expected " + shape_str(want));
+    };
+    auto upload = [&](const void* src, size_t bytes) -> void* {
+        void* d = E_.arena.alloc(bytes);
+        if (bytes) check(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice), "weight upload");
+        return d;
+    };
+    auto make_lin = [&](size_t rows, size_t cols) -> Lin {
+        if (shape.size() != 2 || static_cast<size_t>(shape[0]) != rows || static_cast<size_t>(shape[1]) != cols)
+            bad("shape " + shape_str(shape) + ", expected " +
+                shape_str({static_cast<int64_t>(rows), static_cast<int64_t>(cols)}));
+        Lin w;
+        w.R = static_cast<int64_t>(rows);
+        w.C = static_cast<int64_t>(cols);
+        const int64_t R = w.R, C = w.C;
+        if (release == "bf16") {
+            w.fmt = W_BF16;
+            expect(data_shape, {R, C}, "data");
+            w.data = upload(data, static_cast<size_t>(R * C) * 2);
+        } else if (release == "f32") {
+            w.fmt = W_F32;
+            expect(data_shape, {R, C}, "data");
+            w.data = upload(data, static_cast<size_t>(R * C) * 4);
+        } else if (release == "fp8") {
+            w.fmt = W_FP8;
+            expect(data_shape, {R, C}, "data");
+            if (!scale) bad("fp8 weight without weight_scale_inv");
+            expect(scale_shape, {(R + 127) / 128, (C + 127) / 128}, "weight_scale_inv");
+            w.data = upload(data, static_cast<size_t>(R * C));
+            w.scale = upload(scale, static_cast<size_t>(((R + 127) / 128) * ((C + 127) / 128)) * 4);
+        } else if (release == "mxfp4") {
+            w.fmt = W_MXFP4;
+            if (C % 32 != 0) bad("mxfp4 needs in_features % 32 == 0");
+            expect(data_shape, {R, C / 2}, "data");
+            if (!scale) bad("mxfp4 weight without weight_scale");
+            expect(scale_shape, {R, C / 32}, "weight_scale");
+            w.data = upload(data, static_cast<size_t>(R * (C / 2)));
+            w.scale = upload(scale, static_cast<size_t>(R * (C / 32)));
+        } else {
+            bad("unknown release '" + release + "'");
+        }
+        return w;
+    };
+    auto small_host = [&](size_t want) -> std::vector<float> {
+        if (n != want) bad("has " + std::to_string(n) + " values, expected " + std::to_string(want));
+        if (numel(data_shape) != want) bad("stored array has " + std::to_string(numel(data_shape)) + " values");
+        return to_f32(what, release, data, want);
+    };
+    auto small = [&](size_t want) -> float* {
+        const std::vector<float> f = small_host(want);
+        return static_cast<float*>(upload(f.data(), f.size() * sizeof(float)));
+    };
+    auto need_layer = [&]() -> LayerW& {
+        if (layer < 0) bad("needs a layer index");
+        return E_.layers[static_cast<size_t>(layer)];
+    };
+
+    const size_t D = static_cast<size_t>(c.hidden_size), V = static_cast<size_t>(c.vocab_size);
+    const size_t hc = static_cast<size_t>(c.hc_mult), P = static_cast<size_t>(c.kda_dim());
+    const size_t d = static_cast<size_t>(c.linear_head_dim), H = static_cast<size_t>(c.linear_num_heads);
+    const size_t K = static_cast<size_t>(c.linear_conv_kernel_dim);
+    const size_t nh = static_cast<size_t>(c.num_attention_heads), dn = static_cast<size_t>(c.qk_nope_head_dim);
+    const size_t dv = static_cast<size_t>(c.v_head_dim), r = static_cast<size_t>(c.kv_lora_rank);
+    const size_t rq = static_cast<size_t>(c.q_lora_rank), dr = static_cast<size_t>(c.qk_rope_head_dim);
+    const size_t ni = static_cast<size_t>(c.index_n_heads), di = static_cast<size_t>(c.index_head_dim);
+    const size_t kp = static_cast<size_t>(c.index_kpool);
+    const size_t I = static_cast<size_t>(c.intermediate_size), Im = static_cast<size_t>(c.moe_intermediate_size);
+    const size_t Is = Im * static_cast<size_t>(c.n_shared_experts), E = static_cast<size_t>(c.n_routed_experts);
+
+    const std::string key = role + "#" + std::to_string(layer) + "#" + std::to_string(expert);
+    if (E_.have.count(key)) bad("registered twice");
+
+    if (role == "embed") {
+        E_.embed = make_lin(V, D);
+    } else if (role == "lm_head") {
+        E_.lm_head = make_lin(V, D);
+    } else if (role == "final_norm") {
+        E_.final_norm = small(D);
+    } else if (role == "attn_norm") {
+        need_layer().attn_norm = small(D);
+    } else if (role == "ffn_norm") {
+        need_layer().ffn_norm = small(D);
+    } else if (role.rfind("attn_hc.", 0) == 0 || role.rfind("ffn_hc.", 0) == 0) {
+        HcW& hw = role[0] == 'a' ? need_layer().attn_hc : need_layer().ffn_hc;
+        const std::string leaf = role.substr(role.find('.') + 1);
+        const size_t R = static_cast<size_t>(c.hc_dim());
+        if (leaf == "fn" || leaf == "base") {
+            const std::vector<float> f = small_host(leaf == "fn" ? R * hc * D : R);
+            const std::vector<double> v(f.begin(), f.end());
+            double* dp = static_cast<double*>(upload(v.data(), v.size() * sizeof(double)));
+            (leaf == "fn" ? hw.fn : hw.base) = dp;
+        } else if (leaf == "scale") {
+            const std::vector<float> f = small_host(3);
+            for (int i = 0; i < 3; ++i) hw.scale[i] = f[static_cast<size_t>(i)];
+        } else {
+            bad("unknown role");
+        }
+    } else if (role.rfind("kda.", 0) == 0) {
+        LayerW& lw = need_layer();
+        if (!lw.kda) bad("is a KDA tensor but the layer is not a KDA layer");
+        KdaW& k = lw.k;
+        if (role == "kda.q_proj") k.q_proj = make_lin(P, D);
+        else if (role == "kda.k_proj") k.k_proj = make_lin(P, D);
+        else if (role == "kda.v_proj") k.v_proj = make_lin(P, D);
+        else if (role == "kda.f_a_proj") k.f_a = make_lin(d, D);
+        else if (role == "kda.f_b_proj") k.f_b = make_lin(P, d);
+        else if (role == "kda.b_proj") k.b_proj = make_lin(H, D);
+        else if (role == "kda.g_a_proj") k.g_a = make_lin(d, D);
+        else if (role == "kda.g_b_proj") k.g_b = make_lin(P, d);
+        else if (role == "kda.o_proj") k.o_proj = make_lin(D, P);
+        else if (role == "kda.q_conv" || role == "kda.k_conv" || role == "kda.v_conv") {
+            const size_t which = role == "kda.q_conv" ? 0 : role == "kda.k_conv" ? 1 : 2;
+            const std::vector<float> f = small_host(P * K);
+            if (!k.conv) {
+                k.conv = static_cast<float*>(E_.arena.alloc(3 * P * K * sizeof(float)));
+                check(cudaMemset(k.conv, 0, 3 * P * K * sizeof(float)), "memset");
+            }
+            check(cudaMemcpy(k.conv + which * P * K, f.data(), P * K * sizeof(float), cudaMemcpyHostToDevice), "conv");
+        } else if (role == "kda.dt_bias") k.dt_bias = small(P);
+        else if (role == "kda.A_log") k.A_log = small(H);
+        else if (role == "kda.o_norm") k.o_norm = small(d);
+        else bad("unknown role");
+    } else if (role.rfind("mla.", 0) == 0) {
+        LayerW& lw = need_layer();
+        if (lw.kda) bad("is an MLA tensor but the layer is a KDA layer");
+        MlaW& m = lw.m;
+        if (role == "mla.q_a_proj") m.q_a = make_lin(rq, D);
+        else if (role == "mla.q_b_proj") m.q_b = make_lin(nh * (dn + dr), rq);
+        else if (role == "mla.kv_a_proj") m.kv_a = make_lin(r + dr, D);
+        else if (role == "mla.kv_b_proj") m.kv_b = make_lin(nh * (dn + dv), r);
+        else if (role == "mla.o_proj") m.o_proj = make_lin(D, nh * dv);
+        else if (role == "mla.q_a_norm") m.q_a_norm = small(rq);
+        else if (role == "mla.kv_a_norm") m.kv_a_norm = small(r);
+        else bad("unknown role");
+    } else if (role.rfind("indexer.", 0) == 0) {
+        LayerW& lw = need_layer();
+        if (lw.kda || !lw.m.has_indexer) bad("is an indexer tensor but the layer has no full indexer");
+        MlaW& m = lw.m;
+        if (role == "indexer.wq_b") m.wq_b = make_lin(ni * di, rq);
+        else if (role == "indexer.wk") m.wk = make_lin(di, D);
+        else if (role == "indexer.weights_proj") m.weights_proj = make_lin(ni, D);
+        else if (role == "indexer.kpool_gate") m.kpool_gate = make_lin(di, D);
+        else if (role == "indexer.k_norm") m.k_norm_w = small(di);
+        else if (role == "indexer.k_norm_bias") m.k_norm_b = small(di);
+        else if (role == "indexer.kpool_ape") m.ape = small(kp * di);
+        else bad("unknown role");
+    } else if (role.rfind("mlp.", 0) == 0) {
+        LayerW& lw = need_layer();
+        if (lw.f.moe) bad("is a dense-MLP tensor but the layer is an MoE layer");
+        if (role == "mlp.gate_proj") lw.f.gate = make_lin(I, D);
+        else if (role == "mlp.up_proj") lw.f.up = make_lin(I, D);
+        else if (role == "mlp.down_proj") lw.f.down = make_lin(D, I);
+        else bad("unknown role");
+    } else if (role.rfind("moe.", 0) == 0) {
+        LayerW& lw = need_layer();
+        if (!lw.f.moe) bad("is an MoE tensor but the layer is a dense layer");
+        FfnW& f = lw.f;
+        if (role.rfind("moe.expert.", 0) == 0) {
+            if (expert < 0 || static_cast<size_t>(expert) >= E) bad("expert index out of range");
+            const size_t e = static_cast<size_t>(expert);
+            if (role == "moe.expert.gate_proj") f.e_gate[e] = make_lin(Im, D);
+            else if (role == "moe.expert.up_proj") f.e_up[e] = make_lin(Im, D);
+            else if (role == "moe.expert.down_proj") f.e_down[e] = make_lin(D, Im);
+            else bad("unknown role");
+        } else if (role == "moe.gate") f.router = make_lin(E, D);
+        else if (role == "moe.gate_bias") f.bias = small(E);
+        else if (role == "moe.shared.gate_proj") f.s_gate = make_lin(Is, D);
+        else if (role == "moe.shared.up_proj") f.s_up = make_lin(Is, D);
+        else if (role == "moe.shared.down_proj") f.s_down = make_lin(D, Is);
+        else bad("unknown role");
+    } else {
+        bad("unknown role");
+    }
+    E_.have[key] = 1;
+}
+
+namespace {
+ExpertTable make_table(EngineCore& E_, const std::vector<Lin>& ls, const std::string& what, int layer) {
+    ExpertTable t;
+    if (ls.empty()) return t;
+    t.fmt = ls[0].fmt;
+    t.R = ls[0].R;
+    t.C = ls[0].C;
+    std::vector<const void*> d(ls.size()), s(ls.size());
+    for (size_t e = 0; e < ls.size(); ++e) {
+        if (ls[e].fmt != t.fmt || ls[e].R != t.R || ls[e].C != t.C)
+            throw std::invalid_argument(what + " (layer " + std::to_string(layer) + "): expert " + std::to_string(e) +
+                                        " is stored as " + wfmt_name(ls[e].fmt) + " but expert 0 as " +
+                                        wfmt_name(t.fmt) + "; the CUDA engine needs one format per layer");
+        d[e] = ls[e].data;
+        s[e] = ls[e].scale;
+    }
+    E_.tables.emplace_back(d.size() * sizeof(void*));
+    check(cudaMemcpy(E_.tables.back().p, d.data(), d.size() * sizeof(void*), cudaMemcpyHostToDevice), "table");
+    t.data = E_.tables.back().as<const void*>();
+    E_.tables.emplace_back(s.size() * sizeof(void*));
+    check(cudaMemcpy(E_.tables.back().p, s.data(), s.size() * sizeof(void*), cudaMemcpyHostToDevice), "table");
+    t.scale = E_.tables.back().as<const void*>();
+    return t;
+}
+}  // namespace
+
+void Engine::finalize() {
+    Impl& E_ = *p_;
+    const Config& c = E_.cfg;
+    std::vector<std::string> missing;
+    auto need = [&](bool ok, const std::string& role, int layer, int expert = -1) {
+        if (!ok)
+            missing.push_back(role + (layer >= 0 ? " (layer " + std::to_string(layer) + ")" : "") +
+                              (expert >= 0 ? " (expert " + std::to_string(expert) + ")" : ""));
+    };
+    need(!E_.embed.empty(), "embed", -1);
+    need(E_.final_norm != nullptr, "final_norm", -1);
+    if (E_.lm_head.empty() && c.tie_word_embeddings) E_.lm_head = E_.embed;
+    need(!E_.lm_head.empty(), "lm_head", -1);
+    for (size_t li = 0; li < E_.layers.size(); ++li) {
+        const int l = static_cast<int>(li);
+        LayerW& w = E_.layers[li];
+        need(w.attn_norm != nullptr, "attn_norm", l);
+        need(w.ffn_norm != nullptr, "ffn_norm", l);
+        need(w.attn_hc.fn != nullptr, "attn_hc.fn", l);
+        need(w.attn_hc.base != nullptr, "attn_hc.base", l);
+        need(w.ffn_hc.fn != nullptr, "ffn_hc.fn", l);
+        need(w.ffn_hc.base != nullptr, "ffn_hc.base", l);
+        if (w.kda) {
+            KdaW& k = w.k;
+            for (auto [lin, name] : {std::pair<Lin*, const char*>{&k.q_proj, "kda.q_proj"}, {&k.k_proj, "kda.k_proj"},
+                                     {&k.v_proj, "kda.v_proj"}, {&k.f_a, "kda.f_a_proj"}, {&k.f_b, "kda.f_b_proj"},
+                                     {&k.b_proj, "kda.b_proj"}, {&k.g_a, "kda.g_a_proj"}, {&k.g_b, "kda.g_b_proj"},
+                                     {&k.o_proj, "kda.o_proj"}})
+                need(!lin->empty(), name, l);
+            need(k.conv != nullptr, "kda.q_conv/k_conv/v_conv", l);
+            need(k.dt_bias != nullptr, "kda.dt_bias", l);
+            need(k.A_log != nullptr, "kda.A_log", l);
+            need(k.o_norm != nullptr, "kda.o_norm", l);
+        } else {
+            MlaW& m = w.m;
+            for (auto [lin, name] : {std::pair<Lin*, const char*>{&m.q_a, "mla.q_a_proj"}, {&m.q_b, "mla.q_b_proj"},
+                                     {&m.kv_a, "mla.kv_a_proj"}, {&m.kv_b, "mla.kv_b_proj"}, {&m.o_proj, "mla.o_proj"}})
+                need(!lin->empty(), name, l);
+            need(m.q_a_norm != nullptr, "mla.q_a_norm", l);
+            need(m.kv_a_norm != nullptr, "mla.kv_a_norm", l);
+            if (m.has_indexer) {
+                for (auto [lin, name] : {std::pair<Lin*, const char*>{&m.wq_b, "indexer.wq_b"}, {&m.wk, "indexer.wk"},
+                                         {&m.weights_proj, "indexer.weights_proj"},
+                                         {&m.kpool_gate, "indexer.kpool_gate"}})
+                    need(!lin->empty(), name, l);
+                need(m.k_norm_w != nullptr, "indexer.k_norm", l);
+                need(m.k_norm_b != nullptr, "indexer.k_norm_bias", l);
+                need(m.ape != nullptr, "indexer.kpool_ape", l);
+            }
+        }
+        FfnW& f = w.f;
+        if (f.moe) {
+            need(!f.router.empty(), "moe.gate", l);
+            need(f.bias != nullptr, "moe.gate_bias", l);
+            need(!f.s_gate.empty(), "moe.shared.gate_proj", l);
+            need(!f.s_up.empty(), "moe.shared.up_proj", l);
+            need(!f.s_down.empty(), "moe.shared.down_proj", l);
+            for (size_t e = 0; e < f.e_gate.size(); ++e) {
+                need(!f.e_gate[e].empty(), "moe.expert.gate_proj", l, static_cast<int>(e));
+                need(!f.e_up[e].empty(), "moe.expert.up_proj", l, static_cast<int>(e));
+                need(!f.e_down[e].empty(), "moe.expert.down_proj", l, static_cast<int>(e));
+            }
+        } else {
+            need(!f.gate.empty(), "mlp.gate_proj", l);
+            need(!f.up.empty(), "mlp.up_proj", l);
+            need(!f.down.empty(), "mlp.down_proj", l);
+        }
+    }
+    if (!missing.empty()) {
+        std::string msg = std::to_string(missing.size()) + " tensor(s) missing:";
+        for (const std::string& m : missing) msg += "\n  - " + m;
+        throw std::invalid_argument(msg);
+    }
+    // derived weights, computed on the device
+    for (size_t li = 0; li < E_.layers.size(); ++li) {
+        LayerW& w = E_.layers[li];
+        if (w.kda) {
+            const int H = static_cast<int>(c.linear_num_heads);
+            w.k.decay = static_cast<float*>(E_.arena.alloc(static_cast<size_t>(H) * sizeof(float)));
+            auto k = k_decay;
+            GLM_LAUNCH(k, (H + 127) / 128, 128, 0, w.k.A_log, H, w.k.decay, E_.nm);
+            check_launch("decay");
+        } else {
+            const int nh = static_cast<int>(c.num_attention_heads), dn = static_cast<int>(c.qk_nope_head_dim);
+            const int dv = static_cast<int>(c.v_head_dim), r = static_cast<int>(c.kv_lora_rank);
+            const int64_t total = static_cast<int64_t>(nh) * r * dn;
+            w.m.w_uk_t = static_cast<float*>(E_.arena.alloc(static_cast<size_t>(total) * sizeof(float)));
+            auto k = k_build_wuk;
+            GLM_LAUNCH(k, static_cast<unsigned>((total + 255) / 256), 256, 0, w.m.kv_b.fmt, w.m.kv_b.data,
+                       w.m.kv_b.scale, w.m.kv_b.C, nh, dn, dv, r, w.m.w_uk_t);
+            check_launch("w_uk");
+        }
+        if (w.f.moe) {
+            w.f.t_gate = make_table(E_, w.f.e_gate, "moe.expert.gate_proj", static_cast<int>(li));
+            w.f.t_up = make_table(E_, w.f.e_up, "moe.expert.up_proj", static_cast<int>(li));
+            w.f.t_down = make_table(E_, w.f.e_down, "moe.expert.down_proj", static_cast<int>(li));
+        }
+    }
+    check(cudaDeviceSynchronize(), "finalize");
+    E_.finalized = true;
+}
+
+size_t Engine::weight_bytes() const {
+    const Impl& E_ = *p_;
+    size_t b = static_cast<size_t>(E_.embed.C) * 2 + E_.lm_head.bytes();
+    for (const LayerW& w : E_.layers) {
+        if (w.kda) {
+            for (const Lin* l : {&w.k.q_proj, &w.k.k_proj, &w.k.v_proj, &w.k.f_a, &w.k.f_b, &w.k.b_proj, &w.k.g_a,
+                                 &w.k.g_b, &w.k.o_proj})
+                b += l->bytes();
+        } else {
+            for (const Lin* l : {&w.m.q_a, &w.m.q_b, &w.m.kv_a, &w.m.kv_b, &w.m.o_proj, &w.m.wq_b, &w.m.wk,
+                                 &w.m.weights_proj, &w.m.kpool_gate})
+                b += l->bytes();
+        }
+        if (w.f.moe) {
+            b += w.f.router.bytes() + w.f.s_gate.bytes() + w.f.s_up.bytes() + w.f.s_down.bytes();
+            const size_t k = static_cast<size_t>(E_.cfg.num_experts_per_tok);
+            if (!w.f.e_gate.empty()) b += k * (w.f.e_gate[0].bytes() + w.f.e_up[0].bytes() + w.f.e_down[0].bytes());
+        } else {
+            b += w.f.gate.bytes() + w.f.up.bytes() + w.f.down.bytes();
+        }
+    }
+    return b;
+}
+
+size_t Engine::device_bytes() const { return p_->arena.used(); }
+
+std::string Engine::device_name() const {
+    cudaDeviceProp p;
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (cudaGetDeviceProperties(&p, dev) != cudaSuccess) return "?";
+    return std::string(p.name);
+}
+
+std::string Engine::decode_path() const { return p_->decode_path; }
+
+void Engine::set_timing(bool on) { p_->timing = on; }
+void Engine::reset_stage_times() {
+    p_->stage_ms.clear();
+    p_->stage_order.clear();
+}
+StageTimes Engine::stage_times() const {
+    StageTimes t;
+    for (const std::string& n : p_->stage_order) {
+        t.names.push_back(n);
+        t.ms.push_back(p_->stage_ms.at(n));
+    }
+    return t;
+}
+
+// ---- sequences ------------------------------------------------------------------------------------
+
+namespace {
+std::unique_ptr<Sequence> make_sequence(const EngineCore& E_) {
+    const Config& c = E_.cfg;
+    auto s = std::make_unique<Sequence>();
+    const size_t L = E_.layers.size();
+    s->kda.resize(L);
+    s->mla.resize(L);
+    const size_t P = static_cast<size_t>(c.kda_dim()), d = static_cast<size_t>(c.linear_head_dim);
+    const size_t K = static_cast<size_t>(c.linear_conv_kernel_dim);
+    for (size_t l = 0; l < L; ++l)
+        if (E_.layers[l].kda) {
+            const size_t nt = std::max<size_t>((K - 1) * 3 * P, 1) * sizeof(float);
+            const size_t ns = static_cast<size_t>(c.linear_num_heads) * d * d * sizeof(float);
+            s->kda[l].conv_tail = DBuf(nt);
+            s->kda[l].S = DBuf(ns);
+            check(cudaMemset(s->kda[l].conv_tail.p, 0, nt), "memset");
+            check(cudaMemset(s->kda[l].S.p, 0, ns), "memset");
+        }
+    return s;
+}
+
+void copy_buf(DBuf& dst, const DBuf& src) {
+    dst = DBuf(src.n);
+    if (src.n) check(cudaMemcpy(dst.p, src.p, src.n, cudaMemcpyDeviceToDevice), "copy");
+}
+
+// Make room for `need` positions in every MLA layer's cache of one sequence (doubling, contents kept).
+void reserve(const EngineCore& E_, Sequence& q, int64_t need) {
+    const Config& c = E_.cfg;
+    const size_t r = static_cast<size_t>(c.kv_lora_rank), di = static_cast<size_t>(c.index_head_dim);
+    const int64_t kp = c.index_kpool;
+    for (size_t l = 0; l < E_.layers.size(); ++l) {
+        if (E_.layers[l].kda) continue;
+        MlaState& m = q.mla[l];
+        if (m.cap >= need) continue;
+        const int64_t cap = std::max<int64_t>({need, 2 * m.cap, 64});
+        const size_t len = static_cast<size_t>(q.length);
+        auto grow = [&](DBuf& b, size_t row, size_t rows_new, size_t rows_old) {
+            DBuf nb(std::max<size_t>(rows_new * row, 1) * sizeof(float));
+            if (b.p && rows_old) check(cudaMemcpy(nb.p, b.p, rows_old * row * sizeof(float), cudaMemcpyDeviceToDevice), "grow");
+            b = std::move(nb);
+        };
+        grow(m.c, r, static_cast<size_t>(cap), len);
+        if (E_.layers[l].m.has_indexer) {
+            grow(m.k, di, static_cast<size_t>(cap), len);
+            grow(m.gate, di, static_cast<size_t>(cap), len);
+            grow(m.pk, di, static_cast<size_t>(cap / kp + 1), len / static_cast<size_t>(kp));
+        }
+        m.cap = cap;
+    }
+}
+}  // namespace
+
+int64_t Engine::new_sequence() {
+    Impl& E_ = *p_;
+    if (!E_.finalized) throw std::logic_error("the engine's weights are not finalized");
+    const int64_t id = E_.next_id++;
+    E_.seqs[id] = make_sequence(E_);
+    return id;
+}
+
+int64_t Engine::fork_sequence(int64_t id) {
+    Impl& E_ = *p_;
+    auto it = E_.seqs.find(id);
+    if (it == E_.seqs.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
+    const Sequence& a = *it->second;
+    auto b = std::make_unique<Sequence>();
+    b->length = a.length;
+    b->kda.resize(a.kda.size());
+    b->mla.resize(a.mla.size());
+    for (size_t l = 0; l < a.kda.size(); ++l) {
+        copy_buf(b->kda[l].conv_tail, a.kda[l].conv_tail);
+        copy_buf(b->kda[l].S, a.kda[l].S);
+        b->mla[l].cap = a.mla[l].cap;
+        copy_buf(b->mla[l].c, a.mla[l].c);
+        copy_buf(b->mla[l].k, a.mla[l].k);
+        copy_buf(b->mla[l].gate, a.mla[l].gate);
+        copy_buf(b->mla[l].pk, a.mla[l].pk);
+    }
+    const int64_t nid = E_.next_id++;
+    E_.seqs[nid] = std::move(b);
+    return nid;
+}
+
+void Engine::free_sequence(int64_t id) { p_->seqs.erase(id); }
+
+int64_t Engine::sequence_length(int64_t id) const {
+    auto it = p_->seqs.find(id);
+    if (it == p_->seqs.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
+    return it->second->length;
+}
+
+size_t Engine::live_sequences() const { return p_->seqs.size(); }
+
+// ---- the step -------------------------------------------------------------------------------------
+
+void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,
+                  const std::vector<uint8_t>& want_head, const std::vector<uint8_t>& cap_rows,
+                  const std::vector<uint8_t>& cap_mask, const Injection& inj, StepOutput& out) {
+    Impl& E_ = *p_;
+    if (!E_.finalized) throw std::logic_error("the engine's weights are not finalized");
+    const Config& c = E_.cfg;
+    const size_t T = seq_ids.size();
+    const int L = static_cast<int>(c.num_hidden_layers);
+    if (T == 0) throw std::invalid_argument("a step needs at least one row");
+    if (T > 65535) throw std::invalid_argument("a step takes at most 65535 rows in the CUDA engine");
+    if (tokens.size() != T || want_head.size() != T || cap_rows.size() != T)
+        throw std::invalid_argument("seq_ids, tokens, want_head and cap_rows must have one entry per row");
+    if (cap_mask.size() != static_cast<size_t>(L + 1) * S_COUNT)
+        throw std::invalid_argument("cap_mask must have (num_hidden_layers + 1) * n_stages entries");
+    for (size_t t = 0; t < T; ++t)
+        if (tokens[t] < 0 || tokens[t] >= c.vocab_size)
+            throw std::invalid_argument("token id " + std::to_string(tokens[t]) + " at row " + std::to_string(t) +
+                                        " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
+    if (inj.active) {
+        if (inj.layer < 0 || inj.layer > L || inj.stage < 0 || inj.stage >= S_COUNT || inj.element < 0 || inj.pos < 0)
+            throw std::invalid_argument("bad injection spec");
+    }
+
+    // the scratch is released (after a synchronization) however the step ends
+    struct Guard {
+        Scratch& s;
+        EngineCore& e;
+        ~Guard() {
+            cudaDeviceSynchronize();
+            e.marks.clear();
+            e.event_next = 0;
+            try {
+                s.reset();
+            } catch (...) {
+            }
+        }
+    } guard{E_.scratch, E_};
+
+    Step s(E_, E_.scratch);
+    s.T = static_cast<int>(T);
+    s.out = &out;
+    s.inj = inj;
+    s.cap_row = cap_rows;
+    s.cap_mask = cap_mask;
+    s.pos.resize(T);
+    s.seg_of.resize(T);
+    std::set<int64_t> seen;
+    for (size_t t = 0; t < T;) {
+        auto it = E_.seqs.find(seq_ids[t]);
+        if (it == E_.seqs.end()) throw std::invalid_argument("unknown sequence " + std::to_string(seq_ids[t]));
+        if (!seen.insert(seq_ids[t]).second)
+            throw std::invalid_argument("the rows of sequence " + std::to_string(seq_ids[t]) + " are not consecutive");
+        size_t n = 1;
+        while (t + n < T && seq_ids[t + n] == seq_ids[t]) ++n;
+        Sequence* sq = it->second.get();
+        if (sq->length + static_cast<int64_t>(n) > c.max_context)
+            throw std::invalid_argument("sequence " + std::to_string(seq_ids[t]) + ": " +
+                                        std::to_string(sq->length + static_cast<int64_t>(n)) +
+                                        " positions exceed the maximum context of " + std::to_string(c.max_context));
+        for (size_t i = 0; i < n; ++i) {
+            s.pos[t + i] = sq->length + static_cast<int64_t>(i);
+            s.seg_of[t + i] = static_cast<int>(s.segs.size());
+        }
+        s.segs.push_back(Segment{sq, static_cast<int>(t), static_cast<int>(n), sq->length});
+        t += n;
+    }
+    for (const Segment& g : s.segs) reserve(E_, *g.seq, g.pos0 + g.n);
+    s.mark("embed");
+
+    const int hc = static_cast<int>(c.hc_mult), D = static_cast<int>(c.hidden_size);
+    const int Ti = static_cast<int>(T);
+    s.d_pos = s.scratch.up(std::vector<int>(s.pos.begin(), s.pos.end()));
+    s.d_seg = s.scratch.up(s.seg_of);
+    int* d_tok = s.scratch.up(tokens);
+    float* X = s.scratch.d<float>(T * hc * D);
+    float* e = s.scratch.d<float>(T * D);
+    embed_rows(s, E_.embed, d_tok, e, X);
+
+    double* pre = s.scratch.d<double>(T * hc);
+    double* post = s.scratch.d<double>(T * hc);
+    double* comb = s.scratch.d<double>(T * hc * hc);
+    float* xin = s.scratch.d<float>(T * D);
+    float* xn = s.scratch.d<float>(T * D);
+    float* u = s.scratch.d<float>(T * D);
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    for (int l = 0; l < L; ++l) {
+        const LayerW& w = E_.layers[static_cast<size_t>(l)];
+        // attention sublayer
+        s.mark("mhc");
+        hc_site(s, l, false, w.attn_hc, X, pre, post, comb, xin);
+        rms_norm_rows(s, xin, D, Ti, D, w.attn_norm, eps, xn, D);
+        s.emit(l, S_ATTN_NORM, xn, D, {D});
+        if (w.kda) {
+            kda_forward(s, l, w.k, xn, u);
+            s.have_sel = false;
+        } else {
+            mla_forward(s, l, w.m, xn, u);
+        }
+        s.mark("mhc");
+        hc_expand(s, l, false, X, u, post, comb);
+        // feed-forward sublayer
+        hc_site(s, l, true, w.ffn_hc, X, pre, post, comb, xin);
+        rms_norm_rows(s, xin, D, Ti, D, w.ffn_norm, eps, xn, D);
+        s.emit(l, S_FFN_NORM, xn, D, {D});
+        if (w.f.moe) {
+            moe_forward(s, l, w.f, xn, u);
+        } else {
+            s.mark("mlp");
+            swiglu(s, w.f.gate, w.f.up, w.f.down, xn, Ti, u, l);
+            s.emit(l, S_MLP_OUT, u, D, {D});
+        }
+        s.mark("mhc");
+        hc_expand(s, l, true, X, u, post, comb);
+    }
+
+    // head, for the rows that want logits
+    std::vector<int> hrows;
+    for (size_t t = 0; t < T; ++t)
+        if (want_head[t]) hrows.push_back(static_cast<int>(t));
+    out.head_rows.assign(hrows.begin(), hrows.end());
+    const size_t V = static_cast<size_t>(c.vocab_size);
+    out.logits.assign(hrows.size() * V, 0.0f);
+    if (!hrows.empty()) {
+        float* logits = s.scratch.d<float>(hrows.size() * V);
+        head_forward(s, X, hrows, logits);
+        s.mark("end");
+        check(cudaMemcpy(out.logits.data(), logits, out.logits.size() * sizeof(float), cudaMemcpyDeviceToHost),
+              "logits");
+    } else {
+        s.mark("end");
+    }
+    check(cudaDeviceSynchronize(), "step");
+    check(cudaGetLastError(), "step");
+    for (const Segment& g : s.segs) g.seq->length += g.n;
+
+    if (E_.timing && E_.marks.size() >= 2) {
+        for (size_t i = 0; i + 1 < E_.marks.size(); ++i) {
+            float ms = 0;
+            check(cudaEventElapsedTime(&ms, E_.marks[i].second, E_.marks[i + 1].second), "elapsed");
+            const std::string& n = E_.marks[i].first;
+            if (!E_.stage_ms.count(n)) E_.stage_order.push_back(n);
+            E_.stage_ms[n] += ms;
+        }
+    }
+}
+
+// ---- numerics entry points --------------------------------------------------------------------------
+
+namespace {
+
+__global__ void k_expf(const float* x, float* y, int64_t n, bool native) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = native ? expf_native(x[i]) : expf_c(x[i]);
+}
+
+__global__ void k_expf_bits(uint64_t lo, int64_t n, float* y) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = expf_c(f32_from_bits(static_cast<uint32_t>(lo + static_cast<uint64_t>(i))));
+}
+
+__global__ void k_exp64(const double* x, double* y, int64_t n) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = exp64(x[i]);
+}
+
+GLM_DEV uint32_t bf16_bits_of(uint32_t u) {
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+GLM_DEV int64_t ordered(uint32_t u) {
+    return (u & 0x80000000u) ? -static_cast<int64_t>(u & 0x7FFFFFFFu) - 1 : static_cast<int64_t>(u);
+}
+
+// stats: [0] differ, [1] differ_bf16, [2] differ_nonpos, [3] nonpos inputs, [4] max ulps, [5] first
+__global__ void k_census(int kind, uint64_t lo, uint64_t n, unsigned long long* stats) {
+    unsigned long long d = 0, db = 0, dn = 0, np = 0, mu = 0, first = ~0ull;
+    const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+    for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const uint32_t bits = static_cast<uint32_t>(lo + i);
+        const float x = f32_from_bits(bits);
+        const float ref = expf_c(x);
+        const float got = kind == 1 ? expf_native(x) : (kind == 2 ? expf_intrinsic(x) : expf_c(x));
+        const uint32_t a = f32_bits(ref), b = f32_bits(got);
+        const bool nonpos = x <= 0.0f;
+        np += nonpos ? 1 : 0;
+        if (a != b) {
+            ++d;
+            if (bf16_bits_of(a) != bf16_bits_of(b)) ++db;
+            if (nonpos) ++dn;
+            if (!is_nan(ref) && !is_nan(got)) {
+                const int64_t diff = ordered(a) - ordered(b);
+                const unsigned long long ad = static_cast<unsigned long long>(diff < 0 ? -diff : diff);
+                mu = ad > mu ? ad : mu;
+            }
+            first = static_cast<unsigned long long>(bits) < first ? static_cast<unsigned long long>(bits) : first;
+        }
+    }
+    if (d) {
+        atomicAdd(&stats[0], d);
+        atomicAdd(&stats[1], db);
+        atomicAdd(&stats[2], dn);
+        atomicMax(&stats[4], mu);
+        atomicMin(&stats[5], first);
+    }
+    if (np) atomicAdd(&stats[3], np);
+}
+
+__global__ void k_decode_tables(int which, float* out, bool hw) {
+    const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+    if (which == 0 && i < 32) {  // e4m3: 256 codes through the eight-wide path
+        uint32_t code[8];
+        for (int l = 0; l < 8; ++l) code[l] = static_cast<uint32_t>(8 * i + l);
+        const uint32_t lo = code[0] | (code[1] << 8) | (code[2] << 16) | (code[3] << 24);
+        const uint32_t hi = code[4] | (code[5] << 8) | (code[6] << 16) | (code[7] << 24);
+        float w[8];
+        if (hw)
+            e4m3x8<true>(lo, hi, w);
+        else
+            e4m3x8<false>(lo, hi, w);
+        for (int l = 0; l < 8; ++l) out[8 * i + l] = w[l];
+    } else if (which == 1 && i < 16) {
+        out[i] = mxfp4_w(static_cast<uint32_t>(i), 1.0f);
+    } else if (which == 2 && i < 256) {
+        out[i] = e8m0(static_cast<uint32_t>(i));
+    }
+}
+
+}  // namespace
+
+void expf_device(const float* x, float* y, size_t n, bool native) {
+    if (n == 0) return;
+    DBuf dx(n * 4), dy(n * 4);
+    check(cudaMemcpy(dx.p, x, n * 4, cudaMemcpyHostToDevice), "expf_device");
+    auto k = k_expf;
+    GLM_LAUNCH(k, static_cast<unsigned>((n + 255) / 256), 256, 0, dx.as<float>(), dy.as<float>(),
+               static_cast<int64_t>(n), native);
+    check_launch("expf_device");
+    check(cudaMemcpy(y, dy.p, n * 4, cudaMemcpyDeviceToHost), "expf_device");
+}
+
+void expf_device_bits(uint64_t lo, size_t n, float* y) {
+    if (n == 0) return;
+    DBuf dy(n * 4);
+    auto k = k_expf_bits;
+    GLM_LAUNCH(k, static_cast<unsigned>((n + 255) / 256), 256, 0, lo, static_cast<int64_t>(n), dy.as<float>());
+    check_launch("expf_device_bits");
+    check(cudaMemcpy(y, dy.p, n * 4, cudaMemcpyDeviceToHost), "expf_device_bits");
+}
+
+void exp64_device(const double* x, double* y, size_t n) {
+    if (n == 0) return;
+    DBuf dx(n * 8), dy(n * 8);
+    check(cudaMemcpy(dx.p, x, n * 8, cudaMemcpyHostToDevice), "exp64_device");
+    auto k = k_exp64;
+    GLM_LAUNCH(k, static_cast<unsigned>((n + 255) / 256), 256, 0, dx.as<double>(), dy.as<double>(),
+               static_cast<int64_t>(n));
+    check_launch("exp64_device");
+    check(cudaMemcpy(y, dy.p, n * 8, cudaMemcpyDeviceToHost), "exp64_device");
+}
+
+CensusResult expf_census(const std::string& kind, uint64_t lo, uint64_t hi) {
+    int k = -1;
+    if (kind == "canonical") k = 0;
+    else if (kind == "expf") k = 1;
+    else if (kind == "__expf") k = 2;
+    else throw std::invalid_argument("census kind must be 'expf', '__expf' or 'canonical', got '" + kind + "'");
+    if (hi > (uint64_t{1} << 32) || lo > hi) throw std::invalid_argument("census range must satisfy lo <= hi <= 2^32");
+    CensusResult r;
+    r.inputs = hi - lo;
+    if (hi == lo) return r;
+    unsigned long long init[6] = {0, 0, 0, 0, 0, ~0ull};
+    DBuf st(sizeof(init));
+    check(cudaMemcpy(st.p, init, sizeof(init), cudaMemcpyHostToDevice), "census");
+    const auto t0 = std::chrono::steady_clock::now();
+#if defined(GLM_CUDA_EMU)
+    const unsigned nblocks = 4;
+#else
+    const unsigned nblocks = 132 * 16;
+#endif
+    auto kern = k_census;
+    GLM_LAUNCH(kern, nblocks, 256, 0, k, lo, hi - lo, st.as<unsigned long long>());
+    check_launch("census");
+    check(cudaDeviceSynchronize(), "census");
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    unsigned long long got[6];
+    check(cudaMemcpy(got, st.p, sizeof(got), cudaMemcpyDeviceToHost), "census");
+    r.differ = got[0];
+    r.differ_bf16 = got[1];
+    r.differ_nonpos = got[2];
+    r.nonpos_inputs = got[3];
+    r.max_ulps = got[4];
+    r.first = got[5] == ~0ull ? -1 : static_cast<int64_t>(got[5]);
+    return r;
+}
+
+std::vector<float> decode_table_device(const std::string& which) {
+    int w;
+    size_t n;
+    bool hw = true;
+    if (which == "e4m3") {
+        w = 0;
+        n = 256;
+    } else if (which == "e4m3_sw") {
+        w = 0;
+        n = 256;
+        hw = false;
+    } else if (which == "e2m1") {
+        w = 1;
+        n = 16;
+    } else if (which == "e8m0") {
+        w = 2;
+        n = 256;
+    } else {
+        throw std::invalid_argument("decode table must be 'e4m3', 'e4m3_sw', 'e2m1' or 'e8m0'");
+    }
+    DBuf d(n * 4);
+    auto k = k_decode_tables;
+    GLM_LAUNCH(k, 1, 256, 0, w, d.as<float>(), hw);
+    check_launch("decode tables");
+    std::vector<float> out(n);
+    check(cudaMemcpy(out.data(), d.p, n * 4, cudaMemcpyDeviceToHost), "decode tables");
+    return out;
+}
+
+}  // namespace glm::cuda

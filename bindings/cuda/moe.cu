@@ -1,0 +1,275 @@
+// Feed-forward (docs/numerics.md, FFN): the clamped SwiGLU (dense layers: mlp.gate, mlp.up, mlp.out;
+// shared and routed experts) and the MoE (moe.logits, moe.selected, moe.weights, moe.experts,
+// moe.routed, moe.shared, moe.out).
+//
+//   SwiGLU: g, u = lin(gate, x), lin(up, x); g' = min(g, L), u' = clamp(u, -L, L);
+//           h = bf16(silu(g') * u'); y = lin(down, h)
+//   router: logits = cdot(W_gate[e], x) (f32), s = sigmoid(logits), choice = s + bias; group-limited
+//           top-k by choice (ties to the lower index, NaN as -inf), selected sorted by expert index;
+//           w = s_sel [/ (csum(s_sel) + 1e-20f)] * routed_scaling_factor
+//   routed[d] = bf16(cdot over j of (w_j, y_j[d])); out = bf16(routed + shared)
+//
+// Routing, the grouping of (token, slot) pairs by expert and the expert work list are made on the
+// device; the expert matvecs then read each selected expert's weights once for all its pairs.
+#include "engine.cuh"
+
+namespace glm::cuda {
+namespace {
+
+unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+__global__ void k_swiglu_act(const float* __restrict__ g, const float* __restrict__ u, float* h, int64_t n, float L,
+                             Nm nm) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float gv = g[i] > L ? L : g[i];
+    const float uv = u[i] > L ? L : (u[i] < -L ? -L : u[i]);
+    h[i] = bf16r(fmul(nm.silu(gv), uv));
+}
+
+GLM_DEV float key_of(float v) { return is_nan(v) ? -INFINITY : v; }
+
+// Routing of one row per block: scores, choices, group-limited top-k; writes sel[t][k] ascending.
+__global__ void k_moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k, int G,
+                            int topk_group, float* scores, int* sel, Nm nm) {
+    GLM_DYN_SMEM(float, sm);
+    float* ch = sm;                                        // [E]
+    float* gscore = sm + E;                                // [G]
+    int* flag = reinterpret_cast<int*>(sm + E + G);        // [E]
+    int* gkeep = flag + E;                                 // [G]
+    const int t = static_cast<int>(blockIdx.x);
+    const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
+    const float* lg = logits + static_cast<int64_t>(t) * E;
+    float* sc = scores + static_cast<int64_t>(t) * E;
+    for (int e = tid; e < E; e += nt) {
+        const float s = nm.sigmoid(lg[e]);
+        sc[e] = s;
+        ch[e] = fadd(s, bias[e]);
+    }
+    __syncthreads();
+    auto better = [&](int a, int b) {
+        const float ka = key_of(ch[a]), kb = key_of(ch[b]);
+        return ka > kb || (ka == kb && a < b);
+    };
+    const int per = E / G;
+    if (G > 1) {
+        for (int gi = tid; gi < G; gi += nt) {
+            int m0 = gi * per, m1 = gi * per + 1;
+            if (better(m1, m0)) {
+                const int x = m0;
+                m0 = m1;
+                m1 = x;
+            }
+            for (int e = gi * per + 2; e < (gi + 1) * per; ++e) {
+                if (better(e, m0)) {
+                    m1 = m0;
+                    m0 = e;
+                } else if (better(e, m1)) {
+                    m1 = e;
+                }
+            }
+            gscore[gi] = fadd(ch[m0], ch[m1]);  // larger + smaller
+        }
+        __syncthreads();
+        for (int gi = tid; gi < G; gi += nt) {
+            const float kg = key_of(gscore[gi]);
+            int rank = 0;
+            for (int g2 = 0; g2 < G; ++g2) {
+                const float k2 = key_of(gscore[g2]);
+                rank += (k2 > kg || (k2 == kg && g2 < gi)) ? 1 : 0;
+            }
+            gkeep[gi] = rank < topk_group ? 1 : 0;
+        }
+        __syncthreads();
+    }
+    for (int e = tid; e < E; e += nt) {
+        const bool cand = G > 1 ? gkeep[e / per] != 0 : true;
+        int rank = 0;
+        if (cand)
+            for (int e2 = 0; e2 < E; ++e2) {
+                const bool c2 = G > 1 ? gkeep[e2 / per] != 0 : true;
+                if (c2 && better(e2, e)) ++rank;
+            }
+        flag[e] = (cand && rank < k) ? 1 : 0;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int w = 0;
+        for (int e = 0; e < E && w < k; ++e)
+            if (flag[e]) sel[static_cast<int64_t>(t) * k + w++] = e;
+    }
+}
+
+// moe.weights per row: w_j = s[sel_j] [/ (csum + 1e-20f)] * rsf.
+__global__ void k_moe_weights(const float* __restrict__ scores, const int* __restrict__ sel, int T, int E, int k,
+                              bool norm, float rsf, float* wts, Nm nm) {
+    const int t = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+    if (t >= T) return;
+    float* w = wts + static_cast<int64_t>(t) * k;
+    for (int j = 0; j < k; ++j) w[j] = scores[static_cast<int64_t>(t) * E + sel[static_cast<int64_t>(t) * k + j]];
+    if (norm) {
+        const float den = fadd(cdot_serial<float>(k, nm.seq,
+                                                  [&](int j, float& a, float& b) {
+                                                      a = w[j];
+                                                      b = 1.0f;
+                                                  }),
+                               1e-20f);
+        for (int j = 0; j < k; ++j) w[j] = fdiv(w[j], den);
+    }
+    for (int j = 0; j < k; ++j) w[j] = fmul(w[j], rsf);
+}
+
+// The expert work list (one thread): pairs p = t*k + j grouped by expert (ascending), then items of at
+// most `tile` pairs: (expert, first pair, count).
+__global__ void k_moe_plan(const int* __restrict__ sel, int npairs, int E, int tile, int* count, int* pairs,
+                           int* items, int* n_items) {
+    for (int e = 0; e < E; ++e) count[e] = 0;
+    for (int p = 0; p < npairs; ++p) ++count[sel[p]];
+    int off = 0, ni = 0;
+    for (int e = 0; e < E; ++e) {
+        const int c = count[e];
+        for (int a = 0; a < c; a += tile) {
+            items[3 * ni] = e;
+            items[3 * ni + 1] = off + a;
+            items[3 * ni + 2] = c - a < tile ? c - a : tile;
+            ++ni;
+        }
+        count[e] = off;  // becomes the fill cursor
+        off += c;
+    }
+    for (int p = 0; p < npairs; ++p) pairs[count[sel[p]]++] = p;
+    *n_items = ni;
+}
+
+__global__ void k_moe_routed(const float* __restrict__ ys, const float* __restrict__ wts, int T, int k, int D,
+                             float* routed, Nm nm) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= static_cast<int64_t>(T) * D) return;
+    const int64_t t = i / D, d = i % D;
+    routed[i] = bf16r(cdot_serial<float>(k, nm.seq, [&](int j, float& a, float& b) {
+        a = ys[(t * k + j) * D + d];
+        b = wts[t * k + j];
+    }));
+}
+
+__global__ void k_add_bf16(const float* __restrict__ a, const float* __restrict__ b, float* out, int64_t n) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = bf16r(fadd(a[i], b[i]));
+}
+
+}  // namespace
+
+void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const float* x, int rows, float* y,
+            int cap_layer) {
+    const int I = static_cast<int>(gate.R), D = static_cast<int>(down.R), Din = static_cast<int>(gate.C);
+    const float L = static_cast<float>(s.c.swiglu_limit);
+    float* g = s.scratch.d<float>(static_cast<size_t>(rows) * I);
+    float* u = s.scratch.d<float>(static_cast<size_t>(rows) * I);
+    linear(gate, x, Din, g, I, rows, true, s.nm, s.hw8);
+    linear(up, x, Din, u, I, rows, true, s.nm, s.hw8);
+    if (cap_layer >= 0) {  // the dense MLP's stages (the experts' are not stages)
+        s.emit(cap_layer, S_MLP_GATE, g, I, {I});
+        s.emit(cap_layer, S_MLP_UP, u, I, {I});
+    }
+    const int64_t n = static_cast<int64_t>(rows) * I;
+    auto k = k_swiglu_act;
+    GLM_LAUNCH(k, blocks(n, 256), 256, 0, g, u, g, n, L, s.nm);
+    check_launch("swiglu");
+    linear(down, g, I, y, D, rows, true, s.nm, s.hw8);
+}
+
+void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) {
+    const Config& c = s.c;
+    const Nm nm = s.nm;
+    const int T = s.T, D = static_cast<int>(c.hidden_size), E = static_cast<int>(c.n_routed_experts);
+    const int k = static_cast<int>(c.num_experts_per_tok), G = static_cast<int>(c.n_group);
+    const int Im = static_cast<int>(c.moe_intermediate_size);
+
+    s.mark("moe.router");
+    // moe.logits (f32, no rounding)
+    float* logits = s.scratch.d<float>(static_cast<size_t>(T) * E);
+    linear(w.router, x, D, logits, E, T, false, nm, s.hw8);
+    s.emit(layer, S_MOE_LOGITS, logits, E, {E});
+    // moe.selected
+    float* scores = s.scratch.d<float>(static_cast<size_t>(T) * E);
+    int* sel = s.scratch.d<int>(static_cast<size_t>(T) * k);
+    {
+        auto kk = k_moe_route;
+        const size_t smem = (2 * static_cast<size_t>(E) + 2 * static_cast<size_t>(G)) * 4;
+        GLM_LAUNCH(kk, T, 256, smem, logits, w.bias, E, k, G, static_cast<int>(c.topk_group), scores, sel, nm);
+        check_launch("moe_route");
+    }
+    s.emit(layer, S_MOE_SELECTED, sel, k, {k});
+    for (int t = 0; t < T; ++t) {
+        if (s.inject_element(layer, S_MOE_SELECTED, t) < 0) continue;  // only an injection can leave the range
+        std::vector<int> row(static_cast<size_t>(k));
+        check(cudaMemcpy(row.data(), sel + static_cast<int64_t>(t) * k, row.size() * sizeof(int), cudaMemcpyDeviceToHost),
+              "moe.selected read-back");
+        for (int e : row)
+            if (e < 0 || e >= E)
+                throw std::invalid_argument("inject: moe.selected now holds expert " + std::to_string(e) +
+                                            ", outside [0, " + std::to_string(E) + ")");
+    }
+    // moe.weights
+    float* wts = s.scratch.d<float>(static_cast<size_t>(T) * k);
+    {
+        auto kk = k_moe_weights;
+        GLM_LAUNCH(kk, blocks(T, 64), 64, 0, scores, sel, T, E, k, c.norm_topk_prob,
+                   static_cast<float>(c.routed_scaling_factor), wts, nm);
+        check_launch("moe_weights");
+    }
+    s.emit(layer, S_MOE_WEIGHTS, wts, k, {k});
+
+    // moe.experts: each selected expert's weights once for all the pairs that chose it
+    s.mark("moe.experts");
+    const int npairs = T * k;
+    const int tile = T == 1 ? 1 : (T <= 16 ? 4 : 8);
+    int* count = s.scratch.d<int>(static_cast<size_t>(E));
+    int* pairs = s.scratch.d<int>(static_cast<size_t>(npairs));
+    int* items = s.scratch.d<int>(static_cast<size_t>(npairs) * 3);
+    int* n_items = s.scratch.d<int>(1);
+    {
+        auto kk = k_moe_plan;
+        GLM_LAUNCH(kk, 1, 1, 0, sel, npairs, E, tile, count, pairs, items, n_items);
+        check_launch("moe_plan");
+    }
+    float* gbuf = s.scratch.d<float>(static_cast<size_t>(npairs) * Im);
+    float* ubuf = s.scratch.d<float>(static_cast<size_t>(npairs) * Im);
+    float* ys = s.scratch.d<float>(static_cast<size_t>(npairs) * D);
+    linear_experts(w.t_gate, items, n_items, npairs, pairs, x, D, k, gbuf, Im, tile, nm, s.hw8);
+    linear_experts(w.t_up, items, n_items, npairs, pairs, x, D, k, ubuf, Im, tile, nm, s.hw8);
+    {
+        const int64_t n = static_cast<int64_t>(npairs) * Im;
+        auto kk = k_swiglu_act;
+        GLM_LAUNCH(kk, blocks(n, 256), 256, 0, gbuf, ubuf, gbuf, n, static_cast<float>(c.swiglu_limit), nm);
+        check_launch("moe_act");
+    }
+    linear_experts(w.t_down, items, n_items, npairs, pairs, gbuf, Im, 1, ys, D, tile, nm, s.hw8);
+    s.emit(layer, S_MOE_EXPERTS, ys, static_cast<int64_t>(k) * D, {k, D});
+
+    s.mark("moe.combine");
+    // moe.routed[d] = bf16(cdot over j of (y_j[d], w_j))
+    float* routed = s.scratch.d<float>(static_cast<size_t>(T) * D);
+    {
+        const int64_t n = static_cast<int64_t>(T) * D;
+        auto kk = k_moe_routed;
+        GLM_LAUNCH(kk, blocks(n, 256), 256, 0, ys, wts, T, k, D, routed, nm);
+        check_launch("moe_routed");
+    }
+    s.emit(layer, S_MOE_ROUTED, routed, D, {D});
+    // moe.shared
+    s.mark("moe.shared");
+    float* shared = s.scratch.d<float>(static_cast<size_t>(T) * D);
+    swiglu(s, w.s_gate, w.s_up, w.s_down, x, T, shared, -1);
+    s.emit(layer, S_MOE_SHARED, shared, D, {D});
+    // moe.out = bf16(routed + shared)
+    {
+        const int64_t n = static_cast<int64_t>(T) * D;
+        auto kk = k_add_bf16;
+        GLM_LAUNCH(kk, blocks(n, 256), 256, 0, routed, shared, out, n);
+        check_launch("moe_out");
+    }
+    s.emit(layer, S_MOE_OUT, out, D, {D});
+}
+
+}  // namespace glm::cuda

@@ -1,0 +1,99 @@
+// Device weights in their release format and the linear layer over them (weights.cu).
+//
+// A Lin is a view of rows [row0, row0 + R) of one stored [*, C] tensor on the device: BF16 bits, F32,
+// FP8 E4M3 codes with block-128 f32 scale_inv, or MXFP4 nibbles with E8M0 scales per 32 columns.
+// linear() computes Y[t][r] = cdot(W[r], X[t]) (optionally rounded to BF16) for every token row,
+// decoding the weights in registers inside the dot: eight threads per output row, thread g reads
+// columns 64c + 8g .. 64c + 8g + 7 of chunk c (one 8-, 16- or 4-byte load), decodes them, and FMAs
+// them into its eight lane accumulators for each of up to TT token rows; then group_fold.
+#pragma once
+
+#include "cdot.cuh"
+#include "expf.cuh"
+#include "formats.cuh"
+
+namespace glm::cuda {
+
+enum WFmt : int { W_BF16 = 0, W_F32 = 1, W_FP8 = 2, W_MXFP4 = 3 };
+
+const char* wfmt_name(int f);
+
+struct Lin {
+    int fmt = W_BF16;
+    int64_t R = 0, C = 0;
+    int64_t row0 = 0;
+    const void* data = nullptr;   // device
+    const void* scale = nullptr;  // device
+    bool empty() const { return data == nullptr; }
+    Lin rows(int64_t r0, int64_t n) const {
+        Lin v = *this;
+        v.row0 = row0 + r0;
+        v.R = n;
+        return v;
+    }
+    size_t bytes() const;  // stored bytes of this view's rows (+ scales)
+};
+
+// A routed-expert weight of one layer: the same format and shape for every expert, one pointer each.
+struct ExpertTable {
+    int fmt = W_BF16;
+    int64_t R = 0, C = 0;
+    const void* const* data = nullptr;   // device array [E]
+    const void* const* scale = nullptr;  // device array [E]
+};
+
+// Everything one linear launch needs (passed by value to the kernel).
+struct LinArgs {
+    int fmt = W_BF16;
+    int64_t C = 0;
+    const void* data = nullptr;
+    const void* scale = nullptr;
+    int64_t row0 = 0;
+    int R = 0;                                 // output rows
+    int rh = 1 << 30;                          // rows per head (output row r belongs to head r / rh)
+    int64_t hstride = 0, woff = 0;             // weight row of r: row0 + (r/rh)*hstride + woff + r%rh
+    const float* X = nullptr;
+    int64_t ldx = 0, xhs = 0;                  // x of (row r, token t): X + t*ldx + (r/rh)*xhs
+    float* Y = nullptr;
+    int64_t ldy = 0;                           // Y[t*ldy + r]
+    int T = 0;
+    bool round = true;
+    // routed experts: work items (expert, first pair, pairs) over pairs grouped by expert
+    const void* const* dtab = nullptr;
+    const void* const* stab = nullptr;
+    const int* items = nullptr;                // [max_items][3]
+    const int* n_items = nullptr;              // device scalar
+    const int* pairs = nullptr;                // pair ids (t*k + j)
+    int xdiv = 1;                              // x row of pair p: X + (p / xdiv) * ldx; y row: Y + p*ldy
+    int max_items = 0;
+};
+
+// Y = W X for T token rows. hw8: decode E4M3 with the hardware conversion.
+void linear(const Lin& W, const float* X, int64_t ldx, float* Y, int64_t ldy, int T, bool round, const Nm& nm,
+            bool hw8);
+// Head-blocked: output r uses weight row row0 + (r/rh)*hstride + woff + r%rh and x offset (r/rh)*xhs.
+void linear_heads(const Lin& W, int R, int rh, int64_t hstride, int64_t woff, const float* X, int64_t ldx,
+                  int64_t xhs, float* Y, int64_t ldy, int T, bool round, const Nm& nm, bool hw8);
+// Routed experts: for each work item, rows [0, R) of expert e applied to its pairs.
+void linear_experts(const ExpertTable& W, const int* items, const int* n_items, int max_items, const int* pairs,
+                    const float* X, int64_t ldx, int xdiv, float* Y, int64_t ldy, int tile, const Nm& nm, bool hw8);
+
+// One element decoded exactly (any format).
+GLM_DEV float decode_elem(int fmt, const void* data, const void* scale, int64_t ar, int64_t col, int64_t C) {
+    switch (fmt) {
+        case W_BF16: return bf16_to_f32(static_cast<const uint16_t*>(data)[ar * C + col]);
+        case W_F32: return static_cast<const float*>(data)[ar * C + col];
+        case W_FP8: {
+            const uint8_t q = static_cast<const uint8_t*>(data)[ar * C + col];
+            const float s = static_cast<const float*>(scale)[(ar / 128) * ((C + 127) / 128) + col / 128];
+            return fmul(e4m3_sw(q), s);
+        }
+        default: {
+            const uint8_t b = static_cast<const uint8_t*>(data)[ar * (C / 2) + col / 2];
+            const uint32_t nib = (col & 1) ? (b >> 4) : (b & 15u);
+            return mxfp4_w(nib, e8m0(static_cast<const uint8_t*>(scale)[ar * (C / 32) + col / 32]));
+        }
+    }
+}
+
+}  // namespace glm::cuda

@@ -1,0 +1,136 @@
+"""fast.cuda.CudaEngine: the exact CUDA engine, with exactly the API of fast.Engine (fast/engine.py).
+
+    eng = CudaEngine("golden/tiny-fp8")          # or fast.Engine(path, device="cuda") where hooked up
+    cache = eng.new_cache()
+    logits = eng.forward(ids, cache, capture)     # the same signatures and semantics as fast.Engine
+    outs = eng.generate([[1, 2, 3], [4, 5]], 8)   # greedy, continuous batching
+
+It is fast.Engine over another core: fast._cuda._Engine has the CPU core's interface (add_tensor,
+finalize, sequences, one `step` call per forward step for the whole batch), so validation, captures
+(oracle.capture.Capture), fault injection and batching are the same Python code. The weights are
+uploaded to the GPU once, in their release format; every sequence's state lives on the GPU.
+
+Extras: `set_timing(True)` + `stage_times()` (device time per module, for tools/bench_cuda.py),
+`device_name`, `decode_path`, `weight_bytes`.
+
+The environment variable GLM_CUDA_EMU=1 selects fast._cuda_emu, the CPU emulation build of the same
+kernels (bindings/cuda/emu; development without a GPU, very slow).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+
+from oracle import names as N
+from oracle.checkpoint import Checkpoint, open_checkpoint
+from oracle.stages import ALL_STAGE_NAMES
+
+from .engine import Engine, EngineInputError, _core, _engine_config, _is_int
+
+__all__ = ["CudaEngine", "cuda_module", "cuda_available"]
+
+
+def cuda_module():
+    """fast._cuda (or fast._cuda_emu with GLM_CUDA_EMU=1); ImportError when not built."""
+    name = "fast._cuda_emu" if os.environ.get("GLM_CUDA_EMU", "") not in ("", "0") else "fast._cuda"
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise ImportError(f"{name} is not built: build with a GPU present or GLM_FORCE_CUDA=ON "
+                          f"(docs/engine_cuda.md) ({e})") from e
+
+
+def cuda_available() -> bool:
+    """True when the CUDA extension imports and a device answers."""
+    try:
+        cu = cuda_module()
+        return bool(cu.decode_table("e8m0").size == 256)
+    except Exception:  # noqa: BLE001 - any failure means: not available
+        return False
+
+
+class CudaEngine(Engine):
+    """The exact CUDA engine over one checkpoint (fast.Engine's API; weights resident on the GPU)."""
+
+    def __init__(self, path, device: str = "cuda", threads: int | None = None, *, dot: str = "canonical",
+                 expf: str = "canonical", inject=None, max_context: int | None = None,
+                 parallel_work: int | None = None):
+        # threads and parallel_work are accepted for fast.Engine's API; the GPU work split is the grid's
+        if device not in ("cuda", "cuda:0", "gpu"):
+            raise EngineInputError(f"device {device!r}: this engine runs on 'cuda'")
+        if threads is None:
+            threads = 1
+        if not _is_int(threads) or not 1 <= threads <= 1024:
+            raise EngineInputError(f"threads must be an int in [1, 1024] or None, got {threads!r}")
+        if dot not in ("canonical", "sequential"):
+            raise EngineInputError(f"dot must be 'canonical' or 'sequential', got {dot!r}")
+        if expf not in ("canonical", "native"):
+            raise EngineInputError(f"expf must be 'canonical' or 'native', got {expf!r}")
+        if parallel_work is not None and (not _is_int(parallel_work) or parallel_work < 0):
+            raise EngineInputError(f"parallel_work must be an int >= 0 or None, got {parallel_work!r}")
+        cu = cuda_module()
+        if [tuple(s) for s in cu.ENGINE_STAGES] != [tuple(s) for s in _core().ENGINE_STAGES]:
+            raise RuntimeError("the CUDA and CPU engines' stage tables differ")  # pragma: no cover
+        self.cuda = cu
+        self.checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+        self.config = cfg = self.checkpoint.config
+        limit = int(cfg.max_position_embeddings)
+        if max_context is not None:
+            if not _is_int(max_context) or not 1 <= max_context <= limit:
+                raise EngineInputError(f"max_context must be an int in [1, {limit}], got {max_context!r}")
+            limit = int(max_context)
+        self.max_context = limit
+        self.options = {"dot": dot, "expf": expf, "threads": int(threads), "device": "cuda"}
+        try:
+            self._core = cu._Engine(_engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf)
+        except RuntimeError as e:
+            raise EngineInputError(f"device 'cuda': {e}") from None
+        self.release = {}
+        for entry in N.expected(cfg):
+            role, layer, expert = entry.spec.role, entry.layer, entry.expert
+            raw = self.checkpoint.raw(role, layer, expert)
+            data = np.ascontiguousarray(raw.data)
+            scale = None if raw.scale is None else np.ascontiguousarray(raw.scale)
+            self._core.add_tensor(role, -1 if layer is None else layer, -1 if expert is None else expert,
+                                  raw.release, data, scale, list(raw.shape))
+            self.release[raw.release] = self.release.get(raw.release, 0) + 1
+        self._core.finalize()
+        self._stage_index = {name: i for i, (name, _) in enumerate(cu.ENGINE_STAGES)}
+        missing = set(ALL_STAGE_NAMES) - set(self._stage_index)
+        if missing:  # pragma: no cover - the two stage tables must agree
+            raise RuntimeError(f"engine and oracle stage tables differ: {sorted(missing)}")
+        self._n_stages = len(cu.ENGINE_STAGES)
+        self.inject = inject
+        self.injected = 0
+
+    # ---------------------------------------------------------------- extras
+    @property
+    def device_name(self) -> str:
+        return str(self._core.device_name)
+
+    @property
+    def decode_path(self) -> str:
+        """How E4M3 codes are decoded on this device (hardware conversion, or software)."""
+        return str(self._core.decode_path)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Streamed bytes of the weights one decode token reads (active experts only)."""
+        return int(self._core.weight_bytes)
+
+    @property
+    def device_bytes(self) -> int:
+        return int(self._core.device_bytes)
+
+    def set_timing(self, on: bool = True) -> None:
+        """Bracket each module's kernels with device events (stage_times sums them per module)."""
+        self._core.set_timing(bool(on))
+
+    def stage_times(self) -> dict[str, float]:
+        """Device milliseconds per module since the last reset_stage_times()."""
+        return dict(self._core.stage_times())
+
+    def reset_stage_times(self) -> None:
+        self._core.reset_stage_times()

@@ -1,0 +1,433 @@
+"""The CUDA engine (fast.cuda.CudaEngine over fast._cuda) is bit-identical to the canonical result:
+every captured stage, every position, the logits and the tokens, for tiny (golden/) and small
+(generated here) in every release, prefill and decode, batch 1/3/8, chunk sizes 1/5/64, fault
+injection; its device expf equals the host canonical expf (exhaustively on a GPU), its exp64 and
+decoders equal the CPU engine's; and on `slice` (real widths; GLM_SLICE_DIR) it equals the CPU engine.
+
+The reference is the CPU engine (tests/test_fast_cpu.py proves it bit-identical to the oracle) and,
+for tiny, the oracle's golden hashes. Comparisons are on bits, never a tolerance.
+
+Skips cleanly without a GPU (fast._cuda not built, or no device). GLM_CUDA_EMU=1 runs the tiny cases
+on fast._cuda_emu, the CPU emulation of the same kernels (bindings/cuda/emu), slowly.
+"""
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import fast
+from fast.cuda import CudaEngine, cuda_available, cuda_module
+from oracle.capture import Capture
+from oracle.golden import canonical_prompts, hash12
+from oracle.stages import model_stages
+from oracle.zoo import make_zoo
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason="no CUDA device, or fast._cuda is not built")]
+
+EMU = cuda_available() and bool(getattr(cuda_module(), "EMULATED", False))
+needs_gpu = pytest.mark.skipif(EMU, reason="too slow in the CPU emulation")
+
+TINY = ("tiny-bf16", "tiny-fp8", "tiny-mxfp4")
+SMALL = ("small-bf16", "small-fp8", "small-mxfp4")
+
+# (checkpoint, prompt length, prompt seed, new tokens). tiny: index_topk 8, kpool 4: 40 tokens make the
+# indexer choose 2 of up to 10 pools; small: index_topk 16, kpool 4: 24 tokens -> 4 of 6.
+CASES = [
+    ("tiny-bf16", 5, 1, 4),
+    ("tiny-bf16", 40, 2, 3),
+    ("tiny-fp8", 5, 4, 4),
+    ("tiny-fp8", 40, 5, 3),
+    ("tiny-mxfp4", 5, 6, 4),
+    ("tiny-mxfp4", 40, 7, 3),
+    ("small-bf16", 24, 8, 3),
+    ("small-fp8", 24, 9, 3),
+    ("small-mxfp4", 24, 10, 3),
+]
+
+
+def case_id(case) -> str:
+    return f"{case[0]}-T{case[1]}-s{case[2]}-n{case[3]}"
+
+
+def maybe_slow(name):
+    return [pytest.param(name, marks=needs_gpu)] if name.startswith("small") else [name]
+
+
+def prompt(vocab: int, n: int, seed: int) -> list[int]:
+    return [int(v) for v in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+
+
+@pytest.fixture(scope="session")
+def small_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo_cuda")
+    make_zoo("small", root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def ckpt_path(golden_dir, request):
+    def get(name: str) -> str:
+        if name.startswith("tiny"):
+            return str(golden_dir / name)
+        return str(request.getfixturevalue("small_dir") / name)
+    return get
+
+
+@pytest.fixture(scope="session")
+def cuda_engines(ckpt_path):
+    cache = {}
+
+    def get(name: str, **kw) -> CudaEngine:
+        key = (name, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = CudaEngine(ckpt_path(name), **kw)
+        return cache[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def cpu_engines(ckpt_path):
+    cache = {}
+
+    def get(name: str, **kw) -> fast.Engine:
+        key = (name, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = fast.Engine(ckpt_path(name), device="cpu", **kw)
+        return cache[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference(cpu_engines):
+    """case -> (ids, tokens, logits, capture) of the CPU engine's greedy generate, every stage captured."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            name, n, seed, new = case
+            eng = cpu_engines(name)
+            ids = prompt(eng.config.vocab_size, n, seed)
+            cap = Capture()
+            toks, logits = eng.generate(ids, new, capture=cap, return_logits=True)
+            cache[case] = (ids, toks, logits, cap)
+        return cache[case]
+    return get
+
+
+def first_divergence(config, a: Capture, b: Capture, positions) -> str | None:
+    """The first (position, layer, stage) in causal order whose rows differ, with its first element."""
+    if set(a.hashes) != set(b.hashes):
+        only_a = sorted(set(a.hashes) - set(b.hashes))[:5]
+        only_b = sorted(set(b.hashes) - set(a.hashes))[:5]
+        return f"captured rows differ: only in reference {only_a}, only in cuda {only_b}"
+    for pos in positions:
+        for layer, stage, _ in model_stages(config):
+            k = (layer, stage, pos)
+            if k in a.hashes and a.hashes[k] != b.hashes[k]:
+                msg = f"first divergence: position {pos}, layer {layer}, stage {stage}"
+                va, vb = a.values.get((layer, stage), {}).get(pos), b.values.get((layer, stage), {}).get(pos)
+                if va is not None and vb is not None:
+                    va, vb = np.asarray(va), np.asarray(vb)
+                    if va.shape != vb.shape:
+                        return msg + f": shapes {va.shape} vs {vb.shape}"
+                    fa, fb = va.reshape(-1), vb.reshape(-1)
+                    i = np.flatnonzero(fa.view(f"u{fa.itemsize}") != fb.view(f"u{fb.itemsize}"))
+                    if i.size:
+                        return msg + f": {i.size} elements, first {int(i[0])}: reference {fa[i[0]]!r}, cuda {fb[i[0]]!r}"
+                return msg
+    return None
+
+
+def assert_same_capture(config, a: Capture, b: Capture, positions):
+    problem = first_divergence(config, a, b, positions)
+    assert problem is None, problem
+    assert a.hashes == b.hashes
+
+
+# ---------------------------------------------------------------------------------------------
+# every stage, prefill (one chunk) then decode, via generate
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0].startswith("tiny")] +
+                         [pytest.param(c, marks=needs_gpu) for c in CASES if c[0].startswith("small")], ids=case_id)
+def test_generate_bit_identical(case, cuda_engines, reference):
+    ids, toks, logits, cap = reference(case)
+    eng = cuda_engines(case[0])
+    got = Capture()
+    got_toks, got_logits = eng.generate(ids, case[3], capture=got, return_logits=True)
+    assert_same_capture(eng.config, cap, got, range(len(ids) + case[3] - 1))
+    assert got_toks == toks
+    assert np.array_equal(bits(got_logits), bits(logits))
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked prefill then decode through the low-level API
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("case", [("tiny-fp8", 40, 5, 3), pytest.param(("small-mxfp4", 24, 10, 3), marks=needs_gpu)],
+                         ids=case_id)
+def test_chunked_prefill_and_decode(case, chunk, cuda_engines, reference):
+    ids, toks, logits, cap = reference(case)
+    eng = cuda_engines(case[0])
+    got = Capture()
+    cache = eng.new_cache()
+    outs = [eng.prefill(ids, cache, chunk=chunk, capture=got)]
+    for tok in toks[:-1]:
+        outs.append(eng.decode([cache], [tok], capture=got))
+    assert cache.length == len(ids) + len(toks) - 1
+    assert_same_capture(eng.config, cap, got, range(len(ids) + len(toks) - 1))
+    assert np.array_equal(bits(np.concatenate(outs)), bits(logits))
+
+
+# ---------------------------------------------------------------------------------------------
+# batches: requests of different lengths joining mid-run, against each request run alone
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("name", ["tiny-mxfp4", pytest.param("small-fp8", marks=needs_gpu)])
+def test_batched_generate(name, batch, cuda_engines, cpu_engines):
+    eng = cuda_engines(name)
+    ref = cpu_engines(name)
+    V = eng.config.vocab_size
+    rng = np.random.default_rng(1000 + batch)
+    prompts = [prompt(V, int(n), 50 + i) for i, n in enumerate(rng.integers(3, 30, batch))]
+    new = 3
+    caps = [Capture(keep_values=False) for _ in prompts]
+    outs, lgs = eng.generate(prompts, new, capture=caps, chunk=6, max_batch=batch,
+                             arrivals=[i % 3 for i in range(batch)], return_logits=True)
+    for p, out, lg, cap in zip(prompts, outs, lgs, caps):
+        want = Capture(keep_values=False)
+        toks, logits = ref.generate(p, new, capture=want, return_logits=True)
+        assert out == toks
+        assert np.array_equal(bits(lg), bits(logits))
+        assert cap.hashes == want.hashes
+
+
+def test_decode_batch_of_caches_and_fork(cuda_engines, cpu_engines):
+    """One decode step over several caches at different positions; a forked cache continues alike."""
+    eng, ref = cuda_engines("tiny-fp8"), cpu_engines("tiny-fp8")
+    V = eng.config.vocab_size
+    prompts = [prompt(V, n, 70 + n) for n in (3, 17, 33)]
+    caches, rcaches = [], []
+    for p in prompts:
+        c, r = eng.new_cache(), ref.new_cache()
+        eng.prefill(p, c, chunk=7)
+        ref.prefill(p, r)
+        caches.append(c)
+        rcaches.append(r)
+    forked = caches[1].fork()
+    toks = [5, 77, 201]
+    a = eng.decode(caches, toks)
+    b = ref.decode(rcaches, toks)
+    assert np.array_equal(bits(a), bits(b))
+    c2 = eng.decode([forked], [77])
+    assert np.array_equal(bits(c2), bits(a[1:2]))
+
+
+# ---------------------------------------------------------------------------------------------
+# golden hashes (the oracle's outputs) reproduced directly
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_golden_hashes(name, golden_dir, cuda_engines):
+    cases = json.loads((golden_dir / "hashes.json").read_text())["cases"]
+    eng = cuda_engines(name)
+    for pname, (ids, n) in canonical_prompts(eng.config.vocab_size).items():
+        toks, logits = eng.generate(ids, n, return_logits=True)
+        want = cases[f"{name}/{pname}"]
+        assert toks == want["tokens"], pname
+        assert hash12(np.array(toks), "<i4") == want["output"], pname
+        assert hash12(logits, "<f4") == want["logits"], pname
+
+
+# ---------------------------------------------------------------------------------------------
+# fault injection: the same value perturbed as in the CPU engine, propagated the same way
+
+INJECTIONS = [
+    "0,0,embed,3,1",
+    "1,3,attn_hc.comb,5,1000",
+    "0,4,kda.state,100,-2",
+    "5,11,kda.o,3,5",
+    "2,7,moe.selected,1,-1",
+    "3,10,mla.scores,5,3",
+    "3,15,indexer.scores,1,1",
+    "4,12,mla.selected,2,-1",
+    "1,6,moe.weights,0,1",
+    "6,9,logits,7,1",
+]
+
+
+@pytest.mark.parametrize("spec", INJECTIONS)
+def test_injection_matches_cpu(spec, ckpt_path, cuda_engines):
+    ids = prompt(300, 40, 5)[:20]
+    ref = fast.Engine(ckpt_path("tiny-fp8"), device="cpu", inject=spec)
+    want = Capture(keep_values=False)
+    ref.prefill(ids, ref.new_cache(), chunk=7, capture=want)
+    eng = CudaEngine(ckpt_path("tiny-fp8"), inject=spec)
+    got = Capture(keep_values=False)
+    eng.prefill(ids, eng.new_cache(), chunk=7, capture=got)
+    assert eng.injected == ref.injected >= 1
+    assert got.hashes == want.hashes
+    clean = Capture(keep_values=False)
+    cuda_engines("tiny-fp8").prefill(ids, cuda_engines("tiny-fp8").new_cache(), chunk=7, capture=clean)
+    assert any(got.hashes[k] != clean.hashes[k] for k in got.hashes)
+
+
+def test_noncanonical_switches(ckpt_path, reference, cuda_engines):
+    """dot='sequential' is the CPU engine's sequential sum exactly; expf='native' (CUDA's expf) departs."""
+    case = ("tiny-bf16", 13, 3, 6)
+    ids, _, _, clean = reference(case)
+    for opts in ({"dot": "sequential"}, {"expf": "native"}):
+        eng = cuda_engines(case[0], **opts)
+        got = Capture(keep_values=False)
+        eng.forward(ids, eng.new_cache(), got)
+        assert any(got.hashes[k] != clean.hashes[k] for k in got.hashes), opts
+    seq_cpu = fast.Engine(ckpt_path(case[0]), device="cpu", dot="sequential")
+    want = Capture(keep_values=False)
+    seq_cpu.forward(ids, seq_cpu.new_cache(), want)
+    got = Capture(keep_values=False)
+    eng = cuda_engines(case[0], dot="sequential")
+    eng.forward(ids, eng.new_cache(), got)
+    assert got.hashes == want.hashes
+
+
+def test_bad_input_is_refused(cuda_engines):
+    eng = cuda_engines("tiny-bf16")
+    with pytest.raises(fast.EngineInputError):
+        eng.forward([1, 2, 10_000])
+    with pytest.raises(fast.EngineInputError):
+        eng.forward([])
+    with pytest.raises(fast.EngineInputError):
+        CudaEngine(eng.checkpoint, inject="99,0,embed,0,1")
+    assert eng.forward([1, 2, 3]).shape == (3, eng.config.vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# numerics on the device
+
+
+def test_device_expf_sample():
+    from fast import _core
+    cu = cuda_module()
+    rng = np.random.default_rng(7)
+    n = 1 << 16 if EMU else 1 << 24
+    x = np.concatenate([rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        rng.uniform(-104, 89, n).astype(np.float32),
+                        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 88.0, -88.0, 88.72283, 88.72284, -103.97208,
+                                  -103.97209, -87.33655, 1e-45, -1e-45], np.float32)])
+    got = cu.expf(x)
+    want = _core.expf(x)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), f"{int((~same).sum())} differ, first x = {x[~same][0]!r}"
+
+
+@needs_gpu
+def test_device_expf_exhaustive():
+    """All 2^32 inputs: the device's expf (made and computed on the device) = the host canonical expf."""
+    import time
+    from fast import _core
+    cu = cuda_module()
+    t0 = time.perf_counter()
+    block = 1 << 27
+    host_threads = max(1, min(16, os.cpu_count() or 1))
+
+    def host(lo):
+        x = np.arange(lo, lo + block, dtype=np.uint64).astype(np.uint32).view(np.float32)
+        parts = np.array_split(x, host_threads)
+        with ThreadPoolExecutor(host_threads) as ex:
+            return np.concatenate(list(ex.map(_core.expf, parts)))
+
+    bad = 0
+    first = None
+    for lo in range(0, 1 << 32, block):
+        got = cu.expf_device_bits(lo, block).view(np.uint32)
+        want = host(lo).view(np.uint32)
+        nan = ((got & 0x7FFFFFFF) > 0x7F800000) & ((want & 0x7FFFFFFF) > 0x7F800000)
+        diff = (got != want) & ~nan
+        if diff.any():
+            bad += int(diff.sum())
+            first = first if first is not None else lo + int(np.flatnonzero(diff)[0])
+    print(f"exhaustive device expf vs host: {bad} differ, {time.perf_counter() - t0:.1f} s")
+    assert bad == 0, f"first differing input bits 0x{first:08x}"
+
+
+def test_device_exp64_sample():
+    from fast import _core
+    cu = cuda_module()
+    rng = np.random.default_rng(64)
+    n = 20_000 if EMU else 400_000
+    x = np.concatenate([
+        rng.uniform(-750, 710, n), rng.uniform(-40, 40, n), rng.uniform(-1, 1, n // 2),
+        rng.integers(0, 2**64, n // 2, dtype=np.uint64).view(np.float64),
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-300, -1e-300, 5e-324, 709.782712893384,
+                  709.79, -745.1332191019411, -745.14, -708.39, 512.0, -512.0, 1024.0, -1024.0]),
+    ])
+    a = cu.exp64(x)
+    b = _core.engine_exp64(x)
+    same = (a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))
+    assert same.all(), f"{int((~same).sum())} differ, first x = {x[~same][0]!r}"
+
+
+def test_device_decoders():
+    from fast import _core
+    cu = cuda_module()
+    codes = np.arange(256, dtype=np.uint8)
+    for which in ("e4m3", "e4m3_sw"):
+        got, want = cu.decode_table(which), _core.decode_e4m3(codes)
+        same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), which
+    got, want = cu.decode_table("e2m1"), _core.decode_e2m1(np.arange(16, dtype=np.uint8))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    got, want = cu.decode_table("e8m0"), _core.decode_e8m0(codes)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all()
+
+
+def test_device_census():
+    cu = cuda_module()
+    hi = (1 << 20) if EMU else (1 << 32)
+    lo = 0xC0000000 if EMU else 0
+    ctl = cu.expf_census("canonical", lo, lo + hi if EMU else hi)
+    assert ctl["differ"] == 0 and ctl["first"] is None
+    for kind in ("expf", "__expf"):
+        r = cu.expf_census(kind, lo, lo + hi if EMU else hi)
+        print(kind, r)
+        assert r["inputs"] == hi
+        assert 0 <= r["differ_nonpos"] <= r["differ"] <= r["inputs"]
+    if not EMU:
+        assert cu.expf_census("__expf")["differ"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# slice (real GLM-5.3-Flash widths): one short prompt and a few decode steps, against the CPU engine
+
+
+@needs_gpu
+@pytest.mark.skipif(not os.environ.get("GLM_SLICE_DIR"), reason="GLM_SLICE_DIR (a slice checkpoint) not given")
+def test_slice_matches_cpu():
+    root = os.environ["GLM_SLICE_DIR"]
+    dirs = [os.path.join(root, d) for d in sorted(os.listdir(root)) if os.path.isfile(os.path.join(root, d, "config.json"))]
+    assert dirs
+    for path in dirs:
+        cpu = fast.Engine(path, device="cpu")
+        ids = prompt(cpu.config.vocab_size, 6, 11)
+        want = Capture(stages=None)
+        toks, logits = cpu.generate(ids, 3, capture=want, return_logits=True)
+        del cpu
+        eng = CudaEngine(path)
+        got = Capture()
+        gtoks, glogits = eng.generate(ids, 3, capture=got, return_logits=True)
+        assert_same_capture(eng.config, want, got, range(len(ids) + 2))
+        assert gtoks == toks
+        assert np.array_equal(bits(glogits), bits(logits))
+        del eng
