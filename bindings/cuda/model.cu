@@ -125,7 +125,7 @@ void Config::validate() const {
         pos("topk_group", topk_group);
         pos("num_experts_per_tok", num_experts_per_tok);
         if (num_experts_per_tok > 256) bad("num_experts_per_tok", "must be <= 256 in the CUDA engine");
-        if (n_routed_experts > 8192) bad("n_routed_experts", "must be <= 8192 in the CUDA engine");
+        if (n_routed_experts > 4096) bad("n_routed_experts", "must be <= 4096 in the CUDA engine");
         if (n_routed_experts % n_group != 0 || n_routed_experts / n_group < 2)
             bad("n_group", "each group needs at least 2 experts and n_routed_experts must divide evenly");
         if (topk_group > n_group) bad("topk_group", "must be <= n_group");

@@ -130,8 +130,9 @@ GLM_DEV void load_x8(const float* __restrict__ x, int64_t col, bool vec, float (
     }
 }
 
+// One block's work: rows [blockIdx.x * RPB, +RPB) for the token tile `tile` (or expert work item).
 template <int FMT, int TT, bool EXPERT, bool HW8>
-__global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) {
+GLM_DEV void linear_block(const LinArgs& a, int tile) {
     constexpr int RPB = rows_per_block<TT>();
     constexpr int U = batch_chunks<FMT, TT>();
     const int g = lane8();
@@ -144,8 +145,7 @@ __global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) 
     const float* xr[TT];
     float* yr[TT];
     if constexpr (EXPERT) {
-        const int item = static_cast<int>(blockIdx.y);
-        if (item >= *a.n_items) return;  // the whole block leaves together
+        const int item = tile;
         const int e = a.items[3 * item], start = a.items[3 * item + 1];
         cnt = a.items[3 * item + 2];
         data = a.dtab[e];
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) 
             yr[j] = a.Y + static_cast<int64_t>(p) * a.ldy;
         }
     } else {
-        const int t0 = static_cast<int>(blockIdx.y) * TT;
+        const int t0 = tile * TT;
         cnt = a.T - t0 < TT ? a.T - t0 : TT;
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
@@ -236,6 +236,18 @@ __global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) 
     }
 }
 
+// Expert work items beyond gridDim.y are taken in turn (the grid's y extent is capped at 65535).
+template <int FMT, int TT, bool EXPERT, bool HW8>
+__global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) {
+    if constexpr (EXPERT) {
+        const int n = *a.n_items;
+        for (int item = static_cast<int>(blockIdx.y); item < n; item += static_cast<int>(gridDim.y))
+            linear_block<FMT, TT, EXPERT, HW8>(a, item);
+    } else {
+        linear_block<FMT, TT, EXPERT, HW8>(a, static_cast<int>(blockIdx.y));
+    }
+}
+
 // dot="sequential": one thread per (row, token), decoded element by element, s = s + w*x.
 template <bool EXPERT>
 __global__ void k_linear_seq(LinArgs a, int tile) {
@@ -246,7 +258,7 @@ __global__ void k_linear_seq(LinArgs a, int tile) {
     int cnt, base = 0;
     if constexpr (EXPERT) {
         const int item = static_cast<int>(blockIdx.y);
-        if (item >= *a.n_items) return;
+        if (item >= *a.n_items) return;  // (the sequential path caps no grid: a demonstration mode)
         data = a.dtab[a.items[3 * item]];
         scale = a.stab[a.items[3 * item]];
         base = a.items[3 * item + 1];
@@ -304,6 +316,7 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm, bool hw8) {
     if (!expert && a.T <= 0) return;
     if (nm.seq) {
         const int ty = expert ? a.max_items : (a.T + tile - 1) / tile;
+        if (ty > 65535) throw std::invalid_argument("dot='sequential': at most 65535 expert work items per step");
         dim3 grid((a.R + 127) / 128, ty);
         if (expert) {
             auto k = k_linear_seq<true>;
@@ -317,7 +330,7 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm, bool hw8) {
     }
     const int TT = tile;
     const unsigned gx = 1;  // set per instantiation (rows per block)
-    const unsigned gy = static_cast<unsigned>(expert ? a.max_items : (a.T + TT - 1) / TT);
+    const unsigned gy = static_cast<unsigned>(expert ? std::min(a.max_items, 65535) : (a.T + TT - 1) / TT);
     if (gy == 0) return;
     dim3 grid(gx, gy);
     if (expert) {

@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""Benchmarks of the CUDA engine on `slice` (real GLM-5.3-Flash widths, few layers), SPEC 10.
+
+    python tools/bench_cuda.py --slice-dir /tmp/slice [--make] [--layers 2] [--experts 288] [--json OUT]
+
+For each release (fp8, mxfp4):
+  * decode at batch 1: tokens/s and the fraction of the HBM roofline reached, where the roofline
+    time per token is (active weight bytes per token) / (device-to-device copy bandwidth measured in
+    this run, bytes read + written per second);
+  * decode throughput at batch 8 and 32;
+  * prefill tokens/s (one 512-token chunk);
+  * device time per module of a decode step (CUDA events around each module's kernels);
+and the same work through the peer, `transformers` glm5_next in BF16 on the same GPU (random
+weights of the same shapes; the peer's speed does not depend on the values), with the ratios.
+
+--make generates the checkpoints with oracle.zoo (2 layers by default: KDA + MLA, both MoE, first
+layer not dense, so every expert path is exercised; 288 experts of 2048, top 8).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+KDA, MLA = "linear_attention", "indexed_attention"
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def slice_overrides(layers: int, experts: int) -> dict:
+    types = [KDA if i % 2 == 0 else MLA for i in range(layers)]
+    return dict(num_hidden_layers=layers, layer_types=types, mlp_layer_types=["sparse"] * layers,
+                indexer_types=["full"] * layers, n_routed_experts=experts)
+
+
+def make_slices(root: str, layers: int, experts: int, releases) -> dict:
+    from oracle.zoo import make_checkpoint
+    out = {}
+    for rel in releases:
+        d = os.path.join(root, f"slice-{rel}")
+        t0 = time.perf_counter()
+        make_checkpoint("slice", rel, d, **slice_overrides(layers, experts))
+        size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+        out[rel] = {"dir": d, "seconds": round(time.perf_counter() - t0, 1), "bytes": size}
+        log(f"made {d}: {size / 1e9:.2f} GB in {out[rel]['seconds']} s")
+    return out
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10 after warm-up)."""
+    import torch
+    n = 1 << 31  # 2 GiB
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    a.fill_(1)
+    for _ in range(3):
+        b.copy_(a)
+    ts = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        sync()
+        ts.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / float(np.median(ts))
+
+
+def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) -> dict:
+    from fast.cuda import CudaEngine
+    from oracle.checkpoint import open_checkpoint
+    t0 = time.perf_counter()
+    eng = CudaEngine(open_checkpoint(path, verify=False))
+    load = time.perf_counter() - t0
+    V = eng.config.vocab_size
+    rng = np.random.default_rng(0)
+    res = {"load_seconds": round(load, 1), "weight_bytes_per_token": eng.weight_bytes,
+           "device_weight_bytes": eng.device_bytes, "decode_path": eng.decode_path, "device": eng.device_name}
+    log(f"  loaded in {load:.1f} s, {eng.device_bytes / 1e9:.2f} GB on the device, E4M3 decode: {eng.decode_path}")
+
+    # decode at batch 1
+    cache = eng.new_cache()
+    eng.prefill([int(v) for v in rng.integers(0, V, 16)], cache)
+    tok = 1
+    for _ in range(3):
+        tok = int(np.argmax(eng.decode([cache], [tok])[0]))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = int(np.argmax(eng.decode([cache], [tok])[0]))
+    dt = (time.perf_counter() - t0) / steps
+    roof = eng.weight_bytes / bw
+    res["decode_b1"] = {"ms_per_token": round(dt * 1e3, 3), "tokens_per_s": round(1 / dt, 1),
+                        "roofline_ms": round(roof * 1e3, 3), "roofline_fraction": round(roof / dt, 3)}
+    log(f"  decode b1: {dt * 1e3:.3f} ms/token ({1 / dt:.1f} tok/s); roofline {roof * 1e3:.3f} ms "
+        f"-> {roof / dt:.1%} of the HBM roofline")
+    # per-module device time of decode steps
+    eng.set_timing(True)
+    eng.reset_stage_times()
+    n_t = 5
+    for _ in range(n_t):
+        tok = int(np.argmax(eng.decode([cache], [tok])[0]))
+    st = {k: round(v / n_t, 4) for k, v in eng.stage_times().items()}
+    eng.set_timing(False)
+    res["decode_b1_stage_ms"] = st
+    log("  per-module device ms per decode step: " + ", ".join(f"{k} {v:.3f}" for k, v in st.items()))
+    cache.close()
+
+    # batched decode
+    res["decode_batch"] = {}
+    for B in batches:
+        caches = [eng.new_cache() for _ in range(B)]
+        eng.step([(c, [int(v) for v in rng.integers(0, V, 8)], None, "last") for c in caches])
+        toks = [1] * B
+        for _ in range(2):
+            toks = [int(t) for t in np.argmax(eng.decode(caches, toks), axis=1)]
+        n = max(4, steps // 2)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            toks = [int(t) for t in np.argmax(eng.decode(caches, toks), axis=1)]
+        dt = (time.perf_counter() - t0) / n
+        res["decode_batch"][B] = {"ms_per_step": round(dt * 1e3, 3), "tokens_per_s": round(B / dt, 1)}
+        log(f"  decode b{B}: {dt * 1e3:.3f} ms/step, {B / dt:.1f} tok/s")
+        for c in caches:
+            c.close()
+
+    # prefill
+    ids = [int(v) for v in rng.integers(0, V, prefill_len)]
+    eng.prefill(ids[:64], eng.new_cache())  # warm-up
+    cache = eng.new_cache()
+    t0 = time.perf_counter()
+    eng.step([(cache, ids, None, "last")])
+    dt = time.perf_counter() - t0
+    res["prefill"] = {"tokens": prefill_len, "seconds": round(dt, 4), "tokens_per_s": round(prefill_len / dt, 1)}
+    log(f"  prefill {prefill_len} tokens: {dt:.3f} s, {prefill_len / dt:.1f} tok/s")
+    eng.set_timing(True)
+    eng.reset_stage_times()
+    eng.step([(eng.new_cache(), ids, None, "last")])
+    res["prefill_stage_ms"] = {k: round(v, 3) for k, v in eng.stage_times().items()}
+    log("  per-module device ms of the prefill: " + ", ".join(f"{k} {v:.2f}" for k, v in res["prefill_stage_ms"].items()))
+    del eng
+    gc.collect()
+    return res
+
+
+def bench_peer(layers: int, experts: int, steps: int, prefill_len: int, batches, device: str = "cuda") -> dict:
+    """transformers glm5_next (text model + a BF16 lm_head) in BF16 on the GPU, the same work."""
+    import torch
+    import transformers
+    from transformers import Glm5NextTextConfig, Glm5NextTextModel
+    from oracle.zoo import zoo_config
+    ocfg = zoo_config("slice", **slice_overrides(layers, experts))
+    kw = {k: getattr(ocfg, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group",
+        "topk_group", "norm_topk_prob", "routed_scaling_factor", "swiglu_limit", "rms_norm_eps", "index_topk",
+        "index_head_dim", "index_n_heads", "index_kpool", "linear_num_heads", "linear_head_dim",
+        "linear_conv_kernel_dim", "hc_mult", "hc_eps", "hc_sinkhorn_iters")}
+    cfg = Glm5NextTextConfig(**kw, layer_types=list(ocfg.layer_types), mlp_layer_types=list(ocfg.mlp_layer_types),
+                             indexer_types=list(ocfg.indexer_types), pad_token_id=None, tie_word_embeddings=False)
+    res = {"transformers": transformers.__version__, "torch": torch.__version__,
+           "attn_implementation": getattr(cfg, "_attn_implementation", None),
+           "experts_implementation": getattr(cfg, "_experts_implementation", None)}
+    t0 = time.perf_counter()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = Glm5NextTextModel(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dtype.is_floating_point:
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=g)
+        for name, b in model.named_buffers():
+            if b.dtype.is_floating_point:
+                b.zero_()
+    lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    model.eval()
+    res["setup_seconds"] = round(time.perf_counter() - t0, 1)
+    res["experts_implementation"] = getattr(model.config, "_experts_implementation", res["experts_implementation"])
+    mem = torch.cuda.memory_allocated() / 1e9 if device == "cuda" else float("nan")
+    log(f"  peer built in {res['setup_seconds']} s ({mem:.1f} GB); experts: "
+        f"{res['experts_implementation']}")
+
+    def run(ids, cache):
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return lm_head(out.last_hidden_state[:, -1]).float()
+
+    from transformers import DynamicCache
+    V = cfg.vocab_size
+    with torch.inference_mode():
+        # decode at batch 1
+        cache = DynamicCache(config=cfg)
+        tok = run(torch.randint(0, V, (1, 16), device=device), cache).argmax(-1, keepdim=True)
+        for _ in range(3):
+            tok = run(tok, cache).argmax(-1, keepdim=True)
+        sync()
+        n = max(4, steps // 2)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = run(tok, cache).argmax(-1, keepdim=True)
+        sync()
+        dt = (time.perf_counter() - t0) / n
+        res["decode_b1"] = {"ms_per_token": round(dt * 1e3, 3), "tokens_per_s": round(1 / dt, 1)}
+        log(f"  peer decode b1: {dt * 1e3:.3f} ms/token ({1 / dt:.1f} tok/s)")
+        res["decode_batch"] = {}
+        for B in batches:
+            try:
+                cache = DynamicCache(config=cfg)
+                tok = run(torch.randint(0, V, (B, 8), device=device), cache).argmax(-1, keepdim=True)
+                tok = run(tok, cache).argmax(-1, keepdim=True)
+                sync()
+                n = 4
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    tok = run(tok, cache).argmax(-1, keepdim=True)
+                sync()
+                dt = (time.perf_counter() - t0) / n
+                res["decode_batch"][B] = {"ms_per_step": round(dt * 1e3, 3), "tokens_per_s": round(B / dt, 1)}
+                log(f"  peer decode b{B}: {dt * 1e3:.3f} ms/step, {B / dt:.1f} tok/s")
+            except Exception as e:  # noqa: BLE001 - report and go on
+                res["decode_batch"][B] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                log(f"  peer decode b{B}: failed: {e}")
+        ids = torch.randint(0, V, (1, prefill_len), device=device)
+        run(ids[:, :64], DynamicCache(config=cfg))
+        sync()
+        t0 = time.perf_counter()
+        run(ids, DynamicCache(config=cfg))
+        sync()
+        dt = time.perf_counter() - t0
+        res["prefill"] = {"tokens": prefill_len, "seconds": round(dt, 4), "tokens_per_s": round(prefill_len / dt, 1)}
+        log(f"  peer prefill {prefill_len} tokens: {dt:.3f} s, {prefill_len / dt:.1f} tok/s")
+    del model, lm_head
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--slice-dir", default="/tmp/slice")
+    p.add_argument("--make", action="store_true", help="generate the slice checkpoints first")
+    p.add_argument("--make-only", action="store_true", help="generate the slice checkpoints and stop")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=288)
+    p.add_argument("--releases", default="fp8,mxfp4")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--batches", default="8,32")
+    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--json", default=None, help="write the results here")
+    a = p.parse_args(argv)
+    releases = [r for r in a.releases.split(",") if r]
+    batches = [int(b) for b in a.batches.split(",") if b]
+    doc = {"slice": slice_overrides(a.layers, a.experts)}
+    if a.make or a.make_only:
+        doc["made"] = make_slices(a.slice_dir, a.layers, a.experts, releases)
+        if a.make_only:
+            return 0
+    bw = copy_bandwidth()
+    doc["copy_bandwidth_Bps"] = bw
+    log(f"device-to-device copy: {bw / 1e12:.2f} TB/s (bytes read + written)")
+    doc["engine"] = {}
+    for rel in releases:
+        path = os.path.join(a.slice_dir, f"slice-{rel}")
+        log(f"== CUDA engine, slice-{rel}")
+        doc["engine"][rel] = bench_engine(path, bw, a.steps, a.prefill, batches)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(doc, f, indent=1, default=str)
+    if not a.no_peer:
+        log("== peer: transformers glm5_next, BF16")
+        try:
+            doc["peer"] = bench_peer(a.layers, a.experts, a.steps, a.prefill, batches)
+        except Exception as e:  # noqa: BLE001 - the engine's numbers stand without the peer
+            doc["peer"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            log(f"  peer failed: {doc['peer']['error']}")
+    # summary
+    log("\n== summary (slice, %d layers, %d experts)" % (a.layers, a.experts))
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    peer = doc.get("peer", {})
+    for rel, r in doc["engine"].items():
+        d1 = r["decode_b1"]
+        line = (f"{rel:6s} decode b1 {d1['tokens_per_s']:8.1f} tok/s ({d1['roofline_fraction']:.1%} of roofline, "
+                f"{r['weight_bytes_per_token'] / 1e9:.2f} GB/token)")
+        for B, x in r["decode_batch"].items():
+            line += f" | b{B} {x['tokens_per_s']:.1f} tok/s"
+        line += f" | prefill {r['prefill']['tokens_per_s']:.1f} tok/s"
+        log(line)
+        if "decode_b1" in peer:
+            ratios = {"decode_b1": d1["tokens_per_s"] / peer["decode_b1"]["tokens_per_s"],
+                      "prefill": r["prefill"]["tokens_per_s"] / peer["prefill"]["tokens_per_s"]}
+            for B, x in r["decode_batch"].items():
+                px = peer.get("decode_batch", {}).get(B, {})
+                if "tokens_per_s" in px:
+                    ratios[f"decode_b{B}"] = x["tokens_per_s"] / px["tokens_per_s"]
+            r["ratio_vs_peer"] = {k: round(v, 3) for k, v in ratios.items()}
+            log(f"       vs peer (BF16): " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+    if "decode_b1" in peer:
+        log(f"peer   decode b1 {peer['decode_b1']['tokens_per_s']:.1f} tok/s | "
+            + " | ".join(f"b{B} {x.get('tokens_per_s', 'n/a')}" for B, x in peer.get("decode_batch", {}).items())
+            + f" | prefill {peer['prefill']['tokens_per_s']:.1f} tok/s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

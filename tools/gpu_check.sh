@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh: on a GPU machine, build the CUDA engine, run its tests and the benchmarks, and
+# print everything (also into $OUT/gpu_check.log). Run from anywhere; it works in the repository root.
+#
+#   bash tools/gpu_check.sh
+#
+# Environment: OUT (logs and results, default /tmp/gpu_check), GLM_SLICE_DIR (slice checkpoints, default
+# /tmp/slice; made here with oracle.zoo when absent), BUDGET (seconds for the whole run, default 450),
+# SLICE_LAYERS (2), SLICE_EXPERTS (288), SKIP_PEER=1 (no transformers peer).
+# Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
+#
+# Order, most important first: machine facts; build (fast._core + fast._cuda, GLM_FORCE_CUDA=ON);
+# the GPU tests (tests/test_fast_cuda.py, while the slice checkpoints are generated in the background);
+# the benchmarks (tools/bench_cuda.py); the slice test (CUDA vs CPU engine at real widths).
+set -u -o pipefail
+START=$(date +%s)
+BUDGET=${BUDGET:-450}
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+exec > >(tee -a "$LOG") 2>&1
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+SLICE=${GLM_SLICE_DIR:-/tmp/slice}
+LAYERS=${SLICE_LAYERS:-2}
+EXPERTS=${SLICE_EXPERTS:-288}
+elapsed() { echo $(( $(date +%s) - START )); }
+left() { echo $(( BUDGET - $(elapsed) )); }
+phase() { echo; echo "=== [$(elapsed) s] $*"; }
+
+phase "machine"
+nvidia-smi -L
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+echo "cores: $(nproc); $(python3 -V); $(nvcc --version | tail -1); cmake $(cmake --version | head -1 | cut -d' ' -f3)"
+df -h /tmp | tail -1
+
+phase "wheels"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
+
+phase "build (fast._core + fast._cuda, sm_90)"
+GEN=""
+command -v ninja > /dev/null && GEN="-G Ninja"
+if ! cmake -S . -B /tmp/glm-build $GEN -DCMAKE_BUILD_TYPE=Release -DGLM_FORCE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+     -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" > "$OUT/cmake.log" 2>&1; then
+  tail -40 "$OUT/cmake.log"; exit 1
+fi
+if ! cmake --build /tmp/glm-build -j"$(nproc)" > "$OUT/build.log" 2>&1; then
+  grep -E "error" -A6 "$OUT/build.log" | head -120; tail -20 "$OUT/build.log"; exit 1
+fi
+grep -c "warning" "$OUT/build.log" | sed 's/^/build warnings: /'
+python3 - <<'EOF'
+import fast._cuda as c
+from fast.cuda import cuda_available
+print("fast._cuda imports; device answers:", cuda_available(), "| e8m0(125..129):", c.decode_table("e8m0")[125:130])
+EOF
+echo "built at $(elapsed) s"
+
+phase "slice checkpoints: generating in the background ($LAYERS layers, $EXPERTS experts, fp8 + mxfp4) into $SLICE"
+if [ -f "$SLICE/slice-fp8/config.json" ] && [ -f "$SLICE/slice-mxfp4/config.json" ]; then
+  echo "present"; MAKE_PID=""
+else
+  ( python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers "$LAYERS" --experts "$EXPERTS" \
+      > "$OUT/slice_make.log" 2>&1; echo "exit $?" >> "$OUT/slice_make.log" ) &
+  MAKE_PID=$!
+fi
+
+phase "GPU tests (tests/test_fast_cuda.py; the slice test comes last)"
+T_TESTS=$(( $(left) - 230 )); [ "$T_TESTS" -lt 60 ] && T_TESTS=60
+timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py -v -rs -p no:cacheprovider --durations=15 -k "not slice" \
+  > "$OUT/pytest.log" 2>&1
+echo "pytest exit $? (limit $T_TESTS s)"
+grep -E " (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | sed -E "s/^tests.test_fast_cuda.py:://" | cut -c1-110
+grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+grep -E "^(FAILED|ERROR)|Error|assert|first divergence|differ" "$OUT/pytest.log" | head -60
+grep -E "exhaustive device expf|^expf |^__expf " "$OUT/pytest.log" | head -5
+sed -n '/slowest/,/^$/p' "$OUT/pytest.log" | head -20
+
+if [ -n "${MAKE_PID:-}" ]; then
+  phase "waiting for the slice checkpoints"
+  wait "$MAKE_PID"
+fi
+cat "$OUT/slice_make.log" 2>/dev/null
+df -h /tmp | tail -1
+
+phase "benchmarks (tools/bench_cuda.py)"
+PEER=""
+[ "${SKIP_PEER:-0}" = "1" ] && PEER="--no-peer"
+T_BENCH=$(( $(left) - 60 )); [ "$T_BENCH" -lt 60 ] && T_BENCH=60
+timeout "$T_BENCH" python3 tools/bench_cuda.py --slice-dir "$SLICE" --layers "$LAYERS" --experts "$EXPERTS" \
+  --json "$OUT/bench.json" $PEER
+echo "bench exit $? (limit $T_BENCH s)"
+
+phase "slice: CUDA engine = CPU engine at real widths"
+T_SLICE=$(( $(left) - 5 ))
+if [ "$T_SLICE" -gt 30 ]; then
+  GLM_SLICE_DIR="$SLICE" timeout "$T_SLICE" python3 -m pytest tests/test_fast_cuda.py -q -rs -p no:cacheprovider -k slice \
+    > "$OUT/pytest_slice.log" 2>&1
+  echo "slice test exit $? (limit $T_SLICE s)"
+  grep -E "passed|failed|error|first divergence|assert" "$OUT/pytest_slice.log" | head -20
+else
+  echo "skipped: no time left"
+fi
+phase "done"
