@@ -47,6 +47,15 @@ def _parse_opts(opts: str) -> dict:
     return out
 
 
+def load_tokenizer(checkpoint):
+    """The checkpoint's tokenizer.json as a `tokenizers.Tokenizer`, or None."""
+    path = Path(checkpoint) / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(path))
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -59,7 +68,7 @@ def parse_ids(text: str) -> list[int]:
 def cmd_run(args) -> int:
     from .golden import hash12
     engine = make_engine(args.engine, args.checkpoint, args.precision)
-    tokenizer = getattr(getattr(engine, "ckpt", None), "tokenizer", None)
+    tokenizer = load_tokenizer(args.checkpoint)
     if args.ids is not None:
         ids = parse_ids(args.ids)
     elif args.prompt is not None:

@@ -5,6 +5,7 @@ import json
 import shutil
 
 import numpy as np
+import pytest
 
 from oracle import golden
 from oracle.cli import main
@@ -28,3 +29,17 @@ def test_golden_check_fails_on_a_changed_hash(monkeypatch, tmp_path, golden_dir)
     (copy / "hashes.json").write_text(json.dumps(doc))
     monkeypatch.setenv("GLM_GOLDEN", str(copy))
     assert main(["golden", "check"]) == 1
+
+
+def test_cpu_engine_reproduces_the_golden_hashes(monkeypatch, golden_dir):
+    pytest.importorskip("fast._core")
+    monkeypatch.setenv("GLM_GOLDEN", str(golden_dir))
+    assert main(["golden", "check", "--engine", "cpu"]) == 0
+
+
+def test_run_prints_tokens_hashes_and_text(capsys, golden_dir):
+    assert main(["run", "--checkpoint", str(golden_dir / "tiny-bf16"), "--prompt", "hello world",
+                 "--max-new", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["tokens"]) == 4 and len(out["output_hash"]) == 12 and isinstance(out["text"], str)
+    assert out["output_hash"] == golden.hash12(np.array(out["tokens"]), "<i4")
