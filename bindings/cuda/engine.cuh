@@ -64,7 +64,7 @@ class Arena {
     size_t used() const { return used_; }
 
    private:
-    std::vector<DBuf> chunks_;
+    std::vector<DBuf> chunks_, extra_big_;
     size_t off_ = 0, used_ = 0;
 };
 

@@ -156,17 +156,18 @@ DBuf::~DBuf() {
 void* Arena::alloc(size_t bytes) {
     bytes = (bytes + 255) / 256 * 256;
     if (bytes == 0) bytes = 256;
+    constexpr size_t kBig = size_t{256} << 20;
+    if (bytes >= kBig) {  // a large tensor gets an allocation of its own
+        extra_big_.emplace_back(bytes);
+        used_ += bytes;
+        return extra_big_.back().p;
+    }
     if (chunks_.empty() || off_ + bytes > chunks_.back().n) {
-        const size_t chunk = std::max<size_t>(bytes, size_t{1} << 30);
-        // a large tensor gets its own allocation; small ones share 1 GiB chunks
-        chunks_.emplace_back(bytes >= (size_t{256} << 20) ? bytes : chunk);
+        // small tensors share chunks: 64 MiB first, doubling up to 1 GiB
+        const size_t last = chunks_.empty() ? (size_t{32} << 20) : chunks_.back().n;
+        const size_t chunk = std::max(bytes, std::min(2 * last, size_t{1} << 30));
+        chunks_.emplace_back(chunk);
         off_ = 0;
-        if (bytes >= (size_t{256} << 20)) {
-            void* p = chunks_.back().p;
-            off_ = chunks_.back().n;  // full: the next small tensor opens a new chunk
-            used_ += bytes;
-            return p;
-        }
     }
     void* p = static_cast<char*>(chunks_.back().p) + off_;
     off_ += bytes;
