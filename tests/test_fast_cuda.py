@@ -313,6 +313,71 @@ def test_bad_input_is_refused(cuda_engines):
 
 
 # ---------------------------------------------------------------------------------------------
+# config corners the zoo does not ship (generated from the tiny recipe), and F32-stored weights
+
+CONFIG_VARIANTS = [
+    ("no-norm-topk", "bf16", dict(norm_topk_prob=False)),
+    ("tied-head", "fp8", dict(tie_word_embeddings=True)),
+    ("one-group", "mxfp4", dict(n_group=1, topk_group=1)),
+    ("kpool-1", "bf16", dict(index_kpool=1, index_topk=5)),
+    ("conv-1-hc-2", "fp8", dict(linear_conv_kernel_dim=1, hc_mult=2, hc_sinkhorn_iters=3)),
+    ("groups-4-top-2", "bf16", dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3)),
+    ("hc-8", "fp8", dict(hc_mult=8)),
+    ("width-90-fp8", "fp8", dict(hidden_size=90, linear_head_dim=13, index_head_dim=11, kv_lora_rank=37)),
+    ("hc-7-shared-chain", "bf16", dict(hc_mult=7, layer_types=["linear_attention", "indexed_attention",
+                                                               "indexed_attention", "indexed_attention",
+                                                               "linear_attention", "linear_attention"],
+                                       indexer_types=["full", "full", "shared", "full", "full", "full"])),
+]
+
+
+@pytest.mark.parametrize("name,release,overrides", CONFIG_VARIANTS, ids=[v[0] for v in CONFIG_VARIANTS])
+def test_config_variants(tmp_path, name, release, overrides):
+    from oracle.zoo import make_checkpoint
+    path = str(tmp_path / name)
+    make_checkpoint("tiny", release, path, **overrides)
+    ref = fast.Engine(path, device="cpu")
+    eng = CudaEngine(path)
+    ids = prompt(ref.config.vocab_size, 26, 13)
+    want, got = Capture(), Capture()
+    toks, logits = ref.generate(ids, 3, capture=want, return_logits=True)
+    got_toks, got_logits = eng.generate(ids, 3, capture=got, chunk=9, return_logits=True)
+    assert_same_capture(eng.config, want, got, range(len(ids) + 2))
+    assert got_toks == toks
+    assert np.array_equal(bits(got_logits), bits(logits))
+
+
+def test_f32_stored_checkpoint(tmp_path, golden_dir):
+    """Weights stored as F32 (what transformers' save_pretrained writes) take the F32 path."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from oracle import names as N
+    from oracle.checkpoint import open_checkpoint
+
+    src = golden_dir / "tiny-bf16"
+    ck = open_checkpoint(str(src))
+    tensors = {}
+    for entry in N.expected(ck.config):
+        raw = ck.raw(entry.spec.role, entry.layer, entry.expert)
+        a = np.asarray(raw.data)
+        tensors[raw.stored_key] = (a.astype(np.uint32) << 16).view(np.float32) if raw.release == "bf16" else a
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    eng = CudaEngine(str(tmp_path))
+    assert set(eng.release) == {"f32"}
+    ref = fast.Engine(str(tmp_path), device="cpu")
+    ids = prompt(ref.config.vocab_size, 21, 12)
+    want, got = Capture(keep_values=False), Capture(keep_values=False)
+    toks, logits = ref.generate(ids, 3, capture=want, return_logits=True)
+    got_toks, got_logits = eng.generate(ids, 3, capture=got, return_logits=True)
+    assert got_toks == toks
+    assert np.array_equal(bits(got_logits), bits(logits))
+    assert got.hashes == want.hashes
+
+
+# ---------------------------------------------------------------------------------------------
 # numerics on the device
 
 

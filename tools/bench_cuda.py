@@ -60,7 +60,7 @@ def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second (median of 10 after warm-up)."""
     import torch
     n = 1 << 31  # 2 GiB
-    a = torch.empty(n, dtype=torch.uint8, device=device)
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     a.fill_(1)
     for _ in range(3):
@@ -71,7 +71,7 @@ def copy_bandwidth() -> float:
         s.record()
         b.copy_(a)
         e.record()
-        sync()
+        torch.cuda.synchronize()
         ts.append(s.elapsed_time(e) / 1e3)
     del a, b
     torch.cuda.empty_cache()
@@ -250,7 +250,7 @@ def bench_peer(layers: int, experts: int, steps: int, prefill_len: int, batches,
         dt = time.perf_counter() - t0
         res["prefill"] = {"tokens": prefill_len, "seconds": round(dt, 4), "tokens_per_s": round(prefill_len / dt, 1)}
         log(f"  peer prefill {prefill_len} tokens: {dt:.3f} s, {prefill_len / dt:.1f} tok/s")
-    del model, lm_head
+    model = lm_head = None
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
                 if "tokens_per_s" in px:
                     ratios[f"decode_b{B}"] = x["tokens_per_s"] / px["tokens_per_s"]
             r["ratio_vs_peer"] = {k: round(v, 3) for k, v in ratios.items()}
-            log(f"       vs peer (BF16): " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+            log("       vs peer (BF16): " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
     if "decode_b1" in peer:
         log(f"peer   decode b1 {peer['decode_b1']['tokens_per_s']:.1f} tok/s | "
             + " | ".join(f"b{B} {x.get('tokens_per_s', 'n/a')}" for B, x in peer.get("decode_batch", {}).items())

@@ -60,6 +60,17 @@ print("fast._cuda imports; device answers:", cuda_available(), "| e8m0(125..129)
 EOF
 echo "built at $(elapsed) s"
 
+phase "device expf census (all 2^32 inputs, on the device, against the canonical device expf)"
+python3 - <<'EOF2'
+import fast._cuda as c
+for kind in ("canonical", "expf", "__expf"):
+    r = c.expf_census(kind)
+    first = "-" if r["first"] is None else f"0x{r['first']:08x}"
+    print(f"{kind:9s} differ {r['differ']:>11,} ({100 * r['differ'] / r['inputs']:.3f}%)  after bf16 {r['differ_bf16']:>10,}"
+          f"  x<=0: {r['differ_nonpos']:>11,} of {r['nonpos_inputs']:,}  max ulp {r['max_ulps']}  first {first}"
+          f"  ({r['seconds']:.2f} s)")
+EOF2
+
 phase "slice checkpoints: generating in the background ($LAYERS layers, $EXPERTS experts, fp8 + mxfp4) into $SLICE"
 if [ -f "$SLICE/slice-fp8/config.json" ] && [ -f "$SLICE/slice-mxfp4/config.json" ]; then
   echo "present"; MAKE_PID=""
@@ -71,13 +82,13 @@ fi
 
 phase "GPU tests (tests/test_fast_cuda.py; the slice test comes last)"
 T_TESTS=$(( $(left) - 230 )); [ "$T_TESTS" -lt 60 ] && T_TESTS=60
-timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py -v -rs -p no:cacheprovider --durations=15 -k "not slice" \
+timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py -v -rsP -p no:cacheprovider --durations=15 -k "not slice" \
   > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? (limit $T_TESTS s)"
 grep -E " (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | sed -E "s/^tests.test_fast_cuda.py:://" | cut -c1-110
 grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
 grep -E "^(FAILED|ERROR)|Error|assert|first divergence|differ" "$OUT/pytest.log" | head -60
-grep -E "exhaustive device expf|^expf |^__expf " "$OUT/pytest.log" | head -5
+grep -E "exhaustive device expf|^expf \{|^__expf \{" "$OUT/pytest.log" | head -5
 sed -n '/slowest/,/^$/p' "$OUT/pytest.log" | head -20
 
 if [ -n "${MAKE_PID:-}" ]; then

@@ -158,6 +158,28 @@ GLM_DEV T cdot_serial(int n, bool seq, Get get) {
         }
         return s;
     }
+    if (n <= 8) {
+        // Only P[0][0..n) can be non-zero: the accumulator tree adds +0 three times to each lane of P[0]
+        // (P[4], then P[2], then P[1], all +0), then the lane tree. Same operations, no local memory.
+        T q[8];
+#pragma unroll
+        for (int l = 0; l < 8; ++l) {
+            q[l] = T(0);
+            if (l < n) {
+                T a, b;
+                get(l, a, b);
+                q[l] = fma_(a, b, T(0));
+            }
+            q[l] = add(add(add(q[l], T(0)), T(0)), T(0));
+        }
+        T q0 = add(q[0], q[4]);
+        T q1 = add(q[1], q[5]);
+        const T q2 = add(q[2], q[6]);
+        const T q3 = add(q[3], q[7]);
+        q0 = add(q0, q2);
+        q1 = add(q1, q3);
+        return add(q0, q1);
+    }
     T P[64];
     for (int k = 0; k < 64; ++k) P[k] = T(0);
     for (int i = 0; i < n; ++i) {
