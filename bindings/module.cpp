@@ -7,6 +7,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <sstream>
@@ -20,6 +22,8 @@
 #include "cpu/formats.hpp"
 #include "cpu/hwstate.hpp"
 #include "cpu/matvec.hpp"
+#include "cpu/threadpool.hpp"
+#include "cpu/weights.hpp"
 
 namespace py = pybind11;
 using namespace glm::cpu;
@@ -341,6 +345,99 @@ py::array py_matvec_mxfp4(const py::object& po, const py::object& so, const py::
     return std::move(y);
 }
 
+// ---- the engine's linear kernels (weights.hpp `Lin`) ---------------------------------------------
+
+// A Lin over one stored weight in a release format, validated. nan_free (fp8) is checked here once.
+struct LinArg {
+    Lin w;
+    py::array data, scale;
+    size_t R = 0;
+};
+
+LinArg lin_arg(const std::string& release, const py::object& dobj, const py::object& sobj, bool nan_free) {
+    LinArg a;
+    if (release == "bf16") {
+        a.data = arg(dobj, "data", kBf16(), 2);
+        a.w.fmt = WFmt::BF16;
+        a.w.C = static_cast<size_t>(a.data.shape(1));
+    } else if (release == "f32") {
+        a.data = arg(dobj, "data", kF32, 2);
+        a.w.fmt = WFmt::F32;
+        a.w.C = static_cast<size_t>(a.data.shape(1));
+    } else if (release == "fp8") {
+        a.data = arg(dobj, "data", kE4M3Codes(), 2);
+        a.scale = arg(sobj, "scale", kF32, 2);
+        a.w.fmt = WFmt::FP8;
+        a.w.C = static_cast<size_t>(a.data.shape(1));
+        expect_shape(a.scale, "scale", fp8_scale_shape(a.data.shape(0), a.data.shape(1)),
+                     "[ceil(R/128), ceil(C/128)] for data of shape " + shape_str(shape_of(a.data)));
+    } else if (release == "mxfp4") {
+        a.data = arg(dobj, "data", kU8("uint8 (two E2M1 nibbles per byte)"), 2);
+        a.scale = arg(sobj, "scale", kE8M0Codes(), 2);
+        a.w.fmt = WFmt::MXFP4;
+        a.w.C = static_cast<size_t>(check_mxfp4(a.data, a.scale));
+    } else {
+        bad("release: expected 'bf16', 'f32', 'fp8' or 'mxfp4', given '" + release + "'");
+    }
+    a.R = static_cast<size_t>(a.data.shape(0));
+    a.w.R = a.R;
+    a.w.data = a.data.data();
+    a.w.scale = a.scale ? a.scale.data() : nullptr;
+    if (nan_free && a.w.fmt != WFmt::FP8) bad("nan_free: expected False for release '" + release + "' (fp8 only)");
+    if (nan_free && has_e4m3_nan(ptr<uint8_t>(a.data), a.R * a.w.C))
+        bad("nan_free: expected fp8 data without NaN codes (S.1111.111), given data holding one");
+    a.w.fp8_nan_free = nan_free;
+    return a;
+}
+
+// linear(release, data, scale, X[T, C], r0, r1, nan_free, round, threads) -> f32[T, r1 - r0]
+py::array py_linear(const std::string& release, const py::object& dobj, const py::object& sobj, const py::object& xo,
+                    const py::object& r0o, const py::object& r1o, bool nan_free, bool round, const py::object& to) {
+    LinArg a = lin_arg(release, dobj, sobj, nan_free);
+    const py::array X = arg(xo, "X", kF32, 2);
+    const size_t C = a.w.C, T = static_cast<size_t>(X.shape(0));
+    if (static_cast<size_t>(X.shape(1)) != C)
+        bad("X: expected shape [T, " + std::to_string(C) + "], given " + shape_str(shape_of(X)));
+    const size_t r0 = arg_uint(r0o, "r0", 0, a.R);
+    const size_t r1 = r1o.is_none() ? a.R : arg_uint(r1o, "r1", r0, a.R);
+    const unsigned threads = std::max(1u, arg_threads(to));
+    require_clean_mxcsr();
+    const size_t n = r1 - r0;
+    py::array_t<float> Y({static_cast<py::ssize_t>(T), static_cast<py::ssize_t>(n)});
+    float* y = Y.mutable_data();
+    const float* x = ptr<float>(X);
+    {
+        py::gil_scoped_release nogil;
+        ThreadPool pool(threads, 0);
+        pool.parallel_for(n, 1, [&](size_t a0, size_t b0) { a.w.matmul(r0 + a0, r0 + b0, x, C, T, y + a0, n, round); });
+    }
+    return std::move(Y);
+}
+
+// Benchmark hook: best seconds of `reps` calls Y = W X (X: [T, C]), rows split over `threads` threads.
+double py_linear_bench(const std::string& release, const py::object& dobj, const py::object& sobj,
+                       const py::object& xo, bool nan_free, const py::object& to, const py::object& repo) {
+    LinArg a = lin_arg(release, dobj, sobj, nan_free);
+    const py::array X = arg(xo, "X", kF32, 2);
+    const size_t C = a.w.C, T = static_cast<size_t>(X.shape(0)), R = a.R;
+    if (static_cast<size_t>(X.shape(1)) != C)
+        bad("X: expected shape [T, " + std::to_string(C) + "], given " + shape_str(shape_of(X)));
+    const unsigned threads = std::max(1u, arg_threads(to));
+    const size_t reps = std::max<uint64_t>(1, arg_uint(repo, "reps", 1, 1000000));
+    require_clean_mxcsr();
+    std::vector<float> y(T * R);
+    const float* x = ptr<float>(X);
+    double best = 1e300;
+    py::gil_scoped_release nogil;
+    ThreadPool pool(threads, 0);
+    for (size_t i = 0; i < reps; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        pool.parallel_for(R, 1, [&](size_t a0, size_t b0) { a.w.matmul(a0, b0, x, C, T, y.data() + a0, R, false); });
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+}
+
 py::array py_div_probe(const py::object& xo, const py::object& dobj) {
     const py::array x = arg(xo, "x", kF32, 1);
     const float d = arg_f32(dobj, "d");
@@ -428,6 +525,16 @@ PYBIND11_MODULE(_core, m) {
           "matvec_fp8(q: u8[R, C], scale_inv: f32[ceil(R/128), ceil(C/128)], x: f32[C]) -> f32[R].");
     m.def("matvec_mxfp4", &py_matvec_mxfp4, A("packed"), A("scale"), A("x"), py::arg("threads") = 0,
           "matvec_mxfp4(packed: u8[R, C/2], scale: u8[R, C/32], x: f32[C]) -> f32[R].");
+    m.def("linear", &py_linear, A("release"), A("data"), A("scale"), A("X"), py::arg("r0") = 0,
+          py::arg("r1") = py::none(), py::arg("nan_free") = false, py::arg("round") = false, py::arg("threads") = 1,
+          "linear(release, data, scale, X: f32[T, C], r0=0, r1=R, nan_free=False, round=False, threads=1) -> "
+          "f32[T, r1 - r0]: the engine's Lin kernels, Y[t, i] = cdot(W[r0 + i], X[t]) (bf16-rounded when round). "
+          "release 'bf16' (data u16[R, C]), 'f32' (f32[R, C]), 'fp8' (u8[R, C], scale f32[ceil(R/128), ceil(C/128)]), "
+          "'mxfp4' (u8[R, C/2], scale u8[R, C/32]); scale None for bf16/f32. nan_free (fp8): take the path without "
+          "NaN-code checks (the data is scanned once here and refused if it holds one).");
+    m.def("linear_bench", &py_linear_bench, A("release"), A("data"), A("scale"), A("X"), py::arg("nan_free") = false,
+          py::arg("threads") = 1, py::arg("reps") = 5,
+          "Benchmark hook: best seconds of `reps` calls of linear(release, data, scale, X) over all rows.");
     m.def("ftz_daz_enabled", &ftz_daz_enabled, "True when this thread's MXCSR has FTZ or DAZ set.");
     m.def("contract_probe", &contract_probe,
           "a*b + c for a = b = 1 + 2^-12, c = -(1 + 2^-11): 0.0 unless the build contracts into an FMA (2^-24).");

@@ -429,6 +429,131 @@ def test_matvec_empty_shapes():
 
 
 # ---------------------------------------------------------------------------------------------
+# linear: the engine's Lin kernels (weights.hpp; one token, and several tokens per decoded weight
+# group) give every (token, row) exactly cdot(decoded W[r], x_t)
+# ---------------------------------------------------------------------------------------------
+
+LINEAR_T = list(range(1, 10)) + [13, 20]  # 13, 20: several token blocks
+
+
+def _linear_weight(release, rng, R, C):
+    """(data, scale, decoded f32 [R, C]) of a random weight in a release format."""
+    if release == "bf16":
+        W = _bf16_weight(rng, R, C)
+        return W, None, (W.astype(U32) << 16).view(F32)
+    if release == "f32":
+        W = (rng.standard_normal((R, C)) * 0.05).astype(F32)
+        W[0, : min(C, 2)] = [-0.0, 1e-45][: min(C, 2)]
+        return W, None, W
+    if release == "fp8":
+        q, s = _fp8_weight(rng, R, C)
+        return q, s, core.decode_fp8_weight(q, s)
+    p, e = _mxfp4_weight(rng, R, C)
+    return p, e, core.decode_mxfp4_weight(p, e)
+
+
+def _tokens(rng, T, C):
+    X = np.stack([_activations(rng, C) for _ in range(T)]) if T else np.zeros((0, C), F32)
+    if T and C:
+        X[0, :: max(1, C // 5)] = -0.0  # -0 products: a masked-off tail lane must keep a -0 sum
+        X[-1, -1] = 1e-45
+    return np.ascontiguousarray(X)
+
+
+def _per_token_cdots(Wd, X):
+    return np.array([[core.cdot(np.ascontiguousarray(Wd[r]), X[t]) for r in range(Wd.shape[0])]
+                     for t in range(X.shape[0])], F32).reshape(X.shape[0], Wd.shape[0])
+
+
+@pytest.mark.parametrize("release,C", [(r, c) for r in ("bf16", "f32", "fp8")
+                                        for c in (1, 5, 8, 9, 63, 64, 65, 96, 200, 352, 4096 + 32)] +
+                         [("mxfp4", c) for c in (32, 96, 224, 352, 4096 + 32)])
+def test_linear_tokens_are_cdots(release, C):
+    rng = np.random.default_rng(60 + C)
+    R = 140  # crosses a 128-row FP8 scale block
+    data, scale, Wd = _linear_weight(release, rng, R, C)
+    X = _tokens(rng, max(LINEAR_T), C)
+    want = _per_token_cdots(Wd, X)
+    for nan_free in ((False, True) if release == "fp8" else (False,)):
+        for T in LINEAR_T:
+            assert_same_bits(core.linear(release, data, scale, X[:T].copy(), nan_free=nan_free), want[:T])
+        for r0, r1 in ((3, 131), (129, 140), (127, 128), (5, 5)):
+            for T in (1, 2, 7):
+                got = core.linear(release, data, scale, X[:T].copy(), r0, r1, nan_free=nan_free)
+                assert_same_bits(got, want[:T, r0:r1])
+
+
+@pytest.mark.parametrize("C", [9, 96, 200])
+def test_linear_against_spec_reference(C):
+    # independent of the C++ cdot: the plain-Python SPEC 4.2 on the decoded rows, several tokens
+    rng = np.random.default_rng(70 + C)
+    q, s = _fp8_weight(rng, 3, C)
+    Wd = core.decode_fp8_weight(q, s)
+    X = _tokens(rng, 4, C)
+    Y = core.linear("fp8", q, s, X, nan_free=True)
+    for t in range(4):
+        for r in range(3):
+            assert same32(Y[t, r], ref_cdot(Wd[r].tolist(), X[t].tolist(), FMT32))
+
+
+def test_linear_special_values():
+    # inf/NaN weights, inputs and NaN codes propagate exactly as in cdot of the decoded row
+    rng = np.random.default_rng(71)
+    C, T = 70, 7
+    X = _tokens(rng, T, C)
+    X[2, 3] = np.inf
+    X[4, 69] = -np.inf
+    X[5, 10] = np.nan
+    W = core.bf16_from_f32((rng.standard_normal((6, C)) * 0.05).astype(F32))
+    W[1, 3] = 0x0000  # 0 * inf = NaN
+    W[2, 69] = 0x7F80  # inf in the tail
+    W[3, 5] = 0xFF80
+    W[4, 3] = 0x7FC1  # a NaN weight
+    assert_same_bits(core.linear("bf16", W, None, X), _per_token_cdots((W.astype(U32) << 16).view(F32), X))
+    q, s = _fp8_weight(rng, 6, C)
+    q[1, 69] = 0x7F  # NaN codes: only without nan_free
+    q[2, 0] = 0xFF
+    want = _per_token_cdots(core.decode_fp8_weight(q, s), X)
+    assert_same_bits(core.linear("fp8", q, s, X), want)
+    with pytest.raises(ValueError, match="^nan_free: expected"):
+        core.linear("fp8", q, s, X, nan_free=True)
+
+
+@pytest.mark.parametrize("scale", [2.0 ** 121, 2.0 ** 127 * 1.5, np.inf, np.nan, 2.0 ** -149, 0.0, -3.0])
+def test_linear_fp8_extreme_scales(scale):
+    # a scale whose product with 2^8 overflows makes the kernel skip the folded form for the call;
+    # inf/NaN/subnormal/zero/negative scales decode as fl32(e4m3 * s)
+    rng = np.random.default_rng(72)
+    R, C = 260, 200
+    q, s = _fp8_weight(rng, R, C)
+    s[1, 0] = scale
+    X = _tokens(rng, 9, C)
+    want = _per_token_cdots(core.decode_fp8_weight(q, s), X)
+    for T in (1, 2, 3, 6, 9):
+        assert_same_bits(core.linear("fp8", q, s, X[:T].copy(), nan_free=True), want[:T])
+        assert_same_bits(core.linear("fp8", q, s, X[:T].copy(), 120, 140, nan_free=True), want[:T, 120:140])
+
+
+def test_linear_threads_round_and_empty():
+    rng = np.random.default_rng(73)
+    R, C = 301, 1024 + 40
+    X = _tokens(rng, 8, C)
+    for release in ("bf16", "f32", "fp8", "mxfp4"):
+        c = 1024 if release == "mxfp4" else C
+        data, scale, _ = _linear_weight(release, rng, R, c)
+        Xc = np.ascontiguousarray(X[:, :c])
+        for T in (1, 3, 8):
+            one = core.linear(release, data, scale, Xc[:T].copy())
+            for th in (2, 3, 64):
+                assert_same_bits(core.linear(release, data, scale, Xc[:T].copy(), threads=th), one)
+            rounded = core.linear(release, data, scale, Xc[:T].copy(), round=True, threads=2)
+            assert_same_bits(rounded, (core.bf16_from_f32(one).astype(U32) << 16).view(F32))
+        assert core.linear(release, data, scale, np.zeros((0, c), F32)).shape == (0, R)
+    assert core.linear("bf16", np.zeros((3, 0), np.uint16), None, np.zeros((2, 0), F32)).view(U32).tolist() == \
+        [[0, 0, 0], [0, 0, 0]]
+
+
+# ---------------------------------------------------------------------------------------------
 # Formats: decode tables vs ml_dtypes for every code; weights; BF16
 # ---------------------------------------------------------------------------------------------
 
@@ -734,6 +859,15 @@ BAD_CALLS = [
     ("matvec_mxfp4", (np.ones((4, 8), np.uint8), np.ones((4, 0), np.uint8), f[:16]), "packed"),
     ("matvec_mxfp4", (pk, sc[:3], f), "scale"),
     ("matvec_mxfp4", (pk, sc, f, -1), "threads"),
+    ("linear", ("bf17", u16w, None, f.reshape(1, 64)), "release"),
+    ("linear", ("bf16", u16w, None, f), "X"),
+    ("linear", ("bf16", u16w, None, f[:32].reshape(1, 32)), "X"),
+    ("linear", ("bf16", u16w, None, f.reshape(1, 64), 5), "r0"),
+    ("linear", ("bf16", u16w, None, f.reshape(1, 64), 2, 1), "r1"),
+    ("linear", ("fp8", q8, s8.astype(np.float64), f.reshape(1, 64)), "scale"),
+    ("linear", ("fp8", q8, np.ones((2, 1), F32), f.reshape(1, 64)), "scale"),
+    ("linear", ("mxfp4", pk, sc[:3], f.reshape(1, 64)), "scale"),
+    ("linear", ("bf16", u16w, None, f.reshape(1, 64), 0, None, True), "nan_free"),
     ("div_probe", (f, "3"), "d"),
     ("div_probe", (d, 3.0), "x"),
 ]

@@ -14,6 +14,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "formats.hpp"
 
 namespace glm::cpu {
 
@@ -29,9 +33,15 @@ inline __m256i lane_mask(size_t k) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)), idx);
 }
 
-inline float fold8(__m256 acc[8]) {
-    for (int w = 4; w >= 1; w >>= 1)
-        for (int g = 0; g < w; ++g) acc[g] = _mm256_add_ps(acc[g], acc[g + w]);
+__attribute__((always_inline)) inline float fold8(__m256 acc[8]) {
+    // P[g] += P[g + w] for w = 4, 2, 1 (written out: constant indices keep acc in registers)
+    acc[0] = _mm256_add_ps(acc[0], acc[4]);
+    acc[1] = _mm256_add_ps(acc[1], acc[5]);
+    acc[2] = _mm256_add_ps(acc[2], acc[6]);
+    acc[3] = _mm256_add_ps(acc[3], acc[7]);
+    acc[0] = _mm256_add_ps(acc[0], acc[2]);
+    acc[1] = _mm256_add_ps(acc[1], acc[3]);
+    acc[0] = _mm256_add_ps(acc[0], acc[1]);
     // lanes of P[0]: w = 4, then 2, then 1
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[0]), _mm256_extractf128_ps(acc[0], 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));      // l < 2: P[l] += P[l+2]
@@ -45,29 +55,201 @@ inline float fold8(__m256 acc[8]) {
 //                                            anything finite elsewhere (those lanes are discarded)
 // where base is a multiple of 64 (so a Row can share work between the groups of one chunk, e.g.
 // a scale per 32 or 128 columns), and x is an f32 vector of length n (the b operand).
+// A Row may also provide `void load16(size_t base, size_t g, __m256& a, __m256& b)` (groups g and
+// g + 1 of a full chunk, g even) when decoding sixteen weights at once is cheaper than twice eight.
+template <class Row, class = void>
+struct has_load16 : std::false_type {};
 template <class Row>
-inline float cdot_kernel(const Row& row, const float* x, size_t n) {
+struct has_load16<Row, std::void_t<decltype(std::declval<const Row&>().load16(size_t{}, size_t{},
+                                                                           std::declval<__m256&>(),
+                                                                           std::declval<__m256&>()))>>
+    : std::true_type {};
+
+template <class Row>
+__attribute__((always_inline)) inline float cdot_kernel(const Row& row, const float* x, size_t n) {
     __m256 acc[8];
+#pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) acc[g] = _mm256_setzero_ps();
     const size_t nfull = n / 64;
     for (size_t c = 0; c < nfull; ++c) {
         const size_t base = 64 * c;
-        for (size_t g = 0; g < 8; ++g)
-            acc[g] = _mm256_fmadd_ps(row.load8(base, g), _mm256_loadu_ps(x + base + 8 * g), acc[g]);
+        if constexpr (has_load16<Row>::value) {
+#pragma GCC unroll 4
+            for (size_t g = 0; g < 8; g += 2) {
+                __m256 a, b;
+                row.load16(base, g, a, b);
+                acc[g] = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + base + 8 * g), acc[g]);
+                acc[g + 1] = _mm256_fmadd_ps(b, _mm256_loadu_ps(x + base + 8 * g + 8), acc[g + 1]);
+            }
+        } else {
+#pragma GCC unroll 8
+            for (size_t g = 0; g < 8; ++g)
+                acc[g] = _mm256_fmadd_ps(row.load8(base, g), _mm256_loadu_ps(x + base + 8 * g), acc[g]);
+        }
     }
     const size_t base = 64 * nfull;
     const size_t rem = n - base;
-    const size_t gfull = rem / 8;
-    for (size_t g = 0; g < gfull; ++g)
-        acc[g] = _mm256_fmadd_ps(row.load8(base, g), _mm256_loadu_ps(x + base + 8 * g), acc[g]);
-    const size_t k = rem % 8;
-    if (k) {
-        const __m256i m = lane_mask(k);
-        const __m256 xv = _mm256_maskload_ps(x + base + 8 * gfull, m);
-        const __m256 t = _mm256_fmadd_ps(row.load_partial(base, gfull, k), xv, acc[gfull]);
-        acc[gfull] = _mm256_blendv_ps(acc[gfull], t, _mm256_castsi256_ps(m));
+    // the tail chunk, group by group with constant indices (a variable index into acc[], or a loop
+    // the compiler does not unroll, would keep the accumulators in memory)
+#pragma GCC unroll 8
+    for (size_t g = 0; g < 8; ++g) {
+        if (8 * g + 8 <= rem) {
+            acc[g] = _mm256_fmadd_ps(row.load8(base, g), _mm256_loadu_ps(x + base + 8 * g), acc[g]);
+        } else if (8 * g < rem) {
+            const size_t k = rem - 8 * g;
+            const __m256i m = lane_mask(k);
+            const __m256 xv = _mm256_maskload_ps(x + base + 8 * g, m);
+            const __m256 t = _mm256_fmadd_ps(row.load_partial(base, g, k), xv, acc[g]);
+            acc[g] = _mm256_blendv_ps(acc[g], t, _mm256_castsi256_ps(m));
+        }
     }
     return fold8(acc);
+}
+
+// Keeps v in a register: otherwise GCC folds one load of x into every fma that uses it (RB loads
+// instead of one), and loads are what bounds this loop.
+inline __m256 in_reg(__m256 v) {
+    asm("" : "+x"(v));
+    return v;
+}
+
+// Several rows against several tokens. One pass accumulates group g of rows 0 .. RB-1 and tokens
+// 0 .. NT-1 over chunks [c0, c1) (and the tail chunk c1 when `tail`), starting from and returning to
+// P[i * ps + t * 8 + g] (memory). Every accumulator P[i][t][g] receives exactly the fmas cdot_kernel
+// would give it, in the same chunk order (the eight groups of a chunk are independent sums, so visiting
+// them in separate passes changes nothing), so after the passes of every group over all chunks,
+// fold8(P[i][t]) is cdot(row i, X + t * ldx) bit for bit. Each weight group is decoded once for the NT
+// tokens and each group of x once for the RB rows: RB + NT loads (or decodes) per RB * NT fmas.
+template <int RB, int NT, class Row>
+inline void cdot_block_pass(const Row* rows, const float* X, size_t ldx, size_t n, size_t c0, size_t c1, bool tail,
+                            size_t g, __m256* P, size_t ps) {
+    __m256 acc[RB][NT];
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_load_ps(reinterpret_cast<const float*>(P + i * ps + t * 8 + g));
+    for (size_t c = c0; c < c1; ++c) {
+        const size_t base = 64 * c, off = base + 8 * g;
+        __m256 w[RB];
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; ++i) w[i] = NT > 1 ? in_reg(rows[i].load8(base, g)) : rows[i].load8(base, g);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) {
+            const __m256 x = RB > 1 ? in_reg(_mm256_loadu_ps(X + t * ldx + off)) : _mm256_loadu_ps(X + t * ldx + off);
+#pragma GCC unroll 8
+            for (int i = 0; i < RB; ++i) acc[i][t] = _mm256_fmadd_ps(w[i], x, acc[i][t]);
+        }
+    }
+    if (tail) {
+        const size_t base = 64 * c1, rem = n - base, off = base + 8 * g;
+        if (8 * g < rem) {
+            const size_t k = rem - 8 * g;
+            __m256 w[RB];
+            if (k >= 8) {
+#pragma GCC unroll 8
+                for (int i = 0; i < RB; ++i) w[i] = rows[i].load8(base, g);
+#pragma GCC unroll 8
+                for (int t = 0; t < NT; ++t) {
+                    const __m256 x = _mm256_loadu_ps(X + t * ldx + off);
+#pragma GCC unroll 8
+                    for (int i = 0; i < RB; ++i) acc[i][t] = _mm256_fmadd_ps(w[i], x, acc[i][t]);
+                }
+            } else {
+                // a partial group: zero-padded operands, blended into the live lanes only (as cdot_kernel)
+                const __m256i m = lane_mask(k);
+                const __m256 mf = _mm256_castsi256_ps(m);
+#pragma GCC unroll 8
+                for (int i = 0; i < RB; ++i) w[i] = rows[i].load_partial(base, g, k);
+#pragma GCC unroll 8
+                for (int t = 0; t < NT; ++t) {
+                    const __m256 x = _mm256_maskload_ps(X + t * ldx + off, m);
+#pragma GCC unroll 8
+                    for (int i = 0; i < RB; ++i)
+                        acc[i][t] = _mm256_blendv_ps(acc[i][t], _mm256_fmadd_ps(w[i], x, acc[i][t]), mf);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) _mm256_store_ps(reinterpret_cast<float*>(P + i * ps + t * 8 + g), acc[i][t]);
+}
+
+// Rows per register block for NT tokens: RB * NT accumulators, RB weight groups and one x in registers.
+template <int NT>
+constexpr int block_rows() {
+    return NT == 1 ? 8 : NT == 2 ? 4 : NT == 3 ? 3 : 2;
+}
+
+// Y[t * ldy + i] = cdot(row(i), X + t * ldx) over n elements for i < nr, t < NT (NT <= 6), rounded to
+// bf16 when `round`; row(i) returns the Row source of the i-th row. Rows go SB at a time (RB per
+// register block) and the columns in panels of KP chunks, so that the X panel (NT x 64 KP floats,
+// 16 KiB) and the SB x NT accumulator sets (16 KiB) stay in L1 while SB rows go by; accumulators wait
+// in memory between passes and panels (an f32 store and load are exact), so each one still receives
+// its elements in the canonical chunk order.
+template <int NT, class MakeRow>
+inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t n, float* Y,
+                            size_t ldy, bool round) {
+    using Row = decltype(row(size_t{0}));
+    constexpr int RB = block_rows<NT>();
+    constexpr size_t SB = (64 / NT) / RB * RB;  // rows per sub-block, a multiple of RB
+    constexpr size_t KP = 64 / NT;              // chunks per panel
+    constexpr size_t PS = NT * 8;               // accumulators per row
+    alignas(32) __m256 P[SB * PS];
+    const size_t nfull = n / 64;
+    const bool tail = n % 64 != 0;
+    for (size_t r0 = 0; r0 < nr; r0 += SB) {
+        const size_t sb = nr - r0 < SB ? nr - r0 : SB;
+        for (size_t j = 0; j < sb * PS; ++j) P[j] = _mm256_setzero_ps();
+        for (size_t c0 = 0;; c0 += KP) {
+            const size_t c1 = nfull - c0 < KP ? nfull : c0 + KP;
+            const bool last = c1 == nfull;
+            size_t i = 0;
+            for (; i + RB <= sb; i += RB) {
+                Row rows[RB];
+                for (int k = 0; k < RB; ++k) rows[k] = row(r0 + i + k);
+                for (size_t g = 0; g < 8; ++g)
+                    cdot_block_pass<RB, NT>(rows, X, ldx, n, c0, c1, last && tail, g, P + i * PS, PS);
+            }
+            for (; i < sb; ++i) {
+                const Row r1[1] = {row(r0 + i)};
+                for (size_t g = 0; g < 8; ++g)
+                    cdot_block_pass<1, NT>(r1, X, ldx, n, c0, c1, last && tail, g, P + i * PS, PS);
+            }
+            if (last) break;
+        }
+        for (size_t i = 0; i < sb; ++i)
+            for (int t = 0; t < NT; ++t) {
+                const float v = fold8(P + i * PS + t * 8);
+                Y[t * ldy + r0 + i] = round ? bf16_round(v) : v;
+            }
+    }
+}
+
+// Any number of tokens: blocks of at most kMultiTokens, of near-equal sizes. (Six: 2 x 6 accumulators;
+// measured on Zen 5, blocks of 7-8 tokens with one row per register block were slower, since loads
+// (one per fma there) bound the loop.)
+constexpr size_t kMultiTokens = 6;
+template <class MakeRow>
+inline void cdot_multi(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t T, size_t n, float* Y,
+                       size_t ldy, bool round) {
+    const size_t nb = (T + kMultiTokens - 1) / kMultiTokens;
+    size_t t0 = 0;
+    for (size_t b = 0; b < nb; ++b) {
+        const size_t nt = (T - t0) / (nb - b) + ((T - t0) % (nb - b) != 0);
+        const float* Xb = X + t0 * ldx;
+        float* Yb = Y + t0 * ldy;
+        switch (nt) {
+            case 1: cdot_multi_rows<1>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
+            case 2: cdot_multi_rows<2>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
+            case 3: cdot_multi_rows<3>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
+            case 4: cdot_multi_rows<4>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
+            case 5: cdot_multi_rows<5>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
+            default: cdot_multi_rows<6>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
+        }
+        t0 += nt;
+    }
 }
 
 struct F32Row {

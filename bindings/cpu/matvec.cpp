@@ -99,7 +99,116 @@ struct Mxfp4Row {
     __m256 load_partial(size_t base, size_t g, size_t) const { return load8(base, g); }
 };
 
+// FP8 for the engine: srow is this row's block of scales, already folded (s * 2^8, exact: the caller
+// checked that none overflows) when Folded, raw otherwise (then e4m3 * 2^-8 is multiplied by 2^8,
+// exactly, and then by s). Either way one rounding of the exact product e4m3 * s. The scale is
+// broadcast straight from memory.
+template <bool Folded, bool NanCodes>
+struct Fp8ScaleRow {
+    const uint8_t* p;
+    const float* srow;
+    __m256 decode(__m128i b, const float* s) const {
+        __m256 v = e4m3_scaled_8(b);
+        if (!Folded) v = _mm256_mul_ps(v, _mm256_set1_ps(kE4M3Unscale));
+        v = _mm256_mul_ps(v, _mm256_broadcast_ss(s));
+        if (NanCodes) v = _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), e4m3_nan_mask_8(b));
+        return v;
+    }
+    __m256 load8(size_t base, size_t g) const {
+        return decode(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + base + 8 * g)), srow + base / 128);
+    }
+    __m256 load_partial(size_t base, size_t g, size_t k) const {
+        alignas(16) uint8_t buf[16] = {};
+        std::memcpy(buf, p + base + 8 * g, k);
+        return decode(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)), srow + base / 128);
+    }
+    // groups g and g + 1: the sixteen codes widened and masked in one register (as e4m3_scaled_8)
+    void load16(size_t base, size_t g, __m256& a, __m256& b) const {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + base + 8 * g));
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7),
+                                           _mm256_set1_epi16(static_cast<short>(0xBF80)));
+        __m256 va = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), vb = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        if (!Folded) {
+            va = _mm256_mul_ps(va, _mm256_set1_ps(kE4M3Unscale));
+            vb = _mm256_mul_ps(vb, _mm256_set1_ps(kE4M3Unscale));
+        }
+        const __m256 s = _mm256_broadcast_ss(srow + base / 128);
+        a = _mm256_mul_ps(va, s);
+        b = _mm256_mul_ps(vb, s);
+        if (NanCodes) {
+            const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+            a = _mm256_blendv_ps(a, nan, e4m3_nan_mask_8(c));
+            b = _mm256_blendv_ps(b, nan, e4m3_nan_mask_8(_mm_srli_si128(c, 8)));
+        }
+    }
+};
+
+// Y[t * ldy + i] = cdot(row(i), X[t]) for i < nr, t < T (see rows_bf16).
+template <class MakeRow>
+void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t T, size_t C, float* Y, size_t ldy,
+              bool round) {
+    if (nr == 0 || T == 0) return;
+    if (T == 1) {
+        for (size_t i = 0; i < nr; ++i) {
+            const float v = detail::cdot_kernel(row(i), X, C);
+            Y[i] = round ? bf16_round(v) : v;
+        }
+        return;
+    }
+    detail::cdot_multi(row, nr, X, ldx, T, C, Y, ldy, round);
+}
+
 }  // namespace
+
+void rows_bf16(const uint16_t* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
+               size_t ldy, bool round) {
+    if (r1 <= r0) return;
+    const uint16_t* w = W + r0 * C;
+    rows_any([&](size_t i) { return Bf16Row{w + i * C}; }, r1 - r0, X, ldx, T, C, Y, ldy, round);
+}
+
+void rows_f32(const float* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
+              size_t ldy, bool round) {
+    if (r1 <= r0) return;
+    const float* w = W + r0 * C;
+    rows_any([&](size_t i) { return detail::F32Row{w + i * C}; }, r1 - r0, X, ldx, T, C, Y, ldy, round);
+}
+
+void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, size_t r1, const float* X, size_t ldx,
+              size_t T, float* Y, size_t ldy, bool round, bool nan_free) {
+    if (r1 <= r0) return;
+    const size_t sc = fp8_scale_cols(C), b0 = r0 / 128, nb = (r1 - 1) / 128 + 1 - b0;
+    // the scales these rows use, times 2^8 (exact), unless one would overflow: then none is folded
+    // (both forms give the same bits; folding saves a multiply per eight weights)
+    thread_local std::vector<float> folded;
+    folded.resize(nb * sc);
+    bool fold = true;
+    for (size_t j = 0; j < nb * sc; ++j) {
+        const float s = scale_inv[b0 * sc + j];
+        folded[j] = s * kE4M3Unscale;
+        fold &= std::isfinite(folded[j]) || !std::isfinite(s);
+    }
+    const float* S = fold ? folded.data() : scale_inv + b0 * sc;
+    const uint8_t* p = q + r0 * C;
+    auto run = [&](auto tag) {
+        using Row = decltype(tag);
+        rows_any([&](size_t i) { return Row{p + i * C, S + ((r0 + i) / 128 - b0) * sc}; }, r1 - r0, X, ldx, T, C, Y,
+                 ldy, round);
+    };
+    if (nan_free)
+        fold ? run(Fp8ScaleRow<true, false>{}) : run(Fp8ScaleRow<false, false>{});
+    else
+        fold ? run(Fp8ScaleRow<true, true>{}) : run(Fp8ScaleRow<false, true>{});
+}
+
+void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0, size_t r1, const float* X,
+                size_t ldx, size_t T, float* Y, size_t ldy, bool round) {
+    if (r1 <= r0) return;
+    const uint8_t* p = packed + r0 * (C / 2);
+    const uint8_t* s = scale + r0 * (C / 32);
+    rows_any([&](size_t i) { return Mxfp4Row{p + i * (C / 2), s + i * (C / 32)}; }, r1 - r0, X, ldx, T, C, Y, ldy,
+             round);
+}
 
 void matvec_bf16(const uint16_t* W, size_t R, size_t C, const float* x, float* y, unsigned threads) {
     for_rows(R, C, threads, [&](size_t r) { y[r] = detail::cdot_kernel(Bf16Row{W + r * C}, x, C); });

@@ -18,4 +18,22 @@ void matvec_fp8(const uint8_t* q, const float* scale_inv, size_t R, size_t C, co
 void matvec_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t R, size_t C, const float* x, float* y,
                   unsigned threads = 0);
 
+// ---- the engine's entry points (weights.cpp `Lin`) ----------------------------------------------
+// Rows [r0, r1) of a stored [*, C] weight (the pointers are the tensor's row 0 and its scales), against
+// T token rows X[t * ldx ...] (C floats each): Y[t * ldy + i] = cdot(W[r0 + i], X[t]) for i < r1 - r0,
+// bf16-rounded when `round`. Bit-identical to one cdot per token and row, whatever T, r0, r1.
+// T = 1 runs the one-token kernel (eight accumulators in registers); T >= 2 decodes each group of
+// eight weights once for up to eight tokens (detail::cdot_multi). Runs on the calling thread.
+void rows_bf16(const uint16_t* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
+               size_t ldy, bool round);
+void rows_f32(const float* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
+              size_t ldy, bool round);
+// nan_free: the caller has checked once that no code of the tensor is a NaN code (the engine does at
+// load), so no row is scanned; otherwise each group of eight codes is checked in registers.
+void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, size_t r1, const float* X, size_t ldx,
+              size_t T, float* Y, size_t ldy, bool round, bool nan_free);
+// C % 32 == 0.
+void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0, size_t r1, const float* X,
+                size_t ldx, size_t T, float* Y, size_t ldy, bool round);
+
 }  // namespace glm::cpu

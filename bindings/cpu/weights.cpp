@@ -111,35 +111,25 @@ void Lin::decode_row(size_t r, float* out) const {
     }
 }
 
-void Lin::matvec(size_t r0, size_t r1, const float* x, float* y) const {
-    if (r1 <= r0) return;
-    const size_t a0 = row0 + r0, n = r1 - r0;
+void Lin::matvec(size_t r0, size_t r1, const float* x, float* y) const { matmul(r0, r1, x, C, 1, y, 0, false); }
+
+void Lin::matmul(size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y, size_t ldy, bool round) const {
+    if (r1 <= r0 || T == 0) return;
+    const size_t a0 = row0 + r0, a1 = row0 + r1;
     switch (fmt) {
         case WFmt::BF16:
-            matvec_bf16(static_cast<const uint16_t*>(data) + a0 * C, n, C, x, y, 1);
+            rows_bf16(static_cast<const uint16_t*>(data), C, a0, a1, X, ldx, T, Y, ldy, round);
             return;
-        case WFmt::F32: {
-            const float* W = static_cast<const float*>(data);
-            for (size_t i = 0; i < n; ++i) y[i] = cdot(W + (a0 + i) * C, x, C);
+        case WFmt::F32:
+            rows_f32(static_cast<const float*>(data), C, a0, a1, X, ldx, T, Y, ldy, round);
             return;
-        }
-        case WFmt::FP8: {
-            // H2's kernel indexes scale rows by (row / 128) relative to the pointer it is given:
-            // split at absolute 128-row block boundaries and hand it each block's scale row.
-            const size_t sc = fp8_scale_cols(C);
-            size_t a = a0;
-            const size_t end = a0 + n;
-            while (a < end) {
-                const size_t b = std::min(end, (a / 128 + 1) * 128);
-                matvec_fp8(static_cast<const uint8_t*>(data) + a * C, static_cast<const float*>(scale) + (a / 128) * sc,
-                           b - a, C, x, y + (a - a0), 1);
-                a = b;
-            }
+        case WFmt::FP8:
+            rows_fp8(static_cast<const uint8_t*>(data), static_cast<const float*>(scale), C, a0, a1, X, ldx, T, Y, ldy,
+                     round, fp8_nan_free);
             return;
-        }
         case WFmt::MXFP4:
-            matvec_mxfp4(static_cast<const uint8_t*>(data) + a0 * (C / 2),
-                         static_cast<const uint8_t*>(scale) + a0 * (C / 32), n, C, x, y, 1);
+            rows_mxfp4(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(scale), C, a0, a1, X, ldx, T, Y,
+                       ldy, round);
             return;
     }
 }
