@@ -358,6 +358,69 @@ void register_engine(py::module_& m) {
         .def_property_readonly("live_sequences", [](PyEngine& pe) { return pe.eng->live_sequences(); })
         .def_property_readonly("threads", [](PyEngine& pe) { return pe.eng->threads(); })
         .def_property_readonly("weight_bytes", [](PyEngine& pe) { return pe.eng->weight_bytes(); })
+        // ---- expert parallelism (bindings/cpu/ep.hpp, fast/distributed.py, docs/ep.md) ----
+        .def(
+            "set_expert_partition",
+            [](PyEngine& pe, int rank, int ranks, const std::vector<int64_t>& bounds) {
+                ExpertPartition p;
+                p.rank = rank;
+                p.ranks = ranks;
+                p.bounds = bounds;
+                try {
+                    pe.eng->set_expert_partition(p);
+                } catch (const std::invalid_argument& e) {
+                    bad(e.what());
+                } catch (const std::logic_error& e) {
+                    bad(e.what());
+                }
+            },
+            py::arg("rank"), py::arg("ranks"), py::arg("bounds"),
+            "This rank's share of the routed experts: rank r owns [bounds[r], bounds[r+1]). Before add_tensor.")
+        .def(
+            "set_exchange",
+            [](PyEngine& pe, const py::object& fn) {
+                if (fn.is_none()) {
+                    pe.eng->ep.hook.reset();
+                    return;
+                }
+                if (!PyCallable_Check(fn.ptr())) bad("set_exchange: expected a callable or None");
+                Engine* eng = pe.eng.get();
+                py::object f = fn;
+                // fn(layer, send u16[m, D], recv u16[ranks, m, D]) fills recv; the arrays are views of the
+                // executor's buffers, valid during the call only. Runs with the GIL re-acquired.
+                pe.eng->ep.hook = std::make_shared<ExchangeFn>(
+                    [eng, f](int layer, const uint16_t* send, uint16_t* recv, size_t m, size_t D) {
+                        py::gil_scoped_acquire gil;
+                        try {
+                            const auto R = static_cast<py::ssize_t>(eng->ep.part.ranks);
+                            const auto pm = static_cast<py::ssize_t>(m), pD = static_cast<py::ssize_t>(D);
+                            py::capsule none(const_cast<uint16_t*>(send), [](void*) {});
+                            py::array_t<uint16_t> sa({pm, pD}, send, none);
+                            py::array_t<uint16_t> ra({R, pm, pD}, recv, none);
+                            f(layer, sa, ra);
+                        } catch (py::error_already_set& e) {
+                            throw std::runtime_error(std::string("expert exchange failed: ") + e.what());
+                        }
+                    });
+            },
+            py::arg("fn"), "The expert-row exchange hook fn(layer, send[m, D] u16, recv[ranks, m, D] u16), or None.")
+        .def_property_readonly("expert_partition",
+                               [](PyEngine& pe) {
+                                   const ExpertPartition& p = pe.eng->ep.part;
+                                   return py::make_tuple(p.rank, p.ranks, p.bounds);
+                               })
+        .def("ep_stats",
+             [](PyEngine& pe) {
+                 const EpStats& st = pe.eng->ep.stats;
+                 py::dict d;
+                 d["exchanges"] = st.exchanges;
+                 d["rows_sent"] = st.rows_sent;
+                 d["bytes_sent"] = st.bytes_sent;
+                 d["hook_seconds"] = st.hook_seconds;
+                 d["step_seconds"] = st.step_seconds;
+                 return d;
+             })
+        .def("reset_ep_stats", [](PyEngine& pe) { pe.eng->ep.stats = EpStats{}; })
         .def(
             "step",
             [](PyEngine& pe, const py::object& a, const py::object& b, const py::object& c, const py::object& d,

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cdot.hpp"
+#include "ep.hpp"
 #include "expf.hpp"
 #include "threadpool.hpp"
 #include "weights.hpp"
@@ -330,6 +331,12 @@ class Engine {
 
     // Streamed bytes of the weights a decode token reads (for the benchmark).
     size_t weight_bytes() const;
+
+    // Expert parallelism (ep.hpp, docs/ep.md): this rank's expert range and the exchange hook.
+    // Set the partition before add_tensor (only the owned experts are registered and required).
+    // Mutable: the step (const modules) counts its exchanges in ep.stats.
+    void set_expert_partition(const ExpertPartition& p);
+    mutable ExpertParallel ep;
 
    private:
     void run_step(Step& s, const std::vector<int32_t>& tokens, const std::vector<uint8_t>& want_head,

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <set>
 #include <sstream>
@@ -502,6 +503,8 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
         FfnWeights& f = lw.f;
         if (role.rfind("moe.expert.", 0) == 0) {
             if (expert < 0 || static_cast<size_t>(expert) >= E) bad("expert index out of range");
+            if (!ep.part.owns(expert))  // expert parallelism: another rank's expert
+                bad("is not in this rank's expert range (rank " + std::to_string(ep.part.rank) + ")");
             const size_t e = static_cast<size_t>(expert);
             if (role == "moe.expert.gate_proj") f.e_gate[e] = make_lin(Im, D);
             else if (role == "moe.expert.up_proj") f.e_up[e] = make_lin(Im, D);
@@ -596,6 +599,7 @@ void Engine::finalize() {
             need(!f.s_up.empty(), "moe.shared.up_proj", l);
             need(!f.s_down.empty(), "moe.shared.down_proj", l);
             for (size_t e = 0; e < f.e_gate.size(); ++e) {
+                if (!ep.part.owns(static_cast<int64_t>(e))) continue;  // another rank's (expert parallelism)
                 need(!f.e_gate[e].empty(), "moe.expert.gate_proj", l, static_cast<int>(e));
                 need(!f.e_up[e].empty(), "moe.expert.up_proj", l, static_cast<int>(e));
                 need(!f.e_down[e].empty(), "moe.expert.down_proj", l, static_cast<int>(e));
@@ -637,13 +641,22 @@ size_t Engine::weight_bytes() const {
         if (w.f.moe) {
             b += w.f.router.bytes() + w.f.s_gate.bytes() + w.f.s_up.bytes() + w.f.s_down.bytes();
             const size_t k = static_cast<size_t>(cfg_.num_experts_per_tok);
-            if (!w.f.e_gate.empty())
-                b += k * (w.f.e_gate[0].bytes() + w.f.e_up[0].bytes() + w.f.e_down[0].bytes());
+            for (size_t e = 0; e < w.f.e_gate.size(); ++e)  // one loaded expert's size (this rank's, with EP)
+                if (!w.f.e_gate[e].empty()) {
+                    b += k * (w.f.e_gate[e].bytes() + w.f.e_up[e].bytes() + w.f.e_down[e].bytes());
+                    break;
+                }
         } else {
             b += w.f.gate.bytes() + w.f.up.bytes() + w.f.down.bytes();
         }
     }
     return b;
+}
+
+void Engine::set_expert_partition(const ExpertPartition& p) {
+    if (!have_.empty() || finalized_) throw std::logic_error("set the expert partition before registering tensors");
+    p.validate(cfg_.n_routed_experts);
+    ep.part = p;
 }
 
 // ---- sequences ----------------------------------------------------------------------------------
@@ -760,12 +773,14 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         t += n;
     }
     check_hw();
+    const auto t0 = std::chrono::steady_clock::now();
     try {
         run_step(s, tokens, want_head, out);
     } catch (...) {
         for (const Segment& g : s.segs) g.seq->broken = true;  // its caches may hold part of this step
         throw;
     }
+    ep.stats.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     for (const Segment& g : s.segs) g.seq->length += static_cast<int64_t>(g.n);
 }
 

@@ -128,7 +128,8 @@ void moe_forward(Step& s, int layer, const FfnWeights& w, const float* x, float*
         s.emit(layer, S_MOE_WEIGHTS, t, wt, {static_cast<int64_t>(k)});
     }
 
-    // moe.experts: each used expert runs once over the rows that chose it
+    // moe.experts: each used expert runs once over the rows that chose it (with expert parallelism:
+    // only the experts this rank owns; ep_exchange brings the other ranks' rows, ep.cpp)
     std::vector<float> ys(T * k * D);
     std::vector<std::vector<std::pair<size_t, size_t>>> users(E);  // (row, slot j)
     for (size_t t = 0; t < T; ++t)
@@ -136,7 +137,7 @@ void moe_forward(Step& s, int layer, const FfnWeights& w, const float* x, float*
     std::vector<float> xe, ye;
     for (size_t e = 0; e < E; ++e) {
         const auto& us = users[e];
-        if (us.empty()) continue;
+        if (us.empty() || !s.E.ep.part.owns(static_cast<int64_t>(e))) continue;
         const size_t n = us.size();
         xe.resize(n * D);
         ye.resize(n * D);
@@ -145,6 +146,7 @@ void moe_forward(Step& s, int layer, const FfnWeights& w, const float* x, float*
         for (size_t i = 0; i < n; ++i)
             std::copy(ye.begin() + i * D, ye.begin() + (i + 1) * D, ys.begin() + (us[i].first * k + us[i].second) * D);
     }
+    ep_exchange(s, layer, sel.data(), k, ys.data());  // no-op in one process
     for (size_t t = 0; t < T; ++t)
         s.emit(layer, S_MOE_EXPERTS, t, ys.data() + t * k * D, {static_cast<int64_t>(k), static_cast<int64_t>(D)});
 
