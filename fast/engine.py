@@ -6,6 +6,7 @@
     logits = eng.prefill(ids, cache, chunk=5)     # chunked prefill (any chunking gives the same bits)
     logits = eng.decode([c1, c2], [t1, t2])       # one decode token for each of several sequences
     outs = eng.generate([[1, 2, 3], [4, 5]], 8)   # greedy, continuous batching
+    eng = fast.Engine(path, ranks=3)              # expert parallelism over 3 processes (docs/ep.md)
 
 Every forward step is ONE call into C++ for the whole batch of rows (all sequences, all layers).
 Inputs are validated here before they reach C++ (which checks again and raises, never crashes).
@@ -183,13 +184,26 @@ def _engine_config(cfg, max_context: int) -> dict:
 class Engine:
     """The exact CPU engine over one checkpoint (weights stay in their release format, memory-mapped)."""
 
+    ep = None  # expert parallelism (fast.distributed.EPSetup) when ranks / expert_ranges / memory_limit are given
+
     def __init__(self, path, device: str = "cpu", threads: int | None = None, *, dot: str = "canonical",
                  expf: str = "canonical", inject=None, max_context: int | None = None,
-                 parallel_work: int | None = None):
+                 parallel_work: int | None = None, ranks: int | None = None, expert_ranges=None,
+                 memory_limit: int | None = None, verify_ranks: bool = False, _ep_member=None):
         if device != "cpu":
             raise EngineInputError(f"device {device!r}: this engine runs on 'cpu' (the CUDA engine is fast._cuda)")
+        # expert parallelism (fast/distributed.py, docs/ep.md): ranks / expert_ranges / memory_limit, or
+        # started by fast.launch. ep is None for the plain single-process engine.
+        ep = None
+        if (ranks is not None or expert_ranges is not None or memory_limit is not None or _ep_member is not None
+                or os.environ.get("GLM_EP") == "1"):
+            from .distributed import EPSetup
+            ep = EPSetup.resolve(ranks, expert_ranges, memory_limit, verify_ranks, _ep_member)
+        self.ep = ep
         if threads is None:
             threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            if ep is not None:
+                threads = ep.default_threads()  # the cores shared by the ranks of this host
         if not _is_int(threads) or not 1 <= threads <= 1024:
             raise EngineInputError(f"threads must be an int in [1, 1024] or None, got {threads!r}")
         if dot not in ("canonical", "sequential"):
@@ -199,7 +213,9 @@ class Engine:
         if parallel_work is not None and (not _is_int(parallel_work) or parallel_work < 0):
             raise EngineInputError(f"parallel_work must be an int >= 0 or None, got {parallel_work!r}")
         core = _core()
-        self.checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+        # with expert parallelism the checkpoint is opened without the up-front scan of every value:
+        # a rank reads (and checks) only the tensors it loads, never another rank's experts
+        self.checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path, verify=ep is None)
         self.config = cfg = self.checkpoint.config
         limit = int(cfg.max_position_embeddings)
         if max_context is not None:
@@ -208,20 +224,42 @@ class Engine:
             limit = int(max_context)
         self.max_context = limit
         self.options = {"dot": dot, "expf": expf, "threads": int(threads)}
-        # parallel_work: jobs below this many multiply-adds run on one thread (None: the engine's
-        # default, about 1M; 0 splits every job over the threads, which the tests use on tiny models)
-        self._core = core._Engine(_engine_config(cfg, limit), int(threads), dot, expf,
-                                  -1 if parallel_work is None else int(parallel_work))
+        if ep is not None:
+            ep.plan(self.checkpoint, limit, int(threads))  # prints the plan; refuses before allocating
+            self.options["ranks"] = ep.ranks
         self.release = {}
-        for entry in N.expected(cfg):
-            role, layer, expert = entry.spec.role, entry.layer, entry.expert
-            raw = self.checkpoint.raw(role, layer, expert)
-            data = np.ascontiguousarray(raw.data)
-            scale = None if raw.scale is None else np.ascontiguousarray(raw.scale)
-            self._core.add_tensor(role, -1 if layer is None else layer, -1 if expert is None else expert,
-                                  raw.release, data, scale, list(raw.shape))
-            self.release[raw.release] = self.release.get(raw.release, 0) + 1
-        self._core.finalize()
+        self.loaded = {"tensors": 0, "experts": set()}  # what this process read from the checkpoint
+
+        def make_local():
+            # parallel_work: jobs below this many multiply-adds run on one thread (None: the engine's
+            # default, about 1M; 0 splits every job over the threads, which the tests use on tiny models)
+            c = core._Engine(_engine_config(cfg, limit), int(threads), dot, expf,
+                             -1 if parallel_work is None else int(parallel_work))
+            if ep is not None:
+                c.set_expert_partition(ep.rank, ep.ranks, ep.bounds)
+            for entry in N.expected(cfg):
+                if ep is not None and not ep.owns(entry):
+                    continue  # another rank's routed expert: never read
+                role, layer, expert = entry.spec.role, entry.layer, entry.expert
+                raw = self.checkpoint.raw(role, layer, expert)
+                data = np.ascontiguousarray(raw.data)
+                scale = None if raw.scale is None else np.ascontiguousarray(raw.scale)
+                c.add_tensor(role, -1 if layer is None else layer, -1 if expert is None else expert,
+                             raw.release, data, scale, list(raw.shape))
+                self.release[raw.release] = self.release.get(raw.release, 0) + 1
+                self.loaded["tensors"] += 1
+                if expert is not None:
+                    self.loaded["experts"].add(int(expert))
+            c.finalize()
+            return c
+
+        if ep is None:
+            self._core = make_local()
+        else:
+            kw = {"threads": int(threads), "dot": dot, "expf": expf, "max_context": limit,
+                  "parallel_work": parallel_work, "ranks": ep.ranks, "expert_ranges": ep.ranges,
+                  "memory_limit": ep.memory_limit, "verify_ranks": ep.verify}
+            self._core = ep.build(make_local, self.checkpoint.path, kw)
         self._stage_index = {name: i for i, (name, _) in enumerate(core.ENGINE_STAGES)}
         missing = set(ALL_STAGE_NAMES) - set(self._stage_index)
         if missing:  # pragma: no cover - the two stage tables must agree
@@ -248,6 +286,62 @@ class Engine:
     @property
     def threads(self) -> int:
         return int(self._core.threads)
+
+    # ---------------------------------------------------------------- expert parallelism (docs/ep.md)
+    @property
+    def rank(self) -> int:
+        return 0 if self.ep is None else self.ep.rank
+
+    @property
+    def ranks(self) -> int:
+        return 1 if self.ep is None else self.ep.ranks
+
+    @property
+    def expert_ranges(self) -> list[tuple[int, int]]:
+        E = self.config.n_routed_experts
+        return [(0, E)] if self.ep is None else list(self.ep.ranges)
+
+    @property
+    def memory_plan(self):
+        """Every rank's fast.distributed.MemoryPlan (None for the plain single-process engine)."""
+        return None if self.ep is None else list(self.ep.plans)
+
+    def _ep_local_info(self) -> dict:
+        """What this rank loaded: its range, the routed experts it read, and the experts whose values the
+        loader has touched (a checkpoint opened with verify=False scans a tensor on its first read)."""
+        ck = self.checkpoint
+        touched = sorted({s.entry.expert for s in ck._slots.values()  # noqa: SLF001 - the loader's own record
+                          if s.entry.expert is not None and s.scanned})
+        return {"rank": self.rank, "experts": self.expert_ranges[self.rank], "tensors_read": self.loaded["tensors"],
+                "experts_read": sorted(self.loaded["experts"]), "experts_touched": touched,
+                "verify_at_open": bool(ck.verify)}
+
+    def ep_info(self) -> list[dict]:
+        """_ep_local_info() of every rank (a collective under fast.launch: call it on every rank)."""
+        if self.ep is None or self.ep.ranks == 1:
+            return [self._ep_local_info()]
+        if self.ep.mode == "driver":
+            return self._core.rank_info(self._ep_local_info())
+        return self.ep.group.gather(self._ep_local_info())
+
+    def ep_stats(self) -> list[dict]:
+        """Per rank: steps, exchanges, bytes sent, seconds in steps / in the exchange hook / inside the
+        collective (a collective under fast.launch: call it on every rank)."""
+        if self.ep is None:
+            return []
+        if self.ep.mode == "driver":
+            return self._core.rank_stats()
+        if self.ep.ranks == 1:
+            return [self._core.stats()]
+        return self.ep.group.gather(self._core.stats())
+
+    def reset_ep_stats(self) -> None:
+        if self.ep is None:
+            return
+        if self.ep.mode == "driver":
+            self._core.reset_rank_stats()
+        else:
+            self._core.reset_stats()
 
     # ---------------------------------------------------------------- caches
     def new_cache(self) -> Cache:
