@@ -10,7 +10,8 @@ Three measurements, each at 1 and 2 threads:
    same prompt, same greedy continuation (checked equal), Numba compiled before timing;
 2. weight bytes streamed per second on the expert dot (one token: y = W x with W in FP8 block-128 and
    MXFP4, real GLM-5.3-Flash expert width C = 4096, enough rows to stream from DRAM), decoded in
-   registers by the engine's kernels, per thread and in total;
+   registers by the engine's kernels, per thread and in total; and multiply-adds per ns of the same
+   weight against six tokens at once (the multi-token kernel that prefill and batched decode use);
 3. the copy ceiling: memcpy of a large buffer (read + write bytes per second), the same thread counts;
 4. optionally (--slice DIR), decode at batch 1 on a real-width checkpoint: weight bytes read per token
    over the copy bandwidth, i.e. the fraction of the memory roofline reached.
@@ -127,25 +128,32 @@ def _expert_weights(release: str, R: int, C: int, seed: int = 0):
 
 
 def bench_streams(threads: list[int], rows: int = 49152, cols: int = 4096, copy_mb: int = 512,
-                  reps: int = 5, releases=("fp8", "mxfp4")) -> dict:
-    """Weight bytes/s on the one-token expert dot vs memcpy bytes/s, per thread count."""
+                  reps: int = 5, releases=("fp8", "mxfp4"), tokens: int = 6) -> dict:
+    """Weight bytes/s on the one-token expert dot vs memcpy bytes/s, per thread count; and the
+    multiply-adds per ns of the same weight against `tokens` tokens at once (the prefill kernel).
+    Both run the engine's Lin kernels (fast._core.linear_bench; FP8 on the NaN-free path the engine
+    takes for every checkpoint, since the loader refuses NaN codes)."""
     from fast import _core
 
-    out = {"rows": rows, "cols": cols, "copy_bytes": copy_mb << 20, "copy": {}, "expert_dot": {}}
+    out = {"rows": rows, "cols": cols, "copy_bytes": copy_mb << 20, "tokens": tokens, "copy": {}, "expert_dot": {}}
     for th in threads:
         t = _core.engine_bench_copy(copy_mb << 20, th, reps)
         # the ceiling: memory traffic of a large memcpy, read + write (the STREAM "copy" convention; a
         # read-only stream such as a weight sweep can exceed the read half alone)
         out["copy"][th] = {"GBps": 2 * (copy_mb << 20) / t / 1e9, "GBps_read_only_half": (copy_mb << 20) / t / 1e9}
+    rng = np.random.default_rng(1)
+    X = (rng.standard_normal((max(1, tokens), cols)) * 0.5).astype(np.float32)
     for rel in releases:
         data, scale, nbytes = _expert_weights(rel, rows, cols)
         out["expert_dot"][rel] = {"weight_bytes": nbytes}
         for th in threads:
-            t = _core.engine_bench_linear(rel, data, scale, rows, cols, th, reps)
+            t = _core.linear_bench(rel, data, scale, X[:1].copy(), nan_free=rel == "fp8", threads=th, reps=reps)
+            tm = _core.linear_bench(rel, data, scale, X, nan_free=rel == "fp8", threads=th, reps=max(1, reps // 2))
             gbps = nbytes / t / 1e9
             out["expert_dot"][rel][th] = {"GBps": gbps, "GBps_per_core": gbps / th,
                                           "fraction_of_copy": gbps / out["copy"][th]["GBps"],
-                                          "MACs_per_ns": rows * cols / t / 1e9}
+                                          "MACs_per_ns": rows * cols / t / 1e9,
+                                          "MACs_per_ns_tokens": rows * cols * X.shape[0] / tm / 1e9}
     return out
 
 
@@ -187,16 +195,22 @@ def run_bench(small_dir: str | None = None, prompt: int = 64, new: int = 32, thr
         say(f"generating small into {small_dir}")
         make_zoo("small", small_dir, releases=releases)
     try:
+        def loaded(fn, *a, **k):  # the 1-min load average before and after each part (the VM is shared)
+            l0 = machine_info()["load_1min"]
+            r = fn(*a, **k)
+            r["load_1min"] = (l0, machine_info()["load_1min"])
+            return r
+
         report["models"] = []
         for rel in releases:
             say(f"small-{rel}: oracle vs engine")
-            report["models"].append(bench_models(os.path.join(small_dir, f"small-{rel}"), prompt, new, threads))
+            report["models"].append(loaded(bench_models, os.path.join(small_dir, f"small-{rel}"), prompt, new, threads))
         say("expert dot and copy bandwidth")
-        report["streams"] = bench_streams(threads, rows=stream_rows)
+        report["streams"] = loaded(bench_streams, threads, rows=stream_rows)
         report["roofline"] = []
         for d in slice_dirs:
             say(f"{d}: decode vs the memory roofline")
-            report["roofline"].append(bench_roofline(d, threads, copy=report["streams"]["copy"]))
+            report["roofline"].append(loaded(bench_roofline, d, threads, copy=report["streams"]["copy"]))
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -210,30 +224,36 @@ def format_report(r: dict) -> str:
         return "?" if v is None else f"{v:.1f}"
     lines = [f"machine: {m['cpu']} ({m['cores']} cores), 1-min load average {load(m['load_1min'])} before, "
              f"{load(m.get('load_1min_after'))} after", ""]
-    lines.append("| checkpoint | oracle prefill | oracle decode | threads | engine prefill | x | engine decode | x |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    def loads(part):
+        lo = part.get("load_1min")
+        return "" if not lo else f"{load(lo[0])} -> {load(lo[1])}"
+    lines.append("| checkpoint | oracle prefill | oracle decode | threads | engine prefill | x | engine decode | x | load |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for mr in r["models"]:
         name = os.path.basename(mr["checkpoint"])
         for th, e in mr["engine"].items():
             lines.append(f"| {name} | {mr['oracle']['prefill_tok_s']:.0f} | {mr['oracle']['decode_tok_s']:.0f} | {th} | "
                          f"{e['prefill_tok_s']:.0f} | {e['prefill_vs_oracle']:.1f} | {e['decode_tok_s']:.0f} | "
-                         f"{e['decode_vs_oracle']:.1f} |")
+                         f"{e['decode_vs_oracle']:.1f} | {loads(mr)} |")
     s = r["streams"]
-    lines += ["", f"expert dot: one token, W [{s['rows']}, {s['cols']}] (real expert width), decoded in registers;",
-              "copy = memcpy of 512 MiB, read + write bytes per second",
-              "| threads | copy GB/s | release | weight GB/s | per core | of copy | MAC/ns |", "|---|---|---|---|---|---|---|"]
+    lines += ["", f"expert dot: one token, W [{s['rows']}, {s['cols']}] (real expert width), decoded in registers "
+              f"(load {loads(s)});",
+              "copy = memcpy of 512 MiB, read + write bytes per second; last column: the same weight against "
+              f"{s['tokens']} tokens at once",
+              f"| threads | copy GB/s | release | weight GB/s | per core | of copy | MAC/ns | MAC/ns, {s['tokens']} tokens |",
+              "|---|---|---|---|---|---|---|---|"]
     for th, c in s["copy"].items():
         for rel, d in s["expert_dot"].items():
             e = d[th]
             lines.append(f"| {th} | {c['GBps']:.2f} | {rel} | {e['GBps']:.2f} | {e['GBps_per_core']:.2f} | "
-                         f"{e['fraction_of_copy']:.0%} | {e['MACs_per_ns']:.2f} |")
+                         f"{e['fraction_of_copy']:.0%} | {e['MACs_per_ns']:.2f} | {e['MACs_per_ns_tokens']:.2f} |")
     if r.get("roofline"):
         lines += ["", "decode at batch 1, real widths: weight bytes per token / copy bandwidth",
                   "| checkpoint | threads | tok/s | GB/token | weight GB/s | roofline tok/s | of roofline |",
                   "|---|---|---|---|---|---|---|"]
         for rr in r["roofline"]:
             for th, e in rr["engine"].items():
-                lines.append(f"| {os.path.basename(rr['checkpoint'])} | {th} | {e['decode_tok_s']:.2f} | "
+                lines.append(f"| {os.path.basename(rr['checkpoint'])} ({loads(rr)}) | {th} | {e['decode_tok_s']:.2f} | "
                              f"{e['weight_bytes_per_token'] / 1e9:.2f} | {e['weight_GBps']:.2f} | "
                              f"{e['roofline_tok_s']:.2f} | {e['fraction_of_roofline']:.0%} |")
     return "\n".join(lines)

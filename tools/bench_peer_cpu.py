@@ -1,0 +1,183 @@
+"""The CPU engine against the peer on the same work (docs/engine_cpu.md, SPEC 10).
+
+The peer is transformers' glm5_next text model (`Glm5NextTextModel`, BF16, eager attention and eager
+experts) on torch's CPU backend, loaded from the same checkpoint (`small-bf16` of the zoo: the original
+layout with the `model.` prefix, which `from_pretrained` maps; the TextModel has no head, so the logits
+are `lm_head.weight` from the checkpoint applied to the last hidden state, in BF16 as a CausalLM would).
+
+    python tools/bench_peer_cpu.py                     # generates small-bf16 into a temp dir first
+    python tools/bench_peer_cpu.py --ckpt /tmp/zoo/small-bf16 --threads 1,2 --json
+
+For each thread count (torch.set_num_threads for the peer, threads= for fast.Engine) and the same
+prompt: prefill tokens/s (one forward over the prompt) and greedy decode tokens/s (each side feeds its
+own tokens; the peer with its own cache, use_cache=True). Runs alternate peer / engine, best of
+`reps`; the load average is recorded around every run (the VM is shared with other jobs). The report
+gives engine / peer ratios and how many greedy tokens agree (the peer is BF16 torch, not the canonical
+numerics, so they may part).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+
+__all__ = ["run_peer_bench", "format_peer_report"]
+
+
+def _load():
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def load_peer(path: str):
+    import torch
+    from safetensors import safe_open
+    from transformers import Glm5NextTextModel
+    from transformers.utils import logging as tlog
+
+    tlog.set_verbosity_error()
+    model, info = Glm5NextTextModel.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager",
+                                                    experts_implementation="eager", output_loading_info=True)
+    if info["missing_keys"] or info["mismatched_keys"]:
+        raise RuntimeError(f"peer load of {path}: missing {sorted(info['missing_keys'])[:5]}, "
+                           f"mismatched {list(info['mismatched_keys'])[:5]}")
+    extra = set(info["unexpected_keys"]) - {"lm_head.weight"}
+    if extra:
+        raise RuntimeError(f"peer load of {path}: unexpected tensors {sorted(extra)[:5]}")
+    model.eval()
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        head = f.get_tensor("lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
+    return model, head.to(torch.bfloat16)
+
+
+def peer_run(model, head, ids: list[int], new: int):
+    """(prefill seconds, decode seconds for new - 1 tokens, greedy tokens)."""
+    import torch
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model(torch.tensor([ids]), use_cache=True)
+        tok = int(torch.nn.functional.linear(out.last_hidden_state[:, -1], head).float().argmax())
+        t1 = time.perf_counter()
+        pkv, toks = out.past_key_values, [tok]
+        for _ in range(new - 1):
+            out = model(torch.tensor([[toks[-1]]]), past_key_values=pkv, use_cache=True)
+            pkv = out.past_key_values
+            toks.append(int(torch.nn.functional.linear(out.last_hidden_state[:, -1], head).float().argmax()))
+        return t1 - t0, time.perf_counter() - t1, toks
+
+
+def engine_run(eng, ids: list[int], new: int):
+    cache = eng.new_cache()
+    t0 = time.perf_counter()
+    tok = int(eng.forward(ids, cache)[-1].argmax())
+    t1 = time.perf_counter()
+    toks = [tok]
+    for _ in range(new - 1):
+        toks.append(int(eng.forward([toks[-1]], cache)[-1].argmax()))
+    return t1 - t0, time.perf_counter() - t1, toks
+
+
+def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, threads=(1, 2), reps: int = 3,
+                   progress=None) -> dict:
+    import torch
+    import transformers
+
+    import fast
+
+    say = progress or (lambda msg: None)
+    tmp = None
+    if path is None:
+        from oracle.zoo import make_zoo
+        tmp = tempfile.TemporaryDirectory(prefix="bench_peer_")
+        say(f"generating small-bf16 into {tmp.name}")
+        make_zoo("small", tmp.name, releases=("bf16",))
+        path = os.path.join(tmp.name, "small-bf16")
+    try:
+        cpu = ""
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        rep = {"checkpoint": path, "prompt": prompt, "new": new, "reps": reps,
+               "machine": {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+                           "torch": torch.__version__, "transformers": transformers.__version__,
+                           "load_1min_start": _load()},
+               "peer": {"model": "transformers Glm5NextTextModel, bfloat16, eager attention, eager experts"},
+               "runs": {}}
+        model, head = load_peer(path)
+        V = head.shape[0]
+        ids = [(37 * i + 11) % V for i in range(prompt)]
+        for th in threads:
+            say(f"{th} thread(s)")
+            torch.set_num_threads(th)
+            eng = fast.Engine(path, threads=th)
+            peer_run(model, head, ids[:8], 3)  # warm up both
+            engine_run(eng, ids[:8], 3)
+            p_runs, e_runs, loads = [], [], []
+            for _ in range(reps):
+                l0 = _load()
+                p_runs.append(peer_run(model, head, ids, new))
+                l1 = _load()
+                e_runs.append(engine_run(eng, ids, new))
+                loads.append((l0, l1, _load()))
+            pp, pd = min(r[0] for r in p_runs), min(r[1] for r in p_runs)
+            ep, ed = min(r[0] for r in e_runs), min(r[1] for r in e_runs)
+            ptoks, etoks = p_runs[0][2], e_runs[0][2]
+            agree = next((i for i, (a, b) in enumerate(zip(ptoks, etoks)) if a != b), len(etoks))
+            rep["runs"][th] = {
+                "peer": {"prefill_tok_s": prompt / pp, "decode_tok_s": (new - 1) / pd},
+                "engine": {"prefill_tok_s": prompt / ep, "decode_tok_s": (new - 1) / ed},
+                "prefill_ratio": pp / ep, "decode_ratio": pd / ed,
+                "greedy_tokens_agreeing": agree,
+                "load_1min_before_peer_engine_after": loads,
+            }
+            del eng
+        rep["machine"]["load_1min_end"] = _load()
+        return rep
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def format_peer_report(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}, transformers {m['transformers']}",
+             f"peer: {r['peer']['model']}; checkpoint {os.path.basename(r['checkpoint'])}, prompt {r['prompt']} "
+             f"tokens, {r['new']} greedy tokens, best of {r['reps']} (peer and engine runs alternate)",
+             "",
+             "| threads | peer prefill tok/s | engine prefill tok/s | x | peer decode tok/s | engine decode tok/s | x "
+             "| tokens agreeing | 1-min load (per rep: before peer, before engine, after) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for th, e in r["runs"].items():
+        loads = "; ".join("/".join("?" if v is None else f"{v:.1f}" for v in trip)
+                          for trip in e["load_1min_before_peer_engine_after"])
+        lines.append(f"| {th} | {e['peer']['prefill_tok_s']:.0f} | {e['engine']['prefill_tok_s']:.0f} | "
+                     f"{e['prefill_ratio']:.1f} | {e['peer']['decode_tok_s']:.0f} | {e['engine']['decode_tok_s']:.0f} | "
+                     f"{e['decode_ratio']:.1f} | {e['greedy_tokens_agreeing']}/{r['new']} | {loads} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", help="a BF16 checkpoint directory (default: generate the zoo's small-bf16)")
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    r = run_peer_bench(a.ckpt, a.prompt, a.new, [int(t) for t in a.threads.split(",")], a.reps,
+                       progress=None if a.json else (lambda msg: print(f"... {msg}", flush=True)))
+    print(json.dumps(r, indent=1, default=str) if a.json else format_peer_report(r))
+
+
+if __name__ == "__main__":
+    main()
