@@ -88,6 +88,7 @@ class CudaEngine(Engine):
         except RuntimeError as e:
             raise EngineInputError(f"device 'cuda': {e}") from None
         self.release = {}
+        self.loaded = {"tensors": 0, "experts": set()}  # what this process read from the checkpoint
         for entry in N.expected(cfg):
             role, layer, expert = entry.spec.role, entry.layer, entry.expert
             raw = self.checkpoint.raw(role, layer, expert)
@@ -96,6 +97,9 @@ class CudaEngine(Engine):
             self._core.add_tensor(role, -1 if layer is None else layer, -1 if expert is None else expert,
                                   raw.release, data, scale, list(raw.shape))
             self.release[raw.release] = self.release.get(raw.release, 0) + 1
+            self.loaded["tensors"] += 1
+            if expert is not None:
+                self.loaded["experts"].add(int(expert))
         self._core.finalize()
         self._stage_index = {name: i for i, (name, _) in enumerate(cu.ENGINE_STAGES)}
         missing = set(ALL_STAGE_NAMES) - set(self._stage_index)
