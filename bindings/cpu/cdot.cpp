@@ -11,11 +11,13 @@ float csum(const float* x, size_t n) { return detail::cdot_kernel(detail::OnesRo
 // cdot64: the same association in double. Accumulator g is P[g][0..3] in lo[g], P[g][4..7] in hi[g].
 double cdot64(const double* a, const double* b, size_t n) {
     __m256d lo[8], hi[8];
+#pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) lo[g] = hi[g] = _mm256_setzero_pd();
     const size_t nfull = n / 64;
     for (size_t c = 0; c < nfull; ++c) {
         const double* pa = a + 64 * c;
         const double* pb = b + 64 * c;
+#pragma GCC unroll 8
         for (int g = 0; g < 8; ++g) {
             lo[g] = _mm256_fmadd_pd(_mm256_loadu_pd(pa + 8 * g), _mm256_loadu_pd(pb + 8 * g), lo[g]);
             hi[g] = _mm256_fmadd_pd(_mm256_loadu_pd(pa + 8 * g + 4), _mm256_loadu_pd(pb + 8 * g + 4), hi[g]);
@@ -23,6 +25,7 @@ double cdot64(const double* a, const double* b, size_t n) {
     }
     // tail: each remaining element goes to its own P[g][l], in index order (one element per lane)
     alignas(32) double P[8][8];
+#pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
         _mm256_store_pd(P[g], lo[g]);
         _mm256_store_pd(P[g] + 4, hi[g]);

@@ -115,7 +115,7 @@ inline __m256 in_reg(__m256 v) {
 
 // Several rows against several tokens. One pass accumulates group g of rows 0 .. RB-1 and tokens
 // 0 .. NT-1 over chunks [c0, c1) (and the tail chunk c1 when `tail`), starting from and returning to
-// P[i * ps + t * 8 + g] (memory). Every accumulator P[i][t][g] receives exactly the fmas cdot_kernel
+// P[i * ps + t * 8 + g] (memory; the first panel, c0 = 0, starts from +0 instead). Every accumulator P[i][t][g] receives exactly the fmas cdot_kernel
 // would give it, in the same chunk order (the eight groups of a chunk are independent sums, so visiting
 // them in separate passes changes nothing), so after the passes of every group over all chunks,
 // fold8(P[i][t]) is cdot(row i, X + t * ldx) bit for bit. Each weight group is decoded once for the NT
@@ -127,7 +127,8 @@ inline void cdot_block_pass(const Row* rows, const float* X, size_t ldx, size_t 
 #pragma GCC unroll 8
     for (int i = 0; i < RB; ++i)
 #pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_load_ps(reinterpret_cast<const float*>(P + i * ps + t * 8 + g));
+        for (int t = 0; t < NT; ++t)
+            acc[i][t] = c0 ? _mm256_load_ps(reinterpret_cast<const float*>(P + i * ps + t * 8 + g)) : _mm256_setzero_ps();
     for (size_t c = c0; c < c1; ++c) {
         const size_t base = 64 * c, off = base + 8 * g;
         __m256 w[RB];
@@ -201,7 +202,6 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* X, size_
     const bool tail = n % 64 != 0;
     for (size_t r0 = 0; r0 < nr; r0 += SB) {
         const size_t sb = nr - r0 < SB ? nr - r0 : SB;
-        for (size_t j = 0; j < sb * PS; ++j) P[j] = _mm256_setzero_ps();
         for (size_t c0 = 0;; c0 += KP) {
             const size_t c1 = nfull - c0 < KP ? nfull : c0 + KP;
             const bool last = c1 == nfull;
