@@ -186,6 +186,13 @@ class Engine:
 
     ep = None  # expert parallelism (fast.distributed.EPSetup) when ranks / expert_ranges / memory_limit are given
 
+    def __new__(cls, path=None, device: str = "cpu", *args, **kwargs):
+        """`Engine(path, device="cuda")` builds the CUDA engine (fast.cuda.CudaEngine, the same API)."""
+        if cls is Engine and device in ("cuda", "cuda:0", "gpu"):
+            from .cuda import CudaEngine
+            return object.__new__(CudaEngine)
+        return object.__new__(cls)
+
     def __init__(self, path, device: str = "cpu", threads: int | None = None, *, dot: str = "canonical",
                  expf: str = "canonical", inject=None, max_context: int | None = None,
                  parallel_work: int | None = None, ranks: int | None = None, expert_ranges=None,
