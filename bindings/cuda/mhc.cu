@@ -10,7 +10,7 @@
 //   streams X'_j[d] = bf16(cdot64([post_j, C_0j, ..., C_{hc-1,j}], [u[d], X_0[d], ..., X_{hc-1}[d]]))
 //
 // k_hc_m: one block of 64 threads per (token, row of fn) for the two long dots (block64_dot);
-// k_hc_coef: one thread per token for the coefficients (hc <= 16); k_hc_collapse / k_hc_expand:
+// k_hc_coef: one block per token, one thread per coefficient (hc <= 16); k_hc_collapse / k_hc_expand:
 // one thread per (token, d), short dots in one thread (cdot_serial).
 #include "engine.cuh"
 
@@ -91,50 +91,65 @@ GLM_DEV double csum64(const double* x, int n, int stride, bool seq) {
     });
 }
 
-__global__ void k_hc_coef(const double* __restrict__ m, int T, int R, int hc, const double* __restrict__ base,
-                          double s0, double s1, double s2, double eps, int iters, double* pre, double* post,
-                          double* comb, Nm nm) {
-    const int t = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+// One block per token, thread (i, j) = (tid / hc, tid % hc) owns coefficient C_ij (hc*hc <= 256 threads,
+// blockDim a multiple of 32). Every normalization's sum is csum64 over the same elements in the same
+// order, computed redundantly by each thread of the row/column from shared memory (the same bits), the
+// division by the owning thread; barriers between the reads of a pass and its writes. Row maxima of the
+// softmax likewise (same left-to-right scan). Identical operations to the one-thread definition.
+__global__ void __launch_bounds__(256) k_hc_coef(const double* __restrict__ m, int T, int R, int hc,
+                                                 const double* __restrict__ base, double s0, double s1, double s2,
+                                                 double eps, int iters, double* pre, double* post, double* comb,
+                                                 Nm nm) {
+    __shared__ double C[kHcMax * kHcMax];
+    const int t = static_cast<int>(blockIdx.x);
     if (t >= T) return;
+    const int tid = static_cast<int>(threadIdx.x);
+    const bool own = tid < hc * hc;
+    const int i = own ? tid / hc : 0, j = own ? tid % hc : 0;
     const double* mt = m + static_cast<int64_t>(t) * R;
-    double* pr = pre + static_cast<int64_t>(t) * hc;
-    double* po = post + static_cast<int64_t>(t) * hc;
-    double C[kHcMax * kHcMax];
-    double z[kHcMax], e[kHcMax];
-    for (int i = 0; i < hc; ++i) {
-        pr[i] = dadd(sigmoid64(dadd(dmul(mt[i], s0), base[i])), eps);
-        po[i] = dmul(2.0, sigmoid64(dadd(dmul(mt[hc + i], s1), base[hc + i])));
+    if (tid < hc) {
+        pre[static_cast<int64_t>(t) * hc + tid] = dadd(sigmoid64(dadd(dmul(mt[tid], s0), base[tid])), eps);
+        post[static_cast<int64_t>(t) * hc + tid] =
+            dmul(2.0, sigmoid64(dadd(dmul(mt[hc + tid], s1), base[hc + tid])));
     }
-    for (int i = 0; i < hc; ++i) {
-        for (int j = 0; j < hc; ++j) {
-            const int r = 2 * hc + hc * i + j;
-            z[j] = dadd(dmul(mt[r], s2), base[r]);
-        }
-        double zmax = z[0];
-        for (int j = 1; j < hc; ++j) zmax = (zmax < z[j]) ? z[j] : zmax;
-        for (int j = 0; j < hc; ++j) e[j] = exp64(dsub(z[j], zmax));
-        const double sum = csum64(e, hc, 1, nm.seq);
-        for (int j = 0; j < hc; ++j) C[i * hc + j] = dadd(ddiv(e[j], sum), eps);
+    // z_ij, then e_ij = exp64(z_ij - max_j z_ij)
+    if (own) {
+        const int r = 2 * hc + hc * i + j;
+        C[tid] = dadd(dmul(mt[r], s2), base[r]);
     }
+    __syncthreads();
+    double v = 0.0;
+    if (own) {
+        const double* zr = C + i * hc;
+        double zmax = zr[0];
+        for (int k = 1; k < hc; ++k) zmax = (zmax < zr[k]) ? zr[k] : zmax;
+        v = exp64(dsub(C[tid], zmax));
+    }
+    __syncthreads();
+    if (own) C[tid] = v;
+    __syncthreads();
+    if (own) v = dadd(ddiv(v, csum64(C + i * hc, hc, 1, nm.seq)), eps);
+    __syncthreads();
+    if (own) C[tid] = v;
+    __syncthreads();
     auto normalize_cols = [&] {
-        for (int j = 0; j < hc; ++j) {
-            const double sum = csum64(C + j, hc, hc, nm.seq);
-            for (int i = 0; i < hc; ++i) C[i * hc + j] = ddiv(C[i * hc + j], dadd(sum, eps));
-        }
+        if (own) v = ddiv(v, dadd(csum64(C + j, hc, hc, nm.seq), eps));
+        __syncthreads();
+        if (own) C[tid] = v;
+        __syncthreads();
     };
     auto normalize_rows = [&] {
-        for (int i = 0; i < hc; ++i) {
-            const double sum = csum64(C + i * hc, hc, 1, nm.seq);
-            for (int j = 0; j < hc; ++j) C[i * hc + j] = ddiv(C[i * hc + j], dadd(sum, eps));
-        }
+        if (own) v = ddiv(v, dadd(csum64(C + i * hc, hc, 1, nm.seq), eps));
+        __syncthreads();
+        if (own) C[tid] = v;
+        __syncthreads();
     };
     normalize_cols();
     for (int it = 0; it + 1 < iters; ++it) {
         normalize_rows();
         normalize_cols();
     }
-    double* co = comb + static_cast<int64_t>(t) * hc * hc;
-    for (int k = 0; k < hc * hc; ++k) co[k] = C[k];
+    if (own) comb[static_cast<int64_t>(t) * hc * hc + tid] = v;
 }
 
 __global__ void k_hc_collapse(const float* __restrict__ X, const double* __restrict__ pre, int T, int hc, int D,
@@ -187,7 +202,7 @@ void hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
     }
     {
         auto k = k_hc_coef;
-        GLM_LAUNCH(k, (T + 31) / 32, 32, 0, m, T, R, hc, w.base, w.scale[0], w.scale[1], w.scale[2], c.hc_eps,
+        GLM_LAUNCH(k, T, (hc * hc + 31) / 32 * 32, 0, m, T, R, hc, w.base, w.scale[0], w.scale[1], w.scale[2], c.hc_eps,
                    static_cast<int>(c.hc_sinkhorn_iters), pre, post, comb, s.nm);
         check_launch("hc_coef");
     }

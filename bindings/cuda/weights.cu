@@ -37,9 +37,12 @@ constexpr int rows_per_block() {
     return TT == 1 ? 16 : 32;
 }
 // Chunks whose weight loads are issued together before any is used (bytes in flight per thread).
-template <int FMT, int TT>
+// One token: 32 FP8/MXFP4 chunks (a 4096-wide row in two batches), 16 BF16; routed experts keep 16
+// (their grid is items x rows, so occupancy supplies the bytes in flight; 32 spills there).
+template <int FMT, int TT, bool EXPERT>
 constexpr int batch_chunks() {
-    return TT == 1 ? (FMT == W_MXFP4 ? 16 : (FMT == W_FP8 ? 16 : 8)) : (TT == 4 ? 4 : 2);
+    return TT == 1 ? ((FMT == W_MXFP4 || FMT == W_FP8) ? (EXPERT ? 16 : 32) : (FMT == W_BF16 ? 16 : 8))
+                   : (TT == 4 ? 4 : 2);
 }
 
 // Eight consecutive weights of absolute row ar at column col (col % 8 == 0, col + 8 <= C), decoded,
@@ -134,7 +137,7 @@ GLM_DEV void load_x8(const float* __restrict__ x, int64_t col, bool vec, float (
 template <int FMT, int TT, bool EXPERT, bool HW8>
 GLM_DEV void linear_block(const LinArgs& a, int tile) {
     constexpr int RPB = rows_per_block<TT>();
-    constexpr int U = batch_chunks<FMT, TT>();
+    constexpr int U = batch_chunks<FMT, TT, EXPERT>();
     const int g = lane8();
     const int grp = static_cast<int>(blockIdx.x) * RPB + static_cast<int>(threadIdx.x >> 3);
     const bool live = grp < a.R;
@@ -193,22 +196,21 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
     const int64_t nfull = C / 64;
     int64_t c = 0;
     if (wvec) {
-        // U chunks' loads in flight before the first is decoded; chunks still in increasing order
-        for (; c + U <= nfull; c += U) {
+        // U chunks' loads in flight before the first is decoded; chunks still in increasing order. The
+        // last batch is partial (predicated), so short rows (fewer than U chunks) also batch their loads.
+        for (; c < nfull; c += U) {
             Raw<FMT> raw[U];
 #pragma unroll
-            for (int u = 0; u < U; ++u) raw[u] = load_raw<FMT>(data, scale, ar, 64 * (c + u) + 8 * g, C);
+            for (int u = 0; u < U; ++u)
+                if (c + u < nfull) raw[u] = load_raw<FMT>(data, scale, ar, 64 * (c + u) + 8 * g, C);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                float w[8];
-                decode_raw<FMT, HW8>(raw[u], w);
-                fma_chunk(w, 64 * (c + u) + 8 * g);
+                if (c + u < nfull) {
+                    float w[8];
+                    decode_raw<FMT, HW8>(raw[u], w);
+                    fma_chunk(w, 64 * (c + u) + 8 * g);
+                }
             }
-        }
-        for (; c < nfull; ++c) {
-            float w[8];
-            decode_raw<FMT, HW8>(load_raw<FMT>(data, scale, ar, 64 * c + 8 * g, C), w);
-            fma_chunk(w, 64 * c + 8 * g);
         }
     } else {
         for (; c < nfull; ++c) {
