@@ -433,7 +433,7 @@ def test_matvec_empty_shapes():
 # group) give every (token, row) exactly cdot(decoded W[r], x_t)
 # ---------------------------------------------------------------------------------------------
 
-LINEAR_T = list(range(1, 10)) + [13, 20]  # 13, 20: several token blocks
+LINEAR_T = list(range(1, 10)) + [13, 20]  # 13, 20: several token blocks; 20: FP8/MXFP4 rows pre-decoded
 
 
 def _linear_weight(release, rng, R, C):
@@ -478,7 +478,7 @@ def test_linear_tokens_are_cdots(release, C):
         for T in LINEAR_T:
             assert_same_bits(core.linear(release, data, scale, X[:T].copy(), nan_free=nan_free), want[:T])
         for r0, r1 in ((3, 131), (129, 140), (127, 128), (5, 5)):
-            for T in (1, 2, 7):
+            for T in (1, 2, 7, 20):
                 got = core.linear(release, data, scale, X[:T].copy(), r0, r1, nan_free=nan_free)
                 assert_same_bits(got, want[:T, r0:r1])
 
@@ -499,7 +499,7 @@ def test_linear_against_spec_reference(C):
 def test_linear_special_values():
     # inf/NaN weights, inputs and NaN codes propagate exactly as in cdot of the decoded row
     rng = np.random.default_rng(71)
-    C, T = 70, 7
+    C, T = 70, 20
     X = _tokens(rng, T, C)
     X[2, 3] = np.inf
     X[4, 69] = -np.inf
@@ -527,22 +527,22 @@ def test_linear_fp8_extreme_scales(scale):
     R, C = 260, 200
     q, s = _fp8_weight(rng, R, C)
     s[1, 0] = scale
-    X = _tokens(rng, 9, C)
+    X = _tokens(rng, 20, C)
     want = _per_token_cdots(core.decode_fp8_weight(q, s), X)
-    for T in (1, 2, 3, 6, 9):
+    for T in (1, 2, 3, 6, 9, 20):
         assert_same_bits(core.linear("fp8", q, s, X[:T].copy(), nan_free=True), want[:T])
         assert_same_bits(core.linear("fp8", q, s, X[:T].copy(), 120, 140, nan_free=True), want[:T, 120:140])
 
 
 def test_linear_threads_round_and_empty():
     rng = np.random.default_rng(73)
-    R, C = 301, 1024 + 40
-    X = _tokens(rng, 8, C)
+    R, C = 301, 1024 + 16
+    X = _tokens(rng, 20, C)
     for release in ("bf16", "f32", "fp8", "mxfp4"):
         c = 1024 if release == "mxfp4" else C
         data, scale, _ = _linear_weight(release, rng, R, c)
         Xc = np.ascontiguousarray(X[:, :c])
-        for T in (1, 3, 8):
+        for T in (1, 3, 8, 20):
             one = core.linear(release, data, scale, Xc[:T].copy())
             for th in (2, 3, 64):
                 assert_same_bits(core.linear(release, data, scale, Xc[:T].copy(), threads=th), one)
