@@ -188,7 +188,7 @@ class Engine:
 
     def __new__(cls, path=None, device: str = "cpu", *args, **kwargs):
         """`Engine(path, device="cuda")` builds the CUDA engine (fast.cuda.CudaEngine, the same API)."""
-        if cls is Engine and device in ("cuda", "cuda:0", "gpu"):
+        if cls is Engine and device in ("cuda", "cuda:0"):
             from .cuda import CudaEngine
             return object.__new__(CudaEngine)
         return object.__new__(cls)
