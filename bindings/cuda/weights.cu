@@ -37,11 +37,13 @@ constexpr int rows_per_block() {
     return TT == 1 ? 16 : 32;
 }
 // Chunks whose weight loads are issued together before any is used (bytes in flight per thread).
-// One token: 32 FP8/MXFP4 chunks (a 4096-wide row in two batches), 16 BF16; routed experts keep 16
-// (their grid is items x rows, so occupancy supplies the bytes in flight; 32 spills there).
-template <int FMT, int TT, bool EXPERT>
+// One token: DEEP batches (32 FP8/MXFP4 chunks, 16 BF16) when the matrix fills at most two waves of
+// blocks or very many (lm_head), else 16 / 8: the deep batch's registers cost occupancy, and a
+// matrix of 4 to 8 waves' worth of blocks then spills into one more wave (measured: KDA q/k/v slower).
+// Routed experts keep 16 / 8 (their grid is items x rows; 32 spills there).
+template <int FMT, int TT, bool DEEP>
 constexpr int batch_chunks() {
-    return TT == 1 ? ((FMT == W_MXFP4 || FMT == W_FP8) ? (EXPERT ? 16 : 32) : (FMT == W_BF16 ? 16 : 8))
+    return TT == 1 ? ((FMT == W_MXFP4 || FMT == W_FP8) ? (DEEP ? 32 : 16) : (FMT == W_BF16 ? (DEEP ? 16 : 8) : 8))
                    : (TT == 4 ? 4 : 2);
 }
 
@@ -134,10 +136,10 @@ GLM_DEV void load_x8(const float* __restrict__ x, int64_t col, bool vec, float (
 }
 
 // One block's work: rows [blockIdx.x * RPB, +RPB) for the token tile `tile` (or expert work item).
-template <int FMT, int TT, bool EXPERT, bool HW8>
+template <int FMT, int TT, bool EXPERT, bool HW8, bool DEEP>
 GLM_DEV void linear_block(const LinArgs& a, int tile) {
     constexpr int RPB = rows_per_block<TT>();
-    constexpr int U = batch_chunks<FMT, TT, EXPERT>();
+    constexpr int U = batch_chunks<FMT, TT, DEEP>();
     const int g = lane8();
     const int grp = static_cast<int>(blockIdx.x) * RPB + static_cast<int>(threadIdx.x >> 3);
     const bool live = grp < a.R;
@@ -196,15 +198,27 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
     const int64_t nfull = C / 64;
     int64_t c = 0;
     if (wvec) {
-        // U chunks' loads in flight before the first is decoded; chunks still in increasing order. The
-        // last batch is partial (predicated), so short rows (fewer than U chunks) also batch their loads.
-        for (; c < nfull; c += U) {
+        // U chunks' loads in flight before the first is decoded; chunks still in increasing order
+        for (; c + U <= nfull; c += U) {
             Raw<FMT> raw[U];
 #pragma unroll
-            for (int u = 0; u < U; ++u)
-                if (c + u < nfull) raw[u] = load_raw<FMT>(data, scale, ar, 64 * (c + u) + 8 * g, C);
+            for (int u = 0; u < U; ++u) raw[u] = load_raw<FMT>(data, scale, ar, 64 * (c + u) + 8 * g, C);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
+                float w[8];
+                decode_raw<FMT, HW8>(raw[u], w);
+                fma_chunk(w, 64 * (c + u) + 8 * g);
+            }
+        }
+        // the remaining (< U) chunks in predicated batches of up to 8, so short rows also batch their loads
+        constexpr int V = U < 8 ? U : 8;
+        for (; c < nfull; c += V) {
+            Raw<FMT> raw[V];
+#pragma unroll
+            for (int u = 0; u < V; ++u)
+                if (c + u < nfull) raw[u] = load_raw<FMT>(data, scale, ar, 64 * (c + u) + 8 * g, C);
+#pragma unroll
+            for (int u = 0; u < V; ++u) {
                 if (c + u < nfull) {
                     float w[8];
                     decode_raw<FMT, HW8>(raw[u], w);
@@ -239,15 +253,26 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
 }
 
 // Expert work items beyond gridDim.y are taken in turn (the grid's y extent is capped at 65535).
-template <int FMT, int TT, bool EXPERT, bool HW8>
+template <int FMT, int TT, bool EXPERT, bool HW8, bool DEEP>
 __global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) {
     if constexpr (EXPERT) {
         const int n = *a.n_items;
         for (int item = static_cast<int>(blockIdx.y); item < n; item += static_cast<int>(gridDim.y))
-            linear_block<FMT, TT, EXPERT, HW8>(a, item);
+            linear_block<FMT, TT, EXPERT, HW8, false>(a, item);
     } else {
-        linear_block<FMT, TT, EXPERT, HW8>(a, static_cast<int>(blockIdx.y));
+        linear_block<FMT, TT, EXPERT, HW8, DEEP>(a, static_cast<int>(blockIdx.y));
     }
+}
+
+// Streaming multiprocessors of the current device (once).
+int sm_count() {
+    static int n = [] {
+        int dev = 0;
+        cudaDeviceProp p;
+        if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&p, dev) != cudaSuccess) return 132;
+        return p.multiProcessorCount > 0 ? p.multiProcessorCount : 132;
+    }();
+    return n;
 }
 
 // dot="sequential": one thread per (row, token), decoded element by element, s = s + w*x.
@@ -293,11 +318,14 @@ template <int FMT, int TT, bool EXPERT>
 void launch_fmt(const LinArgs& a, dim3 grid, bool hw8) {
     constexpr int threads = rows_per_block<TT>() * 8;
     grid.x = static_cast<unsigned>((a.R + rows_per_block<TT>() - 1) / rows_per_block<TT>());
+    const int64_t nb = static_cast<int64_t>(grid.x) * grid.y, nsm = sm_count();
+    constexpr bool can_deep = TT == 1 && !EXPERT;
+    const bool deep = can_deep && (nb <= 2 * nsm || nb > 16 * nsm);
     if (FMT == W_FP8 && hw8) {
-        auto k = k_linear<FMT, TT, EXPERT, true>;
+        auto k = deep ? k_linear<FMT, TT, EXPERT, true, can_deep> : k_linear<FMT, TT, EXPERT, true, false>;
         GLM_LAUNCH(k, grid, threads, 0, a);
     } else {
-        auto k = k_linear<FMT, TT, EXPERT, false>;
+        auto k = deep ? k_linear<FMT, TT, EXPERT, false, can_deep> : k_linear<FMT, TT, EXPERT, false, false>;
         GLM_LAUNCH(k, grid, threads, 0, a);
     }
 }
