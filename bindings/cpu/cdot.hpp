@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -231,24 +232,32 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* X, size_
 // measured on Zen 5, blocks of 7-8 tokens with one row per register block were slower, since loads
 // (one per fma there) bound the loop.)
 constexpr size_t kMultiTokens = 6;
+// Rows are taken in chunks of about 192 KiB of stored weights (row_bytes each), and every token block
+// runs over a chunk before the next chunk is read: a weight larger than the caches is read from memory
+// once per call, not once per token block.
 template <class MakeRow>
 inline void cdot_multi(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t T, size_t n, float* Y,
-                       size_t ldy, bool round) {
+                       size_t ldy, bool round, size_t row_bytes) {
     const size_t nb = (T + kMultiTokens - 1) / kMultiTokens;
-    size_t t0 = 0;
-    for (size_t b = 0; b < nb; ++b) {
-        const size_t nt = (T - t0) / (nb - b) + ((T - t0) % (nb - b) != 0);
-        const float* Xb = X + t0 * ldx;
-        float* Yb = Y + t0 * ldy;
-        switch (nt) {
-            case 1: cdot_multi_rows<1>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
-            case 2: cdot_multi_rows<2>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
-            case 3: cdot_multi_rows<3>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
-            case 4: cdot_multi_rows<4>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
-            case 5: cdot_multi_rows<5>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
-            default: cdot_multi_rows<6>(row, nr, Xb, ldx, n, Yb, ldy, round); break;
+    const size_t chunk = nb == 1 ? nr : std::max<size_t>(64, (size_t{192} << 10) / std::max<size_t>(row_bytes, 1));
+    for (size_t a = 0; a < nr; a += chunk) {
+        const size_t m = nr - a < chunk ? nr - a : chunk;
+        const auto sub = [&](size_t i) { return row(a + i); };
+        size_t t0 = 0;
+        for (size_t b = 0; b < nb; ++b) {
+            const size_t nt = (T - t0) / (nb - b) + ((T - t0) % (nb - b) != 0);
+            const float* Xb = X + t0 * ldx;
+            float* Yb = Y + t0 * ldy + a;
+            switch (nt) {
+                case 1: cdot_multi_rows<1>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
+                case 2: cdot_multi_rows<2>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
+                case 3: cdot_multi_rows<3>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
+                case 4: cdot_multi_rows<4>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
+                case 5: cdot_multi_rows<5>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
+                default: cdot_multi_rows<6>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
+            }
+            t0 += nt;
         }
-        t0 += nt;
     }
 }
 

@@ -149,7 +149,7 @@ struct Fp8ScaleRow {
 // the token blocks then read that: each weight is decoded once per call instead of once per block.
 template <class MakeRow>
 void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t T, size_t C, float* Y, size_t ldy,
-              bool round, bool predecode = false) {
+              bool round, size_t row_bytes, bool predecode = false) {
     if (nr == 0 || T == 0) return;
     if (T == 1) {
         for (size_t i = 0; i < nr; ++i) {
@@ -161,7 +161,7 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
     // (measured on Zen 5: a gain for short rows and many token blocks; at C = 4096 the f32 rows, four
     // bytes a weight, cost FP8 more than its decode saves)
     if (!predecode || T < 3 * detail::kMultiTokens || C == 0 || C > 1024) {
-        detail::cdot_multi(row, nr, X, ldx, T, C, Y, ldy, round);
+        detail::cdot_multi(row, nr, X, ldx, T, C, Y, ldy, round, row_bytes);
         return;
     }
     const size_t ld = (C + 7) / 8 * 8;
@@ -181,7 +181,8 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
                 }
         }
         const float* w = buf.data();
-        detail::cdot_multi([&](size_t i) { return detail::F32Row{w + i * ld}; }, m, X, ldx, T, C, Y + a, ldy, round);
+        detail::cdot_multi([&](size_t i) { return detail::F32Row{w + i * ld}; }, m, X, ldx, T, C, Y + a, ldy, round,
+                           ld * sizeof(float));
     }
 }
 
@@ -191,14 +192,14 @@ void rows_bf16(const uint16_t* W, size_t C, size_t r0, size_t r1, const float* X
                size_t ldy, bool round) {
     if (r1 <= r0) return;
     const uint16_t* w = W + r0 * C;
-    rows_any([&](size_t i) { return Bf16Row{w + i * C}; }, r1 - r0, X, ldx, T, C, Y, ldy, round);
+    rows_any([&](size_t i) { return Bf16Row{w + i * C}; }, r1 - r0, X, ldx, T, C, Y, ldy, round, 2 * C);
 }
 
 void rows_f32(const float* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
               size_t ldy, bool round) {
     if (r1 <= r0) return;
     const float* w = W + r0 * C;
-    rows_any([&](size_t i) { return detail::F32Row{w + i * C}; }, r1 - r0, X, ldx, T, C, Y, ldy, round);
+    rows_any([&](size_t i) { return detail::F32Row{w + i * C}; }, r1 - r0, X, ldx, T, C, Y, ldy, round, 4 * C);
 }
 
 void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, size_t r1, const float* X, size_t ldx,
@@ -220,7 +221,7 @@ void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, siz
     auto run = [&](auto tag) {
         using Row = decltype(tag);
         rows_any([&](size_t i) { return Row{p + i * C, S + ((r0 + i) / 128 - b0) * sc}; }, r1 - r0, X, ldx, T, C, Y,
-                 ldy, round, true);
+                 ldy, round, C, true);
     };
     if (nan_free)
         fold ? run(Fp8ScaleRow<true, false>{}) : run(Fp8ScaleRow<false, false>{});
@@ -234,7 +235,7 @@ void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0
     const uint8_t* p = packed + r0 * (C / 2);
     const uint8_t* s = scale + r0 * (C / 32);
     rows_any([&](size_t i) { return Mxfp4Row{p + i * (C / 2), s + i * (C / 32)}; }, r1 - r0, X, ldx, T, C, Y, ldy,
-             round, true);
+             round, C / 2 + C / 32, true);
 }
 
 void matvec_bf16(const uint16_t* W, size_t R, size_t C, const float* x, float* y, unsigned threads) {
