@@ -10,8 +10,9 @@ are `lm_head.weight` from the checkpoint applied to the last hidden state, in BF
 
 For each thread count (torch.set_num_threads for the peer, threads= for fast.Engine) and the same
 prompt: prefill tokens/s (one forward over the prompt) and greedy decode tokens/s (each side feeds its
-own tokens; the peer with its own cache, use_cache=True). Runs alternate peer / engine, best of
-`reps`; the load average is recorded around every run (the VM is shared with other jobs). The report
+own tokens; the peer with its own cache, use_cache=True). Runs alternate peer / engine with a pause
+between them (torch's OpenMP workers keep spinning for a while after a parallel region, which would
+take the second core from the engine), best of `reps`; the load average is recorded around every run (the VM is shared with other jobs). The report
 gives engine / peer ratios and how many greedy tokens agree (the peer is BF16 torch, not the canonical
 numerics, so they may part).
 """
@@ -85,7 +86,7 @@ def engine_run(eng, ids: list[int], new: int):
 
 
 def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, threads=(1, 2), reps: int = 3,
-                   progress=None) -> dict:
+                   progress=None, pause: float = 1.0) -> dict:
     import torch
     import transformers
 
@@ -125,8 +126,10 @@ def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, thr
             for _ in range(reps):
                 l0 = _load()
                 p_runs.append(peer_run(model, head, ids, new))
+                time.sleep(pause)  # torch's OpenMP workers spin a while after a parallel region
                 l1 = _load()
                 e_runs.append(engine_run(eng, ids, new))
+                time.sleep(pause)
                 loads.append((l0, l1, _load()))
             pp, pd = min(r[0] for r in p_runs), min(r[1] for r in p_runs)
             ep, ed = min(r[0] for r in e_runs), min(r[1] for r in e_runs)
