@@ -258,9 +258,6 @@ struct Step {
     void emit_rows(int layer, int stage, float* p, size_t n, size_t ld, std::vector<int64_t> shape);
 
     // ---- shared building blocks (norm.cpp, model.cpp) ----
-    // Up to this many tokens, a linear runs H2's in-register matvec once per token (over L2-sized
-    // blocks of rows); beyond, it decodes each weight row once and takes one cdot per token.
-    static constexpr size_t kMatvecRows = 3;
     // Y[t][r] = cdot(W[r], X[t]) (+ bf16 rounding when round), rows split over the pool.
     void linear(const Lin& W, const float* X, size_t ldx, float* Y, size_t ldy, bool round, size_t rows) const;
     void linear(const Lin& W, const float* X, size_t ldx, float* Y, size_t ldy, bool round) const {

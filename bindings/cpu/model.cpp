@@ -250,30 +250,10 @@ void Step::emit_rows(int layer, int stage, float* p, size_t n, size_t ld, std::v
 void Step::linear(const Lin& W, const float* X, size_t ldx, float* Y, size_t ldy, bool round, size_t rows) const {
     const size_t R = W.R, C = W.C;
     if (rows == 0 || R == 0) return;
-    if (rows == 1 && !nm.seq_dot) {
-        // one token: decode in registers (H2's matvec), rows split over the pool
-        pool.parallel_for(R, C, [&](size_t a, size_t b) {
-            W.matvec(a, b, X, Y + a);
-            if (round)
-                for (size_t r = a; r < b; ++r) Y[r] = bf16_round(Y[r]);
-        });
-        return;
-    }
-    if (rows <= kMatvecRows && !nm.seq_dot) {
-        // a few tokens: the in-register matvec once per token over blocks of rows small enough to
-        // stay in L2, so only the first token reads the block from memory
-        pool.parallel_for(R, C * rows, [&](size_t a, size_t b) {
-            thread_local std::vector<float> tmp;
-            const size_t blk = std::max<size_t>(1, (size_t{96} << 10) / std::max<size_t>(W.bytes() / std::max<size_t>(R, 1), 1));
-            tmp.resize(std::min(blk, b - a));
-            for (size_t r0 = a; r0 < b; r0 += blk) {
-                const size_t r1 = std::min(b, r0 + blk);
-                for (size_t t = 0; t < rows; ++t) {
-                    W.matvec(r0, r1, X + t * ldx, tmp.data());
-                    for (size_t r = r0; r < r1; ++r) Y[t * ldy + r] = round ? bf16_round(tmp[r - r0]) : tmp[r - r0];
-                }
-            }
-        });
+    if (!nm.seq_dot) {
+        // every token count: the weights decoded in registers, each group once for up to six tokens
+        // (Lin::matmul), rows split over the pool
+        pool.parallel_for(R, C * rows, [&](size_t a, size_t b) { W.matmul(a, b, X, ldx, rows, Y + a, ldy, round); });
         return;
     }
     // several tokens: decode each weight row once, then one cdot per token
