@@ -51,13 +51,6 @@ class Capture:
         if self.keep_values:
             self.values.setdefault((layer, stage), {})[pos] = value
 
-    def put_rows(self, layer: int, stage: str, pos0: int, rows) -> None:
-        """Record consecutive positions pos0, pos0+1, ... from the leading axis of `rows`."""
-        if not self.wants(layer, stage):
-            return
-        for i, row in enumerate(rows):
-            self.put(layer, stage, pos0 + i, row)
-
     def get(self, layer: int, stage: str, pos: int) -> np.ndarray:
         return self.values[(layer, stage)][pos]
 

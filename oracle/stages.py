@@ -58,15 +58,14 @@ def model_stages(config) -> list[tuple[int, str, str]]:
     return out
 
 
-ALL_STAGE_NAMES = sorted({s for s, _ in
-                          [("embed", BF16)] + layer_stages(True, True) + layer_stages(False, False) + HEAD})
+_DTYPES = dict([("embed", BF16)] + layer_stages(True, True) + layer_stages(False, False) + HEAD)
+ALL_STAGE_NAMES = sorted(_DTYPES)
 
 
 def stage_dtype(stage: str) -> str:
-    for s, d in [("embed", BF16)] + layer_stages(True, True) + layer_stages(False, False) + HEAD:
-        if s == stage:
-            return d
-    raise KeyError(f"unknown stage {stage!r}; known: {', '.join(ALL_STAGE_NAMES)}")
+    if stage not in _DTYPES:
+        raise KeyError(f"unknown stage {stage!r}; known: {', '.join(ALL_STAGE_NAMES)}")
+    return _DTYPES[stage]
 
 
 def canonical_bytes(value: np.ndarray, dtype: str) -> bytes:
