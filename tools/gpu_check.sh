@@ -6,7 +6,9 @@
 #
 # Environment: OUT (logs and results, default /tmp/gpu_check), GLM_SLICE_DIR (slice checkpoints, default
 # /tmp/slice; made here with oracle.zoo when absent), BUDGET (seconds for the whole run, default 450),
-# SLICE_LAYERS (2), SLICE_EXPERTS (288), SKIP_PEER=1 (no transformers peer).
+# SLICE_LAYERS (2), SLICE_EXPERTS (288), SKIP_PEER=1 (no transformers peer), RELEASES (fp8,mxfp4),
+# TESTS=0 (skip the GPU tests: a performance iteration) or quick (skip the exhaustive expf and the slowest), PROFILE=1 (kernel timeline of decode steps,
+# tools/profile_cuda.py, after the benchmarks).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
 # Order, most important first: machine facts; build (fast._core + fast._cuda, GLM_FORCE_CUDA=ON);
@@ -25,6 +27,7 @@ ROOT=$(pwd)
 SLICE=${GLM_SLICE_DIR:-/tmp/slice}
 LAYERS=${SLICE_LAYERS:-2}
 EXPERTS=${SLICE_EXPERTS:-288}
+RELEASES=${RELEASES:-fp8,mxfp4}
 elapsed() { echo $(( $(date +%s) - START )); }
 left() { echo $(( BUDGET - $(elapsed) )); }
 phase() { echo; echo "=== [$(elapsed) s] $*"; }
@@ -41,6 +44,19 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
+
+phase "slice checkpoints: generating in the background ($LAYERS layers, $EXPERTS experts, $RELEASES) into $SLICE"
+MAKE_PID=""
+HAVE=1
+for r in ${RELEASES//,/ }; do [ -f "$SLICE/slice-$r/config.json" ] || HAVE=0; done
+if [ "$HAVE" = 1 ]; then
+  echo "present"
+else
+  ( python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers "$LAYERS" --experts "$EXPERTS" --releases "$RELEASES" \
+      > "$OUT/slice_make.log" 2>&1; echo "exit $?" >> "$OUT/slice_make.log" ) &
+  MAKE_PID=$!
+fi
+
 
 phase "build (fast._core + fast._cuda, sm_90)"
 GEN=""
@@ -71,18 +87,12 @@ for kind in ("canonical", "expf", "__expf"):
           f"  ({r['seconds']:.2f} s)")
 EOF2
 
-phase "slice checkpoints: generating in the background ($LAYERS layers, $EXPERTS experts, fp8 + mxfp4) into $SLICE"
-if [ -f "$SLICE/slice-fp8/config.json" ] && [ -f "$SLICE/slice-mxfp4/config.json" ]; then
-  echo "present"; MAKE_PID=""
-else
-  ( python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers "$LAYERS" --experts "$EXPERTS" \
-      > "$OUT/slice_make.log" 2>&1; echo "exit $?" >> "$OUT/slice_make.log" ) &
-  MAKE_PID=$!
-fi
-
+if [ "${TESTS:-1}" != "0" ]; then
 phase "GPU tests (tests/test_fast_cuda.py; the slice test comes last)"
 T_TESTS=$(( $(left) - 230 )); [ "$T_TESTS" -lt 60 ] && T_TESTS=60
-timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py -v -rsP -p no:cacheprovider --durations=15 -k "not slice" \
+SEL="not slice"
+[ "${TESTS:-1}" = "quick" ] && SEL="not slice and not exhaustive and not census and not small-bf16"
+timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py -v -rsP -p no:cacheprovider --durations=15 -k "$SEL" \
   > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? (limit $T_TESTS s)"
 grep -E " (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | sed -E "s/^tests.test_fast_cuda.py:://" | cut -c1-110
@@ -90,6 +100,7 @@ grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
 grep -E "^(FAILED|ERROR)|Error|assert|first divergence|differ" "$OUT/pytest.log" | head -60
 grep -E "exhaustive device expf|^expf \{|^__expf \{" "$OUT/pytest.log" | head -5
 sed -n '/slowest/,/^$/p' "$OUT/pytest.log" | head -20
+fi
 
 if [ -n "${MAKE_PID:-}" ]; then
   phase "waiting for the slice checkpoints"
@@ -103,12 +114,25 @@ PEER=""
 [ "${SKIP_PEER:-0}" = "1" ] && PEER="--no-peer"
 T_BENCH=$(( $(left) - 60 )); [ "$T_BENCH" -lt 60 ] && T_BENCH=60
 timeout "$T_BENCH" python3 tools/bench_cuda.py --slice-dir "$SLICE" --layers "$LAYERS" --experts "$EXPERTS" \
-  --json "$OUT/bench.json" $PEER
+  --json "$OUT/bench.json" --releases "$RELEASES" $PEER
 echo "bench exit $? (limit $T_BENCH s)"
+
+if [ "${PROFILE:-0}" = "1" ]; then
+  phase "kernel timeline of decode steps (tools/profile_cuda.py)"
+  for r in ${RELEASES//,/ }; do
+    for b in 1 8; do
+      timeout 120 python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-$r" --batch $b --trace "$OUT/trace-$r-b$b.json" \
+        2>&1 | grep -v -E "^(STAGE|Warning|  warnings)" | head -70
+    done
+  done
+  gzip -f "$OUT"/trace-*.json 2>/dev/null
+fi
 
 phase "slice: CUDA engine = CPU engine at real widths"
 T_SLICE=$(( $(left) - 5 ))
-if [ "$T_SLICE" -gt 30 ]; then
+if [ "${TESTS:-1}" = "0" ]; then
+  echo "skipped: TESTS=0"
+elif [ "$T_SLICE" -gt 30 ]; then
   GLM_SLICE_DIR="$SLICE" timeout "$T_SLICE" python3 -m pytest tests/test_fast_cuda.py -q -rs -p no:cacheprovider -k slice \
     > "$OUT/pytest_slice.log" 2>&1
   echo "slice test exit $? (limit $T_SLICE s)"
