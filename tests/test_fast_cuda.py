@@ -474,6 +474,75 @@ def test_device_census():
 
 
 # ---------------------------------------------------------------------------------------------
+# The linear kernels one by one, in the real model's shapes (and small ones the emulation can run):
+# every kernel the engine may pick (the staged one-token kernel, the register kernel, the routed-expert
+# path) = the CPU engine's Lin kernels, bit for bit.
+
+# (name, release, R, C, T, expert, staged applies, round)
+LINEAR_CASES = [
+    ("kda.q_proj", "fp8", 8192, 4096, 1, False, True, True),
+    ("kda.o_proj", "fp8", 4096, 8192, 1, False, True, True),
+    ("mla.o_proj", "fp8", 4096, 16384, 1, False, True, False),
+    ("experts.gate", "fp8", 2048, 4096, 8, True, True, True),
+    ("experts.down", "fp8", 4096, 2048, 8, True, True, True),
+    ("experts.gate-mxfp4", "mxfp4", 2048, 4096, 8, True, True, True),
+    ("experts.down-mxfp4", "mxfp4", 4096, 2048, 8, True, True, False),
+    ("shared.down-mxfp4", "mxfp4", 4096, 2048, 1, False, True, True),
+    ("kda.b_proj", "bf16", 64, 4096, 1, False, True, True),
+    ("kda.f_a", "bf16", 128, 4096, 1, False, True, True),
+    ("mla.kv_a", "bf16", 512, 4096, 1, False, True, True),
+    ("moe.router", "bf16", 288, 4096, 1, False, True, False),
+    ("lm_head-slice", "bf16", 40000, 4096, 1, False, False, False),
+    ("batch4", "fp8", 2048, 4096, 4, False, False, True),
+    ("f32", "f32", 256, 1024, 1, False, True, False),
+]
+LINEAR_EMU_CASES = [
+    ("emu-fp8", "fp8", 130, 192, 1, False, True, True),
+    ("emu-bf16", "bf16", 40, 320, 1, False, True, False),
+    ("emu-mxfp4-experts", "mxfp4", 48, 256, 3, True, True, True),
+    ("emu-f32", "f32", 24, 128, 1, False, True, False),
+    ("emu-width-96", "bf16", 20, 96, 1, False, False, True),
+]
+
+
+def random_weights(release: str, R: int, C: int, rng):
+    if release == "bf16":
+        w = rng.standard_normal((R, C), dtype=np.float32) * 0.05
+        return (w.view(np.uint32) >> 16).astype(np.uint16), None
+    if release == "f32":
+        return rng.standard_normal((R, C), dtype=np.float32) * 0.05, None
+    if release == "fp8":
+        q = rng.integers(0, 256, (R, C), dtype=np.uint8)
+        q[(q & 0x7F) == 0x7F] = 0x7E  # no NaN codes
+        s = (rng.random(((R + 127) // 128, (C + 127) // 128), dtype=np.float32) + 0.5) * np.float32(2.0 ** -7)
+        return q, s.astype(np.float32)
+    packed = rng.integers(0, 256, (R, C // 2), dtype=np.uint8)
+    scale = rng.integers(118, 128, (R, C // 32), dtype=np.uint8)
+    return packed, scale
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=needs_gpu) for c in LINEAR_CASES] + LINEAR_EMU_CASES,
+                         ids=lambda c: c[0])
+def test_linear_kernels_match_cpu(case):
+    from fast import _core
+    name, release, R, C, T, expert, staged, rnd = case
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    data, scale = random_weights(release, R, C, rng)
+    X = rng.standard_normal((T, C), dtype=np.float32)
+    want = _core.linear(release, data, scale, X, round=rnd, threads=os.cpu_count() or 1)
+    cu = cuda_module()
+    kernels = ["auto", "register"] + (["staged"] if staged else [])
+    for kernel in kernels:
+        got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert)
+        assert got.shape == want.shape
+        diff = np.flatnonzero(bits(got) != bits(want))
+        assert diff.size == 0, f"{kernel}: {diff.size} of {want.size} differ, first at {np.unravel_index(diff[0], want.shape)}"
+    if not staged:
+        with pytest.raises(ValueError, match="staged kernel does not apply"):
+            cu.linear(release, data, scale, X, round=rnd, kernel="staged", expert=expert)
+
+
+# ---------------------------------------------------------------------------------------------
 # slice (real GLM-5.3-Flash widths): one short prompt and a few decode steps, against the CPU engine
 
 

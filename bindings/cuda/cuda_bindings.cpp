@@ -268,4 +268,42 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
             return a;
         },
         py::arg("which"), "Decoded values of all codes on the device: 'e4m3', 'e4m3_sw', 'e2m1' (scale 1), 'e8m0'.");
+    m.def(
+        "linear",
+        [](const std::string& release, const py::object& dobj, const py::object& sobj, const py::object& xobj,
+           bool round, const std::string& kernel, bool expert) {
+            const bool bf = release == "bf16", f32 = release == "f32", fp8 = release == "fp8", mx = release == "mxfp4";
+            if (!(bf || f32 || fp8 || mx)) bad("linear: release must be 'bf16', 'f32', 'fp8' or 'mxfp4'");
+            const py::array W = checked(dobj, "data", bf ? "u" : (f32 ? "f" : "u"), bf ? 2 : (f32 ? 4 : 1));
+            if (W.ndim() != 2) bad("data: expected a 2-d array");
+            const int64_t R = W.shape(0), C = mx ? 2 * W.shape(1) : W.shape(1);
+            py::array S;
+            size_t sbytes = 0;
+            if (fp8 || mx) {
+                if (sobj.is_none()) bad("scale: required for fp8 and mxfp4");
+                S = checked(sobj, "scale", fp8 ? "f" : "u", fp8 ? 4 : 1);
+                const int64_t want0 = fp8 ? (R + 127) / 128 : R, want1 = fp8 ? (C + 127) / 128 : C / 32;
+                if (S.ndim() != 2 || S.shape(0) != want0 || S.shape(1) != want1)
+                    bad("scale: expected shape [" + std::to_string(want0) + ", " + std::to_string(want1) + "]");
+                sbytes = static_cast<size_t>(S.nbytes());
+            } else if (!sobj.is_none()) {
+                bad("scale: must be None for bf16 and f32");
+            }
+            const py::array X = checked(xobj, "X", "f", 4);
+            if (X.ndim() != 2 || X.shape(1) != C) bad("X: expected shape [T, " + std::to_string(C) + "]");
+            const int T = static_cast<int>(X.shape(0));
+            std::vector<float> y = translate([&] {
+                py::gil_scoped_release nogil;
+                return linear_device(release, W.data(), static_cast<size_t>(W.nbytes()), sbytes ? S.data() : nullptr,
+                                     sbytes, R, C, static_cast<const float*>(X.data()), T, round, kernel, expert);
+            });
+            py::array_t<float> out({static_cast<py::ssize_t>(T), static_cast<py::ssize_t>(R)});
+            std::memcpy(out.mutable_data(), y.data(), y.size() * sizeof(float));
+            return out;
+        },
+        py::arg("release"), py::arg("data"), py::arg("scale"), py::arg("X"), py::arg("round") = false,
+        py::arg("kernel") = "auto", py::arg("expert") = false,
+        "linear(release, data, scale, X: f32[T, C], round=False, kernel='auto'|'staged'|'register', expert=False) -> "
+        "f32[T, R]: Y[t, r] = cdot(W[r], X[t]) through the engine's device kernels (expert: the routed-expert "
+        "path). Layouts as fast._core.linear.");
 }

@@ -135,4 +135,12 @@ CensusResult expf_census(const std::string& kind, uint64_t lo, uint64_t hi);
 // (16 codes, scale 1) and e8m0 (256 codes).
 std::vector<float> decode_table_device(const std::string& which);
 
+// Y[t][r] = cdot(W[r], X[t]) on the device through the engine's linear kernels (weights.cu): `kernel`
+// "auto" (the engine's choice), "staged" (the shared-memory one-token kernel; refused where it does not
+// apply) or "register"; expert: through the routed-expert path (the matrix as one expert, each token
+// row a work item). release "bf16" | "f32" | "fp8" | "mxfp4" with the checkpoint's layouts.
+std::vector<float> linear_device(const std::string& release, const void* data, size_t data_bytes, const void* scale,
+                                 size_t scale_bytes, int64_t R, int64_t C, const float* X, int T, bool round,
+                                 const std::string& kernel, bool expert);
+
 }  // namespace glm::cuda

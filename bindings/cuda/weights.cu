@@ -2,7 +2,12 @@
 // (weights.cuh has the contract). Rows are independent and each is computed whole by one group of
 // eight threads, so the grid shape changes no bit.
 #include <algorithm>
+#include <cstring>
 
+#include <string>
+#include <vector>
+
+#include "engine_api.hpp"
 #include "weights.cuh"
 
 namespace glm::cuda {
@@ -314,8 +319,204 @@ __global__ void k_linear_seq(LinArgs a, int tile) {
     }
 }
 
+// ---- the staged one-token kernel ----------------------------------------------------------------
+//
+// Decode at batch 1 streams many mid-size matrices (2k-16k rows) and a few skinny ones (64-512 rows of
+// 4k-16k columns). With weights loaded into registers by the eight threads that own a row, a matrix
+// of R rows has only R/4 warps, each waiting on its own few loads: the profile showed 0.9-1.7 TB/s on
+// the mid-size ones and ~17 us for a 1 MB skinny one. Here every thread of a 256-thread block copies
+// the block's rows into shared memory (cp.async, 16 bytes each, kStStages - 1 stages in flight), and
+// the eight threads of each row then run exactly the canonical dot of linear_block from shared memory:
+// the same chunks, in the same order, into the same accumulators. Only where the bytes wait changes.
+constexpr int kStThreads = 256;
+constexpr int kStStages = 4;
+constexpr int kStStageBytes = 12288;  // weight bytes of one stage over the block's rows
+constexpr int kStMaxRows = 32;
+
+GLM_DEV void cp_async16(void* smem, const void* gmem) {
+#if defined(GLM_CUDA_EMU)
+    std::memcpy(smem, gmem, 16);
+#else
+    const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+#endif
+}
+GLM_DEV void cp_async_commit() {
+#if !defined(GLM_CUDA_EMU)
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+GLM_DEV void cp_async_wait() {
+#if !defined(GLM_CUDA_EMU)
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Bytes of one chunk (64 weights) of a row, and of one row.
+template <int FMT>
+constexpr int chunk_bytes() {
+    return FMT == W_BF16 ? 128 : (FMT == W_F32 ? 256 : (FMT == W_FP8 ? 64 : 32));
+}
+__host__ __device__ inline int64_t row_bytes(int fmt, int64_t C) {
+    return fmt == W_BF16 ? 2 * C : (fmt == W_F32 ? 4 * C : (fmt == W_FP8 ? C : C / 2));
+}
+
+// The raw bytes of chunk `u` of thread g's eight weights, from a row's bytes in shared memory.
+template <int FMT>
+GLM_DEV Raw<FMT> smem_raw(const unsigned char* row, int u, int g, const void* __restrict__ scale, int64_t ar,
+                          int64_t col, int64_t C) {
+    Raw<FMT> r;
+    const unsigned char* p = row + u * chunk_bytes<FMT>() + g * (chunk_bytes<FMT>() / 8);
+    if constexpr (FMT == W_BF16) {
+        r.v = *reinterpret_cast<const uint4*>(p);
+    } else if constexpr (FMT == W_F32) {
+        r.a = *reinterpret_cast<const float4*>(p);
+        r.b = *reinterpret_cast<const float4*>(p + 16);
+    } else if constexpr (FMT == W_FP8) {
+        r.v = *reinterpret_cast<const uint2*>(p);
+        r.s = __ldg(static_cast<const float*>(scale) + (ar / 128) * ((C + 127) / 128) + col / 128);
+    } else {
+        r.v = *reinterpret_cast<const uint32_t*>(p);
+        r.e = __ldg(static_cast<const uint8_t*>(scale) + ar * (C / 32) + col / 32);
+    }
+    return r;
+}
+
+// Rows [blockIdx.x * rpb, +rpb) for one token row (or one expert work item of one pair), C % 64 == 0,
+// rows 16-byte aligned; `cps` chunks per stage.
+template <int FMT, bool EXPERT, bool HW8>
+__global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, int cps) {
+    GLM_DYN_SMEM(unsigned char, sm);
+    __shared__ const unsigned char* rowp[kStMaxRows];
+    __shared__ int64_t rowar[kStMaxRows];
+    constexpr int CB = chunk_bytes<FMT>();
+    const int64_t C = a.C;
+    const int nchunks = static_cast<int>(C / 64);
+    const int nst = (nchunks + cps - 1) / cps;
+    const int sbp = cps * CB + CB;  // padded row stride of a stage: consecutive rows on other banks
+    const int tid = static_cast<int>(threadIdx.x);
+    const int row_base = static_cast<int>(blockIdx.x) * rpb;
+    const int64_t rb = row_bytes(FMT, C);
+    const int my_row = tid >> 3, g = tid & 7;
+    const bool comp = my_row < rpb && row_base + my_row < a.R;
+    const bool folds = (tid & ~31) < rpb * 8;  // the warps that hold compute threads fold (full-mask shuffles)
+
+    const int n_items = EXPERT ? *a.n_items : 1;
+    for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
+         item += EXPERT ? static_cast<int>(gridDim.y) : 1) {
+        const void* data = a.data;
+        const void* scale = a.scale;
+        const float* xr;
+        float* yr;
+        if constexpr (EXPERT) {
+            const int e = a.items[3 * item], p = a.pairs[a.items[3 * item + 1]];
+            data = a.dtab[e];
+            scale = a.stab[e];
+            xr = a.X + static_cast<int64_t>(p / a.xdiv) * a.ldx;
+            yr = a.Y + static_cast<int64_t>(p) * a.ldy;
+        } else {
+            xr = a.X;
+            yr = a.Y;
+        }
+        __syncthreads();  // the previous item's last stage is read before these buffers are refilled
+        if (tid < rpb) {
+            const int r = row_base + tid;
+            const int rr = r < a.R ? r : a.R - 1;
+            const int64_t ar = a.row0 + static_cast<int64_t>(rr / a.rh) * a.hstride + a.woff + (rr % a.rh);
+            rowar[tid] = ar;
+            rowp[tid] = r < a.R ? static_cast<const unsigned char*>(data) + ar * rb : nullptr;
+        }
+        __syncthreads();
+        auto issue = [&](int s) {
+            const int c0 = s * cps;
+            const int nc = nchunks - c0 < cps ? nchunks - c0 : cps;
+            const int ppr = nc * CB / 16;  // 16-byte pieces per row in this stage
+            unsigned char* buf = sm + static_cast<int64_t>(s % kStStages) * rpb * sbp;
+            for (int q = tid; q < rpb * ppr; q += kStThreads) {
+                const int i = q / ppr, k = q - i * ppr;
+                const unsigned char* src = rowp[i];
+                if (src) cp_async16(buf + i * sbp + 16 * k, src + static_cast<int64_t>(c0) * CB + 16 * k);
+            }
+        };
+        const int64_t ar = rowar[my_row < rpb ? my_row : 0];
+        const float* x = xr + static_cast<int64_t>(comp ? (row_base + my_row) / a.rh : 0) * a.xhs;
+        const bool xvec = reinterpret_cast<uintptr_t>(x) % 16 == 0;
+        float acc[8];
+        zero8(acc);
+#pragma unroll
+        for (int s = 0; s < kStStages - 1; ++s) {
+            if (s < nst) issue(s);
+            cp_async_commit();
+        }
+        for (int s = 0; s < nst; ++s) {
+            cp_async_wait<kStStages - 2>();
+            __syncthreads();  // stage s is in for every thread's copies; stage s - 1 is read by all
+            if (s + kStStages - 1 < nst) issue(s + kStStages - 1);
+            cp_async_commit();
+            if (comp) {
+                const int c0 = s * cps;
+                const int nc = nchunks - c0 < cps ? nchunks - c0 : cps;
+                const unsigned char* row = sm + static_cast<int64_t>(s % kStStages) * rpb * sbp + my_row * sbp;
+#pragma unroll 4
+                for (int u = 0; u < nc; ++u) {
+                    const int64_t col = 64 * static_cast<int64_t>(c0 + u) + 8 * g;
+                    const Raw<FMT> raw = smem_raw<FMT>(row, u, g, scale, ar, col, C);
+                    float w[8], xv[8];
+                    decode_raw<FMT, HW8>(raw, w);
+                    load_x8(x, col, xvec, xv);
+#pragma unroll
+                    for (int l = 0; l < 8; ++l) acc[l] = ffma(w[l], xv[l], acc[l]);
+                }
+            }
+        }
+        if (folds) {
+            const float y = group_fold(acc);
+            if (comp && g == 0) yr[row_base + my_row] = a.round ? bf16r(y) : y;
+        }
+    }
+}
+
+// The staged kernel takes one token row (or expert items of one pair each), whole chunks, 16-byte
+// aligned rows, and matrices of at most 16 waves of 16-row blocks (lm_head streams at 85-90 % of the
+// copy bandwidth through the register kernel already).
+bool staged_applies(const LinArgs& a, unsigned gy, bool expert) {
+    const int64_t rb = row_bytes(a.fmt, a.C);
+    if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
+    // expert weights are separate allocations of the arena (256-byte aligned); a dense view is checked here
+    if (!expert && reinterpret_cast<uintptr_t>(a.data) % 16 != 0) return false;
+    if (expert ? a.tile_pairs != 1 : a.T != 1) return false;
+    const int64_t b16 = (a.R + 15) / 16 * static_cast<int64_t>(gy);
+    return b16 <= 16 * static_cast<int64_t>(sm_count());
+}
+
+template <int FMT, bool EXPERT>
+bool launch_staged(const LinArgs& a, unsigned gy, bool hw8) {
+    constexpr int CB = chunk_bytes<FMT>();
+    if (!staged_applies(a, gy, EXPERT)) return false;
+    const int64_t nsm = sm_count();
+    int rpb = 16;
+    while (rpb > 1 && (a.R + rpb - 1) / rpb * static_cast<int64_t>(gy) < 2 * nsm) rpb /= 2;
+    const int nchunks = static_cast<int>(a.C / 64);
+    int cps = std::max(1, kStStageBytes / (rpb * CB));
+    cps = std::min(cps, nchunks);
+    const size_t smem = static_cast<size_t>(kStStages) * rpb * (cps * CB + CB);
+    dim3 grid(static_cast<unsigned>((a.R + rpb - 1) / rpb), gy);
+    auto k = hw8 ? k_linear_st<FMT, EXPERT, true> : k_linear_st<FMT, EXPERT, false>;
+    static bool attr_set[2] = {false, false};
+    if (!attr_set[hw8 ? 1 : 0]) {
+        check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024), "smem attribute");
+        attr_set[hw8 ? 1 : 0] = true;
+    }
+    GLM_LAUNCH(k, grid, kStThreads, smem, a, rpb, cps);
+    return true;
+}
+
 template <int FMT, int TT, bool EXPERT>
 void launch_fmt(const LinArgs& a, dim3 grid, bool hw8) {
+    if constexpr (TT == 1) {
+        if (!a.no_staged && launch_staged<FMT, EXPERT>(a, grid.y, hw8)) return;
+    }
     constexpr int threads = rows_per_block<TT>() * 8;
     grid.x = static_cast<unsigned>((a.R + rows_per_block<TT>() - 1) / rows_per_block<TT>());
     const int64_t nb = static_cast<int64_t>(grid.x) * grid.y, nsm = sm_count();
@@ -425,7 +626,96 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
     a.max_items = max_items;
     a.pairs = pairs;
     a.xdiv = xdiv;
+    a.tile_pairs = tile;
     run(a, true, tile, nm, hw8);
+}
+
+// ---- test entry point --------------------------------------------------------------------------
+
+std::vector<float> linear_device(const std::string& release, const void* data, size_t data_bytes, const void* scale,
+                                 size_t scale_bytes, int64_t R, int64_t C, const float* X, int T, bool round,
+                                 const std::string& kernel, bool expert) {
+    int fmt;
+    if (release == "bf16") fmt = W_BF16;
+    else if (release == "f32") fmt = W_F32;
+    else if (release == "fp8") fmt = W_FP8;
+    else if (release == "mxfp4") fmt = W_MXFP4;
+    else throw std::invalid_argument("linear: release must be 'bf16', 'f32', 'fp8' or 'mxfp4', not '" + release + "'");
+    if (kernel != "auto" && kernel != "staged" && kernel != "register")
+        throw std::invalid_argument("linear: kernel must be 'auto', 'staged' or 'register', not '" + kernel + "'");
+    if (R <= 0 || C <= 0 || T <= 0) throw std::invalid_argument("linear: R, C and T must be positive");
+    if (expert && T > 65535) throw std::invalid_argument("linear: at most 65535 pairs");
+    auto dalloc = [](size_t n) {
+        void* p = nullptr;
+        check(cudaMalloc(&p, n ? n : 16), "cudaMalloc");
+        return p;
+    };
+    struct Free {
+        std::vector<void*> p;
+        ~Free() {
+            for (void* q : p) cudaFree(q);
+        }
+    } guard;
+    auto alloc = [&](size_t n) {
+        guard.p.push_back(dalloc(n));
+        return guard.p.back();
+    };
+    void* dd = alloc(data_bytes);
+    void* ds = alloc(scale_bytes);
+    void* dx = alloc(static_cast<size_t>(T) * C * 4);
+    void* dy = alloc(static_cast<size_t>(T) * R * 4);
+    void* dtab = alloc(2 * sizeof(void*));
+    void* ditems = alloc(static_cast<size_t>(T) * 4 * 4 + 4);
+    check(cudaMemcpy(dd, data, data_bytes, cudaMemcpyHostToDevice), "linear: weights");
+    if (scale_bytes) check(cudaMemcpy(ds, scale, scale_bytes, cudaMemcpyHostToDevice), "linear: scales");
+    check(cudaMemcpy(dx, X, static_cast<size_t>(T) * C * 4, cudaMemcpyHostToDevice), "linear: X");
+    LinArgs a;
+    a.fmt = fmt;
+    a.C = C;
+    a.R = static_cast<int>(R);
+    a.rh = a.R;
+    a.X = static_cast<const float*>(dx);
+    a.ldx = C;
+    a.Y = static_cast<float*>(dy);
+    a.ldy = R;
+    a.T = T;
+    a.round = round;
+    a.no_staged = kernel == "register";
+    if (expert) {
+        // one expert (the matrix), each token row its own work item of one pair
+        const void* tab[2] = {dd, ds};
+        check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
+        std::vector<int> it(static_cast<size_t>(T) * 4 + 1);
+        for (int t = 0; t < T; ++t) {
+            it[3 * static_cast<size_t>(t)] = 0;
+            it[3 * static_cast<size_t>(t) + 1] = t;
+            it[3 * static_cast<size_t>(t) + 2] = 1;
+            it[3 * static_cast<size_t>(T) + 1 + static_cast<size_t>(t)] = t;
+        }
+        it[3 * static_cast<size_t>(T)] = T;
+        check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "linear: items");
+        const int* di = static_cast<const int*>(ditems);
+        a.dtab = static_cast<const void* const*>(dtab);
+        a.stab = static_cast<const void* const*>(dtab) + 1;
+        a.items = di;
+        a.n_items = di + 3 * T;
+        a.pairs = di + 3 * T + 1;
+        a.max_items = T;
+        a.tile_pairs = 1;
+        if (kernel == "staged" && !staged_applies(a, static_cast<unsigned>(std::min(T, 65535)), true))
+            throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
+        run(a, true, 1, Nm{}, true);
+    } else {
+        a.data = dd;
+        a.scale = ds;
+        if (kernel == "staged" && !staged_applies(a, 1, false))
+            throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
+        run(a, false, tile_for(T), Nm{}, true);
+    }
+    std::vector<float> y(static_cast<size_t>(T) * R);
+    check(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost), "linear: Y");
+    check(cudaDeviceSynchronize(), "linear");
+    return y;
 }
 
 }  // namespace glm::cuda

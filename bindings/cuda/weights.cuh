@@ -66,6 +66,8 @@ struct LinArgs {
     const int* pairs = nullptr;                // pair ids (t*k + j)
     int xdiv = 1;                              // x row of pair p: X + (p / xdiv) * ldx; y row: Y + p*ldy
     int max_items = 0;
+    int tile_pairs = 1;                        // pairs per work item (at most)
+    bool no_staged = false;                    // keep the register kernel (tests compare the two)
 };
 
 // Y = W X for T token rows. hw8: decode E4M3 with the hardware conversion.
