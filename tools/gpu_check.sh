@@ -7,7 +7,8 @@
 # Environment: OUT (logs and results, default /tmp/gpu_check), GLM_SLICE_DIR (slice checkpoints, default
 # /tmp/slice; made here with oracle.zoo when absent), BUDGET (seconds for the whole run, default 450),
 # SLICE_LAYERS (2), SLICE_EXPERTS (288), SKIP_PEER=1 (no transformers peer), RELEASES (fp8,mxfp4),
-# TESTS=0 (skip the GPU tests: a performance iteration) or quick (skip the exhaustive expf and the slowest), PROFILE=1 (kernel timeline of decode steps,
+# TESTS=0 (skip the GPU tests: a performance iteration) or quick (skip the exhaustive expf and the slowest),
+# TESTS_K (a pytest -k expression instead),, PROFILE=1 (kernel timeline of decode steps,
 # tools/profile_cuda.py, after the benchmarks).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
@@ -92,6 +93,7 @@ phase "GPU tests (tests/test_fast_cuda.py; the slice test comes last)"
 T_TESTS=$(( $(left) - 230 )); [ "$T_TESTS" -lt 60 ] && T_TESTS=60
 SEL="not slice"
 [ "${TESTS:-1}" = "quick" ] && SEL="not slice and not exhaustive and not census and not small-bf16"
+[ -n "${TESTS_K:-}" ] && SEL="$TESTS_K"
 timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py -v -rsP -p no:cacheprovider --durations=15 -k "$SEL" \
   > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? (limit $T_TESTS s)"
@@ -120,7 +122,7 @@ echo "bench exit $? (limit $T_BENCH s)"
 if [ "${PROFILE:-0}" = "1" ]; then
   phase "kernel timeline of decode steps (tools/profile_cuda.py)"
   for r in ${RELEASES//,/ }; do
-    for b in 1 8; do
+    for b in ${PROFILE_BATCHES:-1 8}; do
       timeout 120 python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-$r" --batch $b --trace "$OUT/trace-$r-b$b.json" \
         2>&1 | grep -v -E "^(STAGE|Warning|  warnings)" | head -70
     done
