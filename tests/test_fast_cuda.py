@@ -531,7 +531,10 @@ def test_linear_kernels_match_cpu(case):
     X = rng.standard_normal((T, C), dtype=np.float32)
     want = _core.linear(release, data, scale, X, round=rnd, threads=os.cpu_count() or 1)
     cu = cuda_module()
-    kernels = ["auto", "register"] + (["staged"] if staged else [])
+    # every staged variant: 8, 4 or 2 lanes per thread, x through L1 or staged, and a forced small
+    # block (3 rows) with 2-chunk stages (several stages, a partial last one)
+    variants = ["staged"] + [f"staged:{lpt}:{xs}" for lpt in (8, 4, 2) for xs in (0, 1)] + ["staged:4:1:3:2", "staged:2:0:5:3"]
+    kernels = ["auto", "register"] + (variants if staged else [])
     for kernel in kernels:
         got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert)
         assert got.shape == want.shape

@@ -303,7 +303,20 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         },
         py::arg("release"), py::arg("data"), py::arg("scale"), py::arg("X"), py::arg("round") = false,
         py::arg("kernel") = "auto", py::arg("expert") = false,
-        "linear(release, data, scale, X: f32[T, C], round=False, kernel='auto'|'staged'|'register', expert=False) -> "
+        "linear(release, data, scale, X: f32[T, C], round=False, kernel='auto'|'staged'|'staged:LPT:XS[:RPB:CPS]'|"
+        "'register', expert=False) -> "
         "f32[T, R]: Y[t, r] = cdot(W[r], X[t]) through the engine's device kernels (expert: the routed-expert "
         "path). Layouts as fast._core.linear.");
+    m.def(
+        "linear_bench",
+        [](const std::string& release, int64_t R, int64_t C, int experts, const std::string& kernel, int reps) {
+            return translate([&] {
+                py::gil_scoped_release nogil;
+                return linear_bench_device(release, R, C, experts, kernel, reps);
+            });
+        },
+        py::arg("release"), py::arg("R"), py::arg("C"), py::arg("experts") = 0, py::arg("kernel") = "auto",
+        py::arg("reps") = 20,
+        "Median device microseconds of one linear launch (R x C weights made on the device; experts > 0: that many "
+        "expert matrices, one pair each). kernel as linear().");
 }

@@ -323,15 +323,16 @@ __global__ void k_linear_seq(LinArgs a, int tile) {
 //
 // Decode at batch 1 streams many mid-size matrices (2k-16k rows) and a few skinny ones (64-512 rows of
 // 4k-16k columns). With weights loaded into registers by the eight threads that own a row, a matrix
-// of R rows has only R/4 warps, each waiting on its own few loads: the profile showed 0.9-1.7 TB/s on
-// the mid-size ones and ~17 us for a 1 MB skinny one. Here every thread of a 256-thread block copies
-// the block's rows into shared memory (cp.async, 16 bytes each, kStStages - 1 stages in flight), and
-// the eight threads of each row then run exactly the canonical dot of linear_block from shared memory:
-// the same chunks, in the same order, into the same accumulators. Only where the bytes wait changes.
+// of R rows has only R/4 warps, each waiting on its own few loads (the profile: 0.9-1.7 TB/s on the
+// mid-size ones, ~17 us for a 1 MB skinny one). Here every thread of a 256-thread block copies the
+// block's rows into shared memory (cp.async, 16 bytes each, kStStages - 1 stages in flight), and the
+// row's partial sums are then computed from shared memory: P[g][l] is still one FMA chain over the
+// chunks in order, but the 64 chains of a row may be spread over 8, 16 or 32 threads (LPT = 8, 4 or 2
+// lanes of one accumulator g per thread), and the fold runs the same 4/2/1 trees by shuffles. Only
+// where the bytes wait and which thread owns a chain change; no operation does.
 constexpr int kStThreads = 256;
 constexpr int kStStages = 4;
-constexpr int kStStageBytes = 12288;  // weight bytes of one stage over the block's rows
-constexpr int kStMaxRows = 32;
+constexpr int kStStageBytes = 12288;  // weight bytes of one stage over the block's rows (default)
 
 GLM_DEV void cp_async16(void* smem, const void* gmem) {
 #if defined(GLM_CUDA_EMU)
@@ -362,45 +363,134 @@ __host__ __device__ inline int64_t row_bytes(int fmt, int64_t C) {
     return fmt == W_BF16 ? 2 * C : (fmt == W_F32 ? 4 * C : (fmt == W_FP8 ? C : C / 2));
 }
 
-// The raw bytes of chunk `u` of thread g's eight weights, from a row's bytes in shared memory.
-template <int FMT>
-GLM_DEV Raw<FMT> smem_raw(const unsigned char* row, int u, int g, const void* __restrict__ scale, int64_t ar,
-                          int64_t col, int64_t C) {
-    Raw<FMT> r;
-    const unsigned char* p = row + u * chunk_bytes<FMT>() + g * (chunk_bytes<FMT>() / 8);
-    if constexpr (FMT == W_BF16) {
-        r.v = *reinterpret_cast<const uint4*>(p);
-    } else if constexpr (FMT == W_F32) {
-        r.a = *reinterpret_cast<const float4*>(p);
-        r.b = *reinterpret_cast<const float4*>(p + 16);
-    } else if constexpr (FMT == W_FP8) {
-        r.v = *reinterpret_cast<const uint2*>(p);
-        r.s = __ldg(static_cast<const float*>(scale) + (ar / 128) * ((C + 127) / 128) + col / 128);
-    } else {
-        r.v = *reinterpret_cast<const uint32_t*>(p);
-        r.e = __ldg(static_cast<const uint8_t*>(scale) + ar * (C / 32) + col / 32);
+// Two E4M3 codes (low byte first) -> exact f32 values, by the path e4m3x8 takes.
+template <bool HW>
+GLM_DEV void e4m3x2(uint32_t pair, float& a, float& b) {
+#if !defined(GLM_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    if constexpr (HW) {
+        uint32_t h2;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<unsigned short>(pair)));
+        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}"
+            : "=f"(a), "=f"(b)
+            : "r"(h2));
+        return;
     }
-    return r;
+#endif
+    a = e4m3_sw(pair & 0xFFu);
+    b = e4m3_sw((pair >> 8) & 0xFFu);
+}
+
+// LPT consecutive weights of a row from shared memory (p: their first byte), decoded exactly as
+// decode_raw does for eight: BF16 bits, F32, E4M3 * scale (one f32 multiply), E2M1 * E8M0 scale.
+template <int FMT, bool HW8, int LPT>
+GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
+    if constexpr (FMT == W_BF16) {
+        uint32_t u[LPT / 2];
+        if constexpr (LPT == 8) {
+            const uint4 v = *reinterpret_cast<const uint4*>(p);
+            u[0] = v.x; u[1] = v.y; u[2] = v.z; u[3] = v.w;
+        } else if constexpr (LPT == 4) {
+            const uint2 v = *reinterpret_cast<const uint2*>(p);
+            u[0] = v.x; u[1] = v.y;
+        } else {
+            u[0] = *reinterpret_cast<const uint32_t*>(p);
+        }
+#pragma unroll
+        for (int k = 0; k < LPT / 2; ++k) {
+            w[2 * k] = f32_from_bits(u[k] << 16);
+            w[2 * k + 1] = f32_from_bits(u[k] & 0xFFFF0000u);
+        }
+    } else if constexpr (FMT == W_F32) {
+#pragma unroll
+        for (int k = 0; k < LPT; k += 2) {
+            const float2 v = *reinterpret_cast<const float2*>(p + 4 * k);
+            w[k] = v.x;
+            w[k + 1] = v.y;
+        }
+    } else if constexpr (FMT == W_FP8) {
+        if constexpr (LPT == 8) {
+            const uint2 v = *reinterpret_cast<const uint2*>(p);
+            float t[8];
+            e4m3x8<HW8>(v.x, v.y, t);
+#pragma unroll
+            for (int l = 0; l < 8; ++l) w[l] = t[l];
+        } else if constexpr (LPT == 4) {
+            const uint32_t v = *reinterpret_cast<const uint32_t*>(p);
+            e4m3x2<HW8>(v & 0xFFFFu, w[0], w[1]);
+            e4m3x2<HW8>(v >> 16, w[2], w[3]);
+        } else {
+            const uint32_t v = *reinterpret_cast<const uint16_t*>(p);
+            e4m3x2<HW8>(v, w[0], w[1]);
+        }
+#pragma unroll
+        for (int l = 0; l < LPT; ++l) w[l] = fmul(w[l], s);
+    } else {
+        uint32_t v;
+        if constexpr (LPT == 8) v = *reinterpret_cast<const uint32_t*>(p);
+        else if constexpr (LPT == 4) v = *reinterpret_cast<const uint16_t*>(p);
+        else v = *p;
+#pragma unroll
+        for (int l = 0; l < LPT; ++l) w[l] = mxfp4_w((v >> (4 * l)) & 15u, s);
+    }
+}
+
+// The canonical fold when thread (g, h) of a row holds lanes [h*LPT, (h+1)*LPT) of accumulator g
+// (TPR = 64/LPT threads per row, aligned in the warp): P[g] += P[g+w] for w = 4, 2, 1 (lane-wise),
+// then P[0][l] += P[0][l+w] for w = 4, 2, 1. The result is in thread (0, 0) of the row. Every lane
+// of the warp calls it.
+template <int LPT>
+GLM_DEV float fold_lanes(float (&acc)[LPT], int g, int h) {
+    constexpr int SUB = 8 / LPT;  // threads per accumulator
+    constexpr int TPR = 8 * SUB;
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1) {
+#pragma unroll
+        for (int k = 0; k < LPT; ++k) {
+            const float o = __shfl_down_sync(kFull, acc[k], w * SUB, TPR);
+            if (g < w) acc[k] = add(acc[k], o);
+        }
+    }
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1) {
+        if (w >= LPT) {
+#pragma unroll
+            for (int k = 0; k < LPT; ++k) {
+                const float o = __shfl_down_sync(kFull, acc[k], w / LPT, TPR);
+                if (h * LPT + k < w) acc[k] = add(acc[k], o);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < LPT; ++k)
+                if (k < w) acc[k] = add(acc[k], acc[k + w]);
+        }
+    }
+    return acc[0];
 }
 
 // Rows [blockIdx.x * rpb, +rpb) for one token row (or one expert work item of one pair), C % 64 == 0,
-// rows 16-byte aligned; `cps` chunks per stage.
-template <int FMT, bool EXPERT, bool HW8>
+// rows 16-byte aligned; `cps` chunks per stage. XS: x of the stage's columns also staged (one x per
+// block: no head-blocked views).
+template <int FMT, bool EXPERT, bool HW8, int LPT, bool XS>
 __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, int cps) {
     GLM_DYN_SMEM(unsigned char, sm);
-    __shared__ const unsigned char* rowp[kStMaxRows];
-    __shared__ int64_t rowar[kStMaxRows];
+    constexpr int TPR = 64 / LPT;
+    constexpr int MAXR = kStThreads / 8;
+    __shared__ const unsigned char* rowp[MAXR];
+    __shared__ int64_t rowar[MAXR];
+    __shared__ const float* xrow;
     constexpr int CB = chunk_bytes<FMT>();
     const int64_t C = a.C;
     const int nchunks = static_cast<int>(C / 64);
     const int nst = (nchunks + cps - 1) / cps;
     const int sbp = cps * CB + CB;  // padded row stride of a stage: consecutive rows on other banks
+    const int wbytes = rpb * sbp;
+    const int sbytes = wbytes + (XS ? cps * 256 : 0);
     const int tid = static_cast<int>(threadIdx.x);
     const int row_base = static_cast<int>(blockIdx.x) * rpb;
     const int64_t rb = row_bytes(FMT, C);
-    const int my_row = tid >> 3, g = tid & 7;
+    const int my_row = tid / TPR, j = tid % TPR, g = j / (8 / LPT), h = j % (8 / LPT);
     const bool comp = my_row < rpb && row_base + my_row < a.R;
-    const bool folds = (tid & ~31) < rpb * 8;  // the warps that hold compute threads fold (full-mask shuffles)
+    const bool folds = (tid & ~31) < rpb * TPR;  // warps holding compute threads fold (full-mask shuffles)
 
     const int n_items = EXPERT ? *a.n_items : 1;
     for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
@@ -427,23 +517,28 @@ __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, in
             rowar[tid] = ar;
             rowp[tid] = r < a.R ? static_cast<const unsigned char*>(data) + ar * rb : nullptr;
         }
+        if (tid == 0) xrow = xr;
         __syncthreads();
         auto issue = [&](int s) {
             const int c0 = s * cps;
             const int nc = nchunks - c0 < cps ? nchunks - c0 : cps;
             const int ppr = nc * CB / 16;  // 16-byte pieces per row in this stage
-            unsigned char* buf = sm + static_cast<int64_t>(s % kStStages) * rpb * sbp;
+            unsigned char* buf = sm + static_cast<int64_t>(s % kStStages) * sbytes;
             for (int q = tid; q < rpb * ppr; q += kStThreads) {
                 const int i = q / ppr, k = q - i * ppr;
                 const unsigned char* src = rowp[i];
                 if (src) cp_async16(buf + i * sbp + 16 * k, src + static_cast<int64_t>(c0) * CB + 16 * k);
             }
+            if constexpr (XS) {
+                const unsigned char* xs = reinterpret_cast<const unsigned char*>(xrow + 64 * static_cast<int64_t>(c0));
+                for (int q = tid; q < nc * 16; q += kStThreads) cp_async16(buf + wbytes + 16 * q, xs + 16 * q);
+            }
         };
         const int64_t ar = rowar[my_row < rpb ? my_row : 0];
         const float* x = xr + static_cast<int64_t>(comp ? (row_base + my_row) / a.rh : 0) * a.xhs;
-        const bool xvec = reinterpret_cast<uintptr_t>(x) % 16 == 0;
-        float acc[8];
-        zero8(acc);
+        float acc[LPT];
+#pragma unroll
+        for (int l = 0; l < LPT; ++l) acc[l] = 0.0f;
 #pragma unroll
         for (int s = 0; s < kStStages - 1; ++s) {
             if (s < nst) issue(s);
@@ -457,58 +552,104 @@ __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, in
             if (comp) {
                 const int c0 = s * cps;
                 const int nc = nchunks - c0 < cps ? nchunks - c0 : cps;
-                const unsigned char* row = sm + static_cast<int64_t>(s % kStStages) * rpb * sbp + my_row * sbp;
+                const unsigned char* buf = sm + static_cast<int64_t>(s % kStStages) * sbytes;
+                const unsigned char* row = buf + my_row * sbp;
+                const float* xsm = reinterpret_cast<const float*>(buf + wbytes);
 #pragma unroll 4
                 for (int u = 0; u < nc; ++u) {
-                    const int64_t col = 64 * static_cast<int64_t>(c0 + u) + 8 * g;
-                    const Raw<FMT> raw = smem_raw<FMT>(row, u, g, scale, ar, col, C);
-                    float w[8], xv[8];
-                    decode_raw<FMT, HW8>(raw, w);
-                    load_x8(x, col, xvec, xv);
+                    const int off = 8 * g + LPT * h;  // first element of this thread in the chunk
+                    const int64_t col = 64 * static_cast<int64_t>(c0 + u) + off;
+                    float sc = 0.0f;
+                    if constexpr (FMT == W_FP8)
+                        sc = __ldg(static_cast<const float*>(scale) + (ar / 128) * ((C + 127) / 128) + col / 128);
+                    else if constexpr (FMT == W_MXFP4)
+                        sc = e8m0(__ldg(static_cast<const uint8_t*>(scale) + ar * (C / 32) + col / 32));
+                    float w[LPT], xv[LPT];
+                    decode_smem<FMT, HW8, LPT>(row + u * CB + (off * CB) / 64, sc, w);
+                    const float* xp = XS ? xsm + 64 * u + off : x + col;
 #pragma unroll
-                    for (int l = 0; l < 8; ++l) acc[l] = ffma(w[l], xv[l], acc[l]);
+                    for (int k = 0; k < LPT; k += 2) {
+                        const float2 v = XS ? *reinterpret_cast<const float2*>(xp + k)
+                                            : __ldg(reinterpret_cast<const float2*>(xp + k));
+                        xv[k] = v.x;
+                        xv[k + 1] = v.y;
+                    }
+#pragma unroll
+                    for (int l = 0; l < LPT; ++l) acc[l] = ffma(w[l], xv[l], acc[l]);
                 }
             }
         }
         if (folds) {
-            const float y = group_fold(acc);
-            if (comp && g == 0) yr[row_base + my_row] = a.round ? bf16r(y) : y;
+            const float y = fold_lanes<LPT>(acc, g, h);
+            if (comp && j == 0) yr[row_base + my_row] = a.round ? bf16r(y) : y;
         }
     }
 }
 
+// Which staged variant a launch uses (tests and benchmarks may force one; 0 = the engine's choice).
+struct StChoice {
+    int lpt = 0;   // 8, 4 or 2 lanes per thread
+    int xs = -1;   // stage x too (1) or read it through L1 (0)
+    int rpb = 0;   // rows per block
+    int cps = 0;   // chunks per stage
+};
+
 // The staged kernel takes one token row (or expert items of one pair each), whole chunks, 16-byte
-// aligned rows, and matrices of at most 16 waves of 16-row blocks (lm_head streams at 85-90 % of the
-// copy bandwidth through the register kernel already).
+// aligned rows (and x rows), and matrices of at most 16 waves of 16-row blocks (lm_head streams at
+// 85-90 % of the copy bandwidth through the register kernel already).
 bool staged_applies(const LinArgs& a, unsigned gy, bool expert) {
     const int64_t rb = row_bytes(a.fmt, a.C);
     if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
     // expert weights are separate allocations of the arena (256-byte aligned); a dense view is checked here
     if (!expert && reinterpret_cast<uintptr_t>(a.data) % 16 != 0) return false;
+    if (reinterpret_cast<uintptr_t>(a.X) % 16 != 0 || a.ldx % 4 != 0 || a.xhs % 4 != 0) return false;
     if (expert ? a.tile_pairs != 1 : a.T != 1) return false;
     const int64_t b16 = (a.R + 15) / 16 * static_cast<int64_t>(gy);
     return b16 <= 16 * static_cast<int64_t>(sm_count());
 }
+
+template <int FMT, bool EXPERT, int LPT, bool XS>
+void launch_st(const LinArgs& a, dim3 grid, int rpb, int cps, size_t smem, bool hw8) {
+    auto k = hw8 ? k_linear_st<FMT, EXPERT, true, LPT, XS> : k_linear_st<FMT, EXPERT, false, LPT, XS>;
+    static bool attr_set[2] = {false, false};
+    if (!attr_set[hw8 ? 1 : 0]) {
+        check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024), "smem attribute");
+        attr_set[hw8 ? 1 : 0] = true;
+    }
+    GLM_LAUNCH(k, grid, kStThreads, smem, a, rpb, cps);
+}
+
+StChoice g_st_force;  // set by linear_device / linear_bench_device only
 
 template <int FMT, bool EXPERT>
 bool launch_staged(const LinArgs& a, unsigned gy, bool hw8) {
     constexpr int CB = chunk_bytes<FMT>();
     if (!staged_applies(a, gy, EXPERT)) return false;
     const int64_t nsm = sm_count();
-    int rpb = 16;
-    while (rpb > 1 && (a.R + rpb - 1) / rpb * static_cast<int64_t>(gy) < 2 * nsm) rpb /= 2;
+    const bool heads = a.rh < a.R && a.xhs != 0;
+    int lpt = g_st_force.lpt ? g_st_force.lpt : 8;
+    bool xs = g_st_force.xs >= 0 ? g_st_force.xs == 1 : !heads;
+    if (heads) xs = false;
+    const int maxr = kStThreads / (64 / lpt);
+    int rpb = g_st_force.rpb ? std::min(g_st_force.rpb, maxr) : std::min(16, maxr);
+    if (!g_st_force.rpb)
+        while (rpb > 1 && (a.R + rpb - 1) / rpb * static_cast<int64_t>(gy) < 2 * nsm) rpb /= 2;
     const int nchunks = static_cast<int>(a.C / 64);
-    int cps = std::max(1, kStStageBytes / (rpb * CB));
+    int cps = g_st_force.cps ? g_st_force.cps : std::max(1, kStStageBytes / (rpb * CB));
     cps = std::min(cps, nchunks);
-    const size_t smem = static_cast<size_t>(kStStages) * rpb * (cps * CB + CB);
-    dim3 grid(static_cast<unsigned>((a.R + rpb - 1) / rpb), gy);
-    auto k = hw8 ? k_linear_st<FMT, EXPERT, true> : k_linear_st<FMT, EXPERT, false>;
-    static bool attr_set[2] = {false, false};
-    if (!attr_set[hw8 ? 1 : 0]) {
-        check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024), "smem attribute");
-        attr_set[hw8 ? 1 : 0] = true;
+    const size_t smem = static_cast<size_t>(kStStages) * (rpb * (cps * CB + CB) + (xs ? cps * 256 : 0));
+    if (smem > 200 * 1024) return false;
+    const dim3 grid(static_cast<unsigned>((a.R + rpb - 1) / rpb), gy);
+    if (lpt == 8) {
+        if (xs) launch_st<FMT, EXPERT, 8, true>(a, grid, rpb, cps, smem, hw8);
+        else launch_st<FMT, EXPERT, 8, false>(a, grid, rpb, cps, smem, hw8);
+    } else if (lpt == 4) {
+        if (xs) launch_st<FMT, EXPERT, 4, true>(a, grid, rpb, cps, smem, hw8);
+        else launch_st<FMT, EXPERT, 4, false>(a, grid, rpb, cps, smem, hw8);
+    } else {
+        if (xs) launch_st<FMT, EXPERT, 2, true>(a, grid, rpb, cps, smem, hw8);
+        else launch_st<FMT, EXPERT, 2, false>(a, grid, rpb, cps, smem, hw8);
     }
-    GLM_LAUNCH(k, grid, kStThreads, smem, a, rpb, cps);
     return true;
 }
 
@@ -630,42 +771,129 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
     run(a, true, tile, nm, hw8);
 }
 
-// ---- test entry point --------------------------------------------------------------------------
+// ---- test and benchmark entry points ------------------------------------------------------------
+
+namespace {
+int parse_release(const std::string& release) {
+    if (release == "bf16") return W_BF16;
+    if (release == "f32") return W_F32;
+    if (release == "fp8") return W_FP8;
+    if (release == "mxfp4") return W_MXFP4;
+    throw std::invalid_argument("linear: release must be 'bf16', 'f32', 'fp8' or 'mxfp4', not '" + release + "'");
+}
+
+// kernel: "auto" | "register" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged, forced choice)
+StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
+    StChoice c;
+    no_staged = kernel == "register";
+    require_staged = kernel.rfind("staged", 0) == 0;
+    if (kernel == "auto" || kernel == "register" || kernel == "staged") return c;
+    int v[4] = {0, -1, 0, 0};
+    int n = 0;
+    if (require_staged && kernel.size() > 7 && kernel[6] == ':') {
+        size_t pos = 7;
+        while (n < 4 && pos <= kernel.size()) {
+            const size_t e = kernel.find(':', pos);
+            const std::string f = kernel.substr(pos, e == std::string::npos ? std::string::npos : e - pos);
+            if (f.empty() || f.find_first_not_of("0123456789") != std::string::npos) break;
+            v[n++] = std::stoi(f);
+            if (e == std::string::npos) {
+                pos = kernel.size() + 1;
+                break;
+            }
+            pos = e + 1;
+        }
+        if (pos == kernel.size() + 1 && (n == 2 || n == 4) && (v[0] == 8 || v[0] == 4 || v[0] == 2) &&
+            (v[1] == 0 || v[1] == 1) && v[2] >= 0 && v[2] <= 32 && v[3] >= 0) {
+            c.lpt = v[0];
+            c.xs = v[1];
+            c.rpb = v[2];
+            c.cps = v[3];
+            return c;
+        }
+    }
+    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'staged' or 'staged:LPT:XS[:RPB:CPS]' "
+                                "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
+}
+
+struct ForceGuard {
+    explicit ForceGuard(const StChoice& c) { g_st_force = c; }
+    ~ForceGuard() { g_st_force = StChoice{}; }
+};
+
+struct DevBufs {
+    std::vector<void*> p;
+    void* alloc(size_t n) {
+        void* q = nullptr;
+        check(cudaMalloc(&q, n ? n : 16), "cudaMalloc");
+        p.push_back(q);
+        return q;
+    }
+    ~DevBufs() {
+        for (void* q : p) cudaFree(q);
+    }
+};
+
+// Work items of one pair each, pair t on expert t % n_experts: [3T] items, then n_items, then [T] pairs.
+std::vector<int> expert_items(int T, int n_experts) {
+    std::vector<int> it(static_cast<size_t>(T) * 4 + 1);
+    for (int t = 0; t < T; ++t) {
+        it[3 * static_cast<size_t>(t)] = t % n_experts;
+        it[3 * static_cast<size_t>(t) + 1] = t;
+        it[3 * static_cast<size_t>(t) + 2] = 1;
+        it[3 * static_cast<size_t>(T) + 1 + static_cast<size_t>(t)] = t;
+    }
+    it[3 * static_cast<size_t>(T)] = T;
+    return it;
+}
+
+void set_expert_args(LinArgs& a, const void* tables, const void* items, int T, int n_experts) {
+    const int* di = static_cast<const int*>(items);
+    a.dtab = static_cast<const void* const*>(tables);
+    a.stab = static_cast<const void* const*>(tables) + n_experts;
+    a.items = di;
+    a.n_items = di + 3 * T;
+    a.pairs = di + 3 * T + 1;
+    a.max_items = T;
+    a.tile_pairs = 1;
+}
+
+__global__ void k_fill_bytes(unsigned char* p, size_t n, uint32_t seed, int fmt) {
+    for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+        uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        unsigned char b = static_cast<unsigned char>(h);
+        if (fmt == W_FP8 && (b & 0x7F) == 0x7F) b = 0x7E;
+        if (fmt == W_BF16 && (i & 1)) b = static_cast<unsigned char>(0x3C + (b & 1));  // |w| in [2^-7, 2^-5)
+        if (fmt == W_F32 && (i & 3) == 3) b = 0x3C;
+        p[i] = b;
+    }
+}
+void fill(void* p, size_t n, uint32_t seed, int fmt) {
+    auto k = k_fill_bytes;
+    GLM_LAUNCH(k, 1024, 256, 0, static_cast<unsigned char*>(p), n, seed, fmt);
+    check_launch("fill");
+}
+}  // namespace
 
 std::vector<float> linear_device(const std::string& release, const void* data, size_t data_bytes, const void* scale,
                                  size_t scale_bytes, int64_t R, int64_t C, const float* X, int T, bool round,
                                  const std::string& kernel, bool expert) {
-    int fmt;
-    if (release == "bf16") fmt = W_BF16;
-    else if (release == "f32") fmt = W_F32;
-    else if (release == "fp8") fmt = W_FP8;
-    else if (release == "mxfp4") fmt = W_MXFP4;
-    else throw std::invalid_argument("linear: release must be 'bf16', 'f32', 'fp8' or 'mxfp4', not '" + release + "'");
-    if (kernel != "auto" && kernel != "staged" && kernel != "register")
-        throw std::invalid_argument("linear: kernel must be 'auto', 'staged' or 'register', not '" + kernel + "'");
+    const int fmt = parse_release(release);
+    bool no_staged = false, require_staged = false;
+    const StChoice choice = parse_kernel(kernel, no_staged, require_staged);
     if (R <= 0 || C <= 0 || T <= 0) throw std::invalid_argument("linear: R, C and T must be positive");
     if (expert && T > 65535) throw std::invalid_argument("linear: at most 65535 pairs");
-    auto dalloc = [](size_t n) {
-        void* p = nullptr;
-        check(cudaMalloc(&p, n ? n : 16), "cudaMalloc");
-        return p;
-    };
-    struct Free {
-        std::vector<void*> p;
-        ~Free() {
-            for (void* q : p) cudaFree(q);
-        }
-    } guard;
-    auto alloc = [&](size_t n) {
-        guard.p.push_back(dalloc(n));
-        return guard.p.back();
-    };
-    void* dd = alloc(data_bytes);
-    void* ds = alloc(scale_bytes);
-    void* dx = alloc(static_cast<size_t>(T) * C * 4);
-    void* dy = alloc(static_cast<size_t>(T) * R * 4);
-    void* dtab = alloc(2 * sizeof(void*));
-    void* ditems = alloc(static_cast<size_t>(T) * 4 * 4 + 4);
+    DevBufs B;
+    void* dd = B.alloc(data_bytes);
+    void* ds = B.alloc(scale_bytes);
+    void* dx = B.alloc(static_cast<size_t>(T) * C * 4);
+    void* dy = B.alloc(static_cast<size_t>(T) * R * 4);
+    void* dtab = B.alloc(2 * sizeof(void*));
+    void* ditems = B.alloc(static_cast<size_t>(T) * 4 * 4 + 4);
     check(cudaMemcpy(dd, data, data_bytes, cudaMemcpyHostToDevice), "linear: weights");
     if (scale_bytes) check(cudaMemcpy(ds, scale, scale_bytes, cudaMemcpyHostToDevice), "linear: scales");
     check(cudaMemcpy(dx, X, static_cast<size_t>(T) * C * 4, cudaMemcpyHostToDevice), "linear: X");
@@ -680,35 +908,22 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     a.ldy = R;
     a.T = T;
     a.round = round;
-    a.no_staged = kernel == "register";
+    a.no_staged = no_staged;
+    ForceGuard force(choice);
     if (expert) {
         // one expert (the matrix), each token row its own work item of one pair
         const void* tab[2] = {dd, ds};
         check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
-        std::vector<int> it(static_cast<size_t>(T) * 4 + 1);
-        for (int t = 0; t < T; ++t) {
-            it[3 * static_cast<size_t>(t)] = 0;
-            it[3 * static_cast<size_t>(t) + 1] = t;
-            it[3 * static_cast<size_t>(t) + 2] = 1;
-            it[3 * static_cast<size_t>(T) + 1 + static_cast<size_t>(t)] = t;
-        }
-        it[3 * static_cast<size_t>(T)] = T;
+        const std::vector<int> it = expert_items(T, 1);
         check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "linear: items");
-        const int* di = static_cast<const int*>(ditems);
-        a.dtab = static_cast<const void* const*>(dtab);
-        a.stab = static_cast<const void* const*>(dtab) + 1;
-        a.items = di;
-        a.n_items = di + 3 * T;
-        a.pairs = di + 3 * T + 1;
-        a.max_items = T;
-        a.tile_pairs = 1;
-        if (kernel == "staged" && !staged_applies(a, static_cast<unsigned>(std::min(T, 65535)), true))
+        set_expert_args(a, dtab, ditems, T, 1);
+        if (require_staged && !staged_applies(a, static_cast<unsigned>(std::min(T, 65535)), true))
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
         run(a, true, 1, Nm{}, true);
     } else {
         a.data = dd;
         a.scale = ds;
-        if (kernel == "staged" && !staged_applies(a, 1, false))
+        if (require_staged && !staged_applies(a, 1, false))
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
         run(a, false, tile_for(T), Nm{}, true);
     }
@@ -716,6 +931,85 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     check(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost), "linear: Y");
     check(cudaDeviceSynchronize(), "linear");
     return y;
+}
+
+double linear_bench_device(const std::string& release, int64_t R, int64_t C, int experts, const std::string& kernel,
+                           int reps) {
+    const int fmt = parse_release(release);
+    bool no_staged = false, require_staged = false;
+    const StChoice choice = parse_kernel(kernel, no_staged, require_staged);
+    if (R <= 0 || C <= 0 || C % 64 != 0 || experts < 0 || experts > 64 || reps < 1)
+        throw std::invalid_argument("linear_bench: R > 0, C a positive multiple of 64, 0 <= experts <= 64, reps >= 1");
+    const int nmat = std::max(1, experts);
+    const size_t wbytes = static_cast<size_t>(R) * static_cast<size_t>(row_bytes(fmt, C));
+    const size_t sbytes = fmt == W_FP8 ? static_cast<size_t>((R + 127) / 128) * ((C + 127) / 128) * 4
+                                       : (fmt == W_MXFP4 ? static_cast<size_t>(R) * (C / 32) : 0);
+    DevBufs B;
+    std::vector<const void*> tab(2 * static_cast<size_t>(nmat));
+    for (int e = 0; e < nmat; ++e) {
+        void* w = B.alloc(wbytes);
+        fill(w, wbytes, 17u + static_cast<uint32_t>(e), fmt);
+        void* sc = B.alloc(sbytes);
+        if (sbytes) fill(sc, sbytes, 1000u + static_cast<uint32_t>(e), W_F32);  // FP8: ~2^-7 scales; E8M0 codes
+        tab[static_cast<size_t>(e)] = w;
+        tab[static_cast<size_t>(nmat + e)] = sc;
+    }
+    void* dx = B.alloc(static_cast<size_t>(C) * 4);
+    fill(dx, static_cast<size_t>(C) * 4, 5u, W_F32);
+    const int T = std::max(1, experts);
+    void* dy = B.alloc(static_cast<size_t>(T) * R * 4);
+    LinArgs a;
+    a.fmt = fmt;
+    a.C = C;
+    a.R = static_cast<int>(R);
+    a.rh = a.R;
+    a.X = static_cast<const float*>(dx);
+    a.ldx = 0;  // every pair reads the same x row
+    a.Y = static_cast<float*>(dy);
+    a.ldy = R;
+    a.T = 1;
+    a.round = true;
+    a.no_staged = no_staged;
+    ForceGuard force(choice);
+    void* dtab = nullptr;
+    if (experts > 0) {
+        dtab = B.alloc(tab.size() * sizeof(void*));
+        check(cudaMemcpy(dtab, tab.data(), tab.size() * sizeof(void*), cudaMemcpyHostToDevice), "bench: table");
+        const std::vector<int> it = expert_items(T, nmat);
+        void* ditems = B.alloc(it.size() * 4);
+        check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "bench: items");
+        set_expert_args(a, dtab, ditems, T, nmat);
+        if (require_staged && !staged_applies(a, static_cast<unsigned>(T), true))
+            throw std::invalid_argument("linear_bench: the staged kernel does not apply to this shape");
+    } else {
+        a.data = tab[0];
+        a.scale = tab[1];
+        if (require_staged && !staged_applies(a, 1, false))
+            throw std::invalid_argument("linear_bench: the staged kernel does not apply to this shape");
+    }
+    auto once = [&] {
+        if (experts > 0) run(a, true, 1, Nm{}, true);
+        else run(a, false, 1, Nm{}, true);
+    };
+    for (int i = 0; i < 3; ++i) once();
+    check(cudaDeviceSynchronize(), "bench warm-up");
+    cudaEvent_t e0, e1;
+    check(cudaEventCreate(&e0), "event");
+    check(cudaEventCreate(&e1), "event");
+    std::vector<float> ms;
+    for (int i = 0; i < reps; ++i) {
+        check(cudaEventRecord(e0, 0), "event");
+        once();
+        check(cudaEventRecord(e1, 0), "event");
+        check(cudaEventSynchronize(e1), "bench");
+        float t = 0;
+        check(cudaEventElapsedTime(&t, e0, e1), "event");
+        ms.push_back(t);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::sort(ms.begin(), ms.end());
+    return 1e3 * static_cast<double>(ms[ms.size() / 2]);
 }
 
 }  // namespace glm::cuda

@@ -36,6 +36,9 @@ struct alignas(16) uint4 {
 struct alignas(8) uint2 {
     unsigned x, y;
 };
+struct alignas(8) float2 {
+    float x, y;
+};
 struct alignas(16) float4 {
     float x, y, z, w;
 };
