@@ -271,7 +271,7 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
     m.def(
         "linear",
         [](const std::string& release, const py::object& dobj, const py::object& sobj, const py::object& xobj,
-           bool round, const std::string& kernel, bool expert) {
+           bool round, const std::string& kernel, bool expert, const std::string& decode) {
             const bool bf = release == "bf16", f32 = release == "f32", fp8 = release == "fp8", mx = release == "mxfp4";
             if (!(bf || f32 || fp8 || mx)) bad("linear: release must be 'bf16', 'f32', 'fp8' or 'mxfp4'");
             const py::array W = checked(dobj, "data", bf ? "u" : (f32 ? "f" : "u"), bf ? 2 : (f32 ? 4 : 1));
@@ -295,28 +295,30 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
             std::vector<float> y = translate([&] {
                 py::gil_scoped_release nogil;
                 return linear_device(release, W.data(), static_cast<size_t>(W.nbytes()), sbytes ? S.data() : nullptr,
-                                     sbytes, R, C, static_cast<const float*>(X.data()), T, round, kernel, expert);
+                                     sbytes, R, C, static_cast<const float*>(X.data()), T, round, kernel, expert,
+                                     decode);
             });
             py::array_t<float> out({static_cast<py::ssize_t>(T), static_cast<py::ssize_t>(R)});
             std::memcpy(out.mutable_data(), y.data(), y.size() * sizeof(float));
             return out;
         },
         py::arg("release"), py::arg("data"), py::arg("scale"), py::arg("X"), py::arg("round") = false,
-        py::arg("kernel") = "auto", py::arg("expert") = false,
+        py::arg("kernel") = "auto", py::arg("expert") = false, py::arg("decode") = "auto",
         "linear(release, data, scale, X: f32[T, C], round=False, kernel='auto'|'staged'|'staged:LPT:XS[:RPB:CPS]'|"
         "'register', expert=False) -> "
         "f32[T, R]: Y[t, r] = cdot(W[r], X[t]) through the engine's device kernels (expert: the routed-expert "
         "path). Layouts as fast._core.linear.");
     m.def(
         "linear_bench",
-        [](const std::string& release, int64_t R, int64_t C, int experts, const std::string& kernel, int reps) {
+        [](const std::string& release, int64_t R, int64_t C, int experts, const std::string& kernel, int reps,
+           const std::string& decode) {
             return translate([&] {
                 py::gil_scoped_release nogil;
-                return linear_bench_device(release, R, C, experts, kernel, reps);
+                return linear_bench_device(release, R, C, experts, kernel, reps, decode);
             });
         },
         py::arg("release"), py::arg("R"), py::arg("C"), py::arg("experts") = 0, py::arg("kernel") = "auto",
-        py::arg("reps") = 20,
+        py::arg("reps") = 20, py::arg("decode") = "auto",
         "Median device microseconds of one linear launch (R x C weights made on the device; experts > 0: that many "
         "expert matrices, one pair each). kernel as linear().");
 }

@@ -138,13 +138,14 @@ std::vector<float> decode_table_device(const std::string& which);
 // Y[t][r] = cdot(W[r], X[t]) on the device through the engine's linear kernels (weights.cu): `kernel`
 // "auto" (the engine's choice), "staged" (the shared-memory one-token kernel; refused where it does not
 // apply; "staged:LPT:XS[:RPB:CPS]" forces its variant) or "register"; expert: through the routed-expert path (the matrix as one expert, each token
-// row a work item). release "bf16" | "f32" | "fp8" | "mxfp4" with the checkpoint's layouts.
+// row a work item). release "bf16" | "f32" | "fp8" | "mxfp4" with the checkpoint's layouts. decode (fp8):
+// "auto" (the engine's choice), "sw", "hw" (the e4m3x2 conversion) or "int" (bit placement; NaN-free weights).
 std::vector<float> linear_device(const std::string& release, const void* data, size_t data_bytes, const void* scale,
                                  size_t scale_bytes, int64_t R, int64_t C, const float* X, int T, bool round,
-                                 const std::string& kernel, bool expert);
+                                 const std::string& kernel, bool expert, const std::string& decode = "auto");
 // Median device microseconds of one such launch over `reps` (weights made on the device; experts > 0:
 // that many distinct expert matrices, one pair each, as decode at batch 1).
 double linear_bench_device(const std::string& release, int64_t R, int64_t C, int experts, const std::string& kernel,
-                           int reps);
+                           int reps, const std::string& decode = "auto");
 
 }  // namespace glm::cuda

@@ -508,6 +508,7 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
             expect(scale_shape, {(R + 127) / 128, (C + 127) / 128}, "weight_scale_inv");
             w.data = upload(data, static_cast<size_t>(R * C));
             w.scale = upload(scale, static_cast<size_t>(((R + 127) / 128) * ((C + 127) / 128)) * 4);
+            w.nan_free = e4m3_nan_free_device(w.data, static_cast<size_t>(R * C));  // selects the integer decode
         } else if (release == "mxfp4") {
             w.fmt = W_MXFP4;
             if (C % 32 != 0) bad("mxfp4 needs in_features % 32 == 0");
@@ -661,6 +662,8 @@ ExpertTable make_table(EngineCore& E_, const std::vector<Lin>& ls, const std::st
     t.fmt = ls[0].fmt;
     t.R = ls[0].R;
     t.C = ls[0].C;
+    t.nan_free = true;
+    for (const Lin& l : ls) t.nan_free = t.nan_free && l.nan_free;
     std::vector<const void*> d(ls.size()), s(ls.size());
     for (size_t e = 0; e < ls.size(); ++e) {
         if (ls[e].fmt != t.fmt || ls[e].R != t.R || ls[e].C != t.C)

@@ -103,7 +103,33 @@ GLM_DEV Raw<FMT> load_raw(const void* __restrict__ data, const void* __restrict_
     return r;
 }
 
-template <int FMT, bool HW8>
+// How E4M3 codes are decoded (LinArgs::dec): the software reference, the hardware e4m3x2 -> f16x2
+// conversion, or integer bit placement for tensors without NaN codes (checked once at load): the code's
+// magnitude bits placed at f32 bits 20-26 and its sign at bit 31 are the value times 2^-120 (normal
+// and subnormal codes alike), so fl(fl(v * 2^120) * s) = fl(e4m3 * s) exactly: two multiplies instead of
+// two conversions, which the conversion unit's throughput made the limit of FP8 decode.
+enum Dec : int { kDecSw = 0, kDecHw = 1, kDecInt = 2 };
+
+template <int K>
+GLM_DEV float e4m3_int(uint32_t word) {  // byte K of word, a non-NaN E4M3 code, times 2^-120
+    constexpr int sh_s = 24 - 8 * K, sh_m = 20 - 8 * K;
+    const uint32_t sign = (sh_s >= 0 ? (word << sh_s) : (word >> -sh_s)) & 0x80000000u;
+    const uint32_t mag = (sh_m >= 0 ? (word << sh_m) : (word >> -sh_m)) & 0x07F00000u;
+    return f32_from_bits(sign | mag);
+}
+template <int DEC>
+GLM_DEV void e4m3_words(uint32_t lo, uint32_t hi, float (&w)[8]) {
+    if constexpr (DEC == kDecInt) {
+        w[0] = e4m3_int<0>(lo); w[1] = e4m3_int<1>(lo); w[2] = e4m3_int<2>(lo); w[3] = e4m3_int<3>(lo);
+        w[4] = e4m3_int<0>(hi); w[5] = e4m3_int<1>(hi); w[6] = e4m3_int<2>(hi); w[7] = e4m3_int<3>(hi);
+#pragma unroll
+        for (int l = 0; l < 8; ++l) w[l] = fmul(w[l], 0x1p120f);
+    } else {
+        e4m3x8<DEC == kDecHw>(lo, hi, w);
+    }
+}
+
+template <int FMT, int DEC>
 GLM_DEV void decode_raw(const Raw<FMT>& r, float (&w)[8]) {
     if constexpr (FMT == W_BF16) {
         const uint32_t u[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
@@ -116,7 +142,7 @@ GLM_DEV void decode_raw(const Raw<FMT>& r, float (&w)[8]) {
         w[0] = r.a.x; w[1] = r.a.y; w[2] = r.a.z; w[3] = r.a.w;
         w[4] = r.b.x; w[5] = r.b.y; w[6] = r.b.z; w[7] = r.b.w;
     } else if constexpr (FMT == W_FP8) {
-        e4m3x8<HW8>(r.v.x, r.v.y, w);
+        e4m3_words<DEC>(r.v.x, r.v.y, w);
         // w = fl32(e4m3 * scale_inv[r/128][c/128]): one f32 multiply
 #pragma unroll
         for (int l = 0; l < 8; ++l) w[l] = fmul(w[l], r.s);
@@ -141,7 +167,7 @@ GLM_DEV void load_x8(const float* __restrict__ x, int64_t col, bool vec, float (
 }
 
 // One block's work: rows [blockIdx.x * RPB, +RPB) for the token tile `tile` (or expert work item).
-template <int FMT, int TT, bool EXPERT, bool HW8, bool DEEP>
+template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP>
 GLM_DEV void linear_block(const LinArgs& a, int tile) {
     constexpr int RPB = rows_per_block<TT>();
     constexpr int U = batch_chunks<FMT, TT, DEEP>();
@@ -211,7 +237,7 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 float w[8];
-                decode_raw<FMT, HW8>(raw[u], w);
+                decode_raw<FMT, DEC>(raw[u], w);
                 fma_chunk(w, 64 * (c + u) + 8 * g);
             }
         }
@@ -226,7 +252,7 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
             for (int u = 0; u < V; ++u) {
                 if (c + u < nfull) {
                     float w[8];
-                    decode_raw<FMT, HW8>(raw[u], w);
+                    decode_raw<FMT, DEC>(raw[u], w);
                     fma_chunk(w, 64 * (c + u) + 8 * g);
                 }
             }
@@ -258,14 +284,14 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
 }
 
 // Expert work items beyond gridDim.y are taken in turn (the grid's y extent is capped at 65535).
-template <int FMT, int TT, bool EXPERT, bool HW8, bool DEEP>
+template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP>
 __global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) {
     if constexpr (EXPERT) {
         const int n = *a.n_items;
         for (int item = static_cast<int>(blockIdx.y); item < n; item += static_cast<int>(gridDim.y))
-            linear_block<FMT, TT, EXPERT, HW8, false>(a, item);
+            linear_block<FMT, TT, EXPERT, DEC, false>(a, item);
     } else {
-        linear_block<FMT, TT, EXPERT, HW8, DEEP>(a, static_cast<int>(blockIdx.y));
+        linear_block<FMT, TT, EXPERT, DEC, DEEP>(a, static_cast<int>(blockIdx.y));
     }
 }
 
@@ -382,7 +408,7 @@ GLM_DEV void e4m3x2(uint32_t pair, float& a, float& b) {
 
 // LPT consecutive weights of a row from shared memory (p: their first byte), decoded exactly as
 // decode_raw does for eight: BF16 bits, F32, E4M3 * scale (one f32 multiply), E2M1 * E8M0 scale.
-template <int FMT, bool HW8, int LPT>
+template <int FMT, int DEC, int LPT>
 GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
     if constexpr (FMT == W_BF16) {
         uint32_t u[LPT / 2];
@@ -411,16 +437,26 @@ GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
         if constexpr (LPT == 8) {
             const uint2 v = *reinterpret_cast<const uint2*>(p);
             float t[8];
-            e4m3x8<HW8>(v.x, v.y, t);
+            e4m3_words<DEC>(v.x, v.y, t);
 #pragma unroll
             for (int l = 0; l < 8; ++l) w[l] = t[l];
+        } else if constexpr (DEC == kDecInt) {
+            const uint32_t v = LPT == 4 ? *reinterpret_cast<const uint32_t*>(p) : *reinterpret_cast<const uint16_t*>(p);
+            w[0] = e4m3_int<0>(v);
+            w[1] = e4m3_int<1>(v);
+            if constexpr (LPT == 4) {
+                w[2] = e4m3_int<2>(v);
+                w[3] = e4m3_int<3>(v);
+            }
+#pragma unroll
+            for (int l = 0; l < LPT; ++l) w[l] = fmul(w[l], 0x1p120f);
         } else if constexpr (LPT == 4) {
             const uint32_t v = *reinterpret_cast<const uint32_t*>(p);
-            e4m3x2<HW8>(v & 0xFFFFu, w[0], w[1]);
-            e4m3x2<HW8>(v >> 16, w[2], w[3]);
+            e4m3x2<DEC == kDecHw>(v & 0xFFFFu, w[0], w[1]);
+            e4m3x2<DEC == kDecHw>(v >> 16, w[2], w[3]);
         } else {
             const uint32_t v = *reinterpret_cast<const uint16_t*>(p);
-            e4m3x2<HW8>(v, w[0], w[1]);
+            e4m3x2<DEC == kDecHw>(v, w[0], w[1]);
         }
 #pragma unroll
         for (int l = 0; l < LPT; ++l) w[l] = fmul(w[l], s);
@@ -470,7 +506,7 @@ GLM_DEV float fold_lanes(float (&acc)[LPT], int g, int h) {
 // Rows [blockIdx.x * rpb, +rpb) for one token row (or one expert work item of one pair), C % 64 == 0,
 // rows 16-byte aligned; `cps` chunks per stage. XS: x of the stage's columns also staged (one x per
 // block: no head-blocked views).
-template <int FMT, bool EXPERT, bool HW8, int LPT, bool XS>
+template <int FMT, bool EXPERT, int DEC, int LPT, bool XS>
 __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, int cps) {
     GLM_DYN_SMEM(unsigned char, sm);
     constexpr int TPR = 64 / LPT;
@@ -565,7 +601,7 @@ __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, in
                     else if constexpr (FMT == W_MXFP4)
                         sc = e8m0(__ldg(static_cast<const uint8_t*>(scale) + ar * (C / 32) + col / 32));
                     float w[LPT], xv[LPT];
-                    decode_smem<FMT, HW8, LPT>(row + u * CB + (off * CB) / 64, sc, w);
+                    decode_smem<FMT, DEC, LPT>(row + u * CB + (off * CB) / 64, sc, w);
                     const float* xp = XS ? xsm + 64 * u + off : x + col;
 #pragma unroll
                     for (int k = 0; k < LPT; k += 2) {
@@ -608,21 +644,31 @@ bool staged_applies(const LinArgs& a, unsigned gy, bool expert) {
     return b16 <= 16 * static_cast<int64_t>(sm_count());
 }
 
-template <int FMT, bool EXPERT, int LPT, bool XS>
-void launch_st(const LinArgs& a, dim3 grid, int rpb, int cps, size_t smem, bool hw8) {
-    auto k = hw8 ? k_linear_st<FMT, EXPERT, true, LPT, XS> : k_linear_st<FMT, EXPERT, false, LPT, XS>;
-    static bool attr_set[2] = {false, false};
-    if (!attr_set[hw8 ? 1 : 0]) {
+template <int FMT, bool EXPERT, int LPT, bool XS, int DEC>
+void launch_st_dec(const LinArgs& a, dim3 grid, int rpb, int cps, size_t smem) {
+    auto k = k_linear_st<FMT, EXPERT, DEC, LPT, XS>;
+    static bool attr_set = false;
+    if (!attr_set) {
         check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024), "smem attribute");
-        attr_set[hw8 ? 1 : 0] = true;
+        attr_set = true;
     }
     GLM_LAUNCH(k, grid, kStThreads, smem, a, rpb, cps);
+}
+template <int FMT, bool EXPERT, int LPT, bool XS>
+void launch_st(const LinArgs& a, dim3 grid, int rpb, int cps, size_t smem) {
+    if constexpr (FMT == W_FP8) {
+        if (a.dec == kDecInt) launch_st_dec<FMT, EXPERT, LPT, XS, kDecInt>(a, grid, rpb, cps, smem);
+        else if (a.dec == kDecHw) launch_st_dec<FMT, EXPERT, LPT, XS, kDecHw>(a, grid, rpb, cps, smem);
+        else launch_st_dec<FMT, EXPERT, LPT, XS, kDecSw>(a, grid, rpb, cps, smem);
+    } else {
+        launch_st_dec<FMT, EXPERT, LPT, XS, kDecSw>(a, grid, rpb, cps, smem);
+    }
 }
 
 StChoice g_st_force;  // set by linear_device / linear_bench_device only
 
 template <int FMT, bool EXPERT>
-bool launch_staged(const LinArgs& a, unsigned gy, bool hw8) {
+bool launch_staged(const LinArgs& a, unsigned gy) {
     constexpr int CB = chunk_bytes<FMT>();
     if (!staged_applies(a, gy, EXPERT)) return false;
     const int64_t nsm = sm_count();
@@ -641,49 +687,55 @@ bool launch_staged(const LinArgs& a, unsigned gy, bool hw8) {
     if (smem > 200 * 1024) return false;
     const dim3 grid(static_cast<unsigned>((a.R + rpb - 1) / rpb), gy);
     if (lpt == 8) {
-        if (xs) launch_st<FMT, EXPERT, 8, true>(a, grid, rpb, cps, smem, hw8);
-        else launch_st<FMT, EXPERT, 8, false>(a, grid, rpb, cps, smem, hw8);
+        if (xs) launch_st<FMT, EXPERT, 8, true>(a, grid, rpb, cps, smem);
+        else launch_st<FMT, EXPERT, 8, false>(a, grid, rpb, cps, smem);
     } else if (lpt == 4) {
-        if (xs) launch_st<FMT, EXPERT, 4, true>(a, grid, rpb, cps, smem, hw8);
-        else launch_st<FMT, EXPERT, 4, false>(a, grid, rpb, cps, smem, hw8);
+        if (xs) launch_st<FMT, EXPERT, 4, true>(a, grid, rpb, cps, smem);
+        else launch_st<FMT, EXPERT, 4, false>(a, grid, rpb, cps, smem);
     } else {
-        if (xs) launch_st<FMT, EXPERT, 2, true>(a, grid, rpb, cps, smem, hw8);
-        else launch_st<FMT, EXPERT, 2, false>(a, grid, rpb, cps, smem, hw8);
+        if (xs) launch_st<FMT, EXPERT, 2, true>(a, grid, rpb, cps, smem);
+        else launch_st<FMT, EXPERT, 2, false>(a, grid, rpb, cps, smem);
     }
     return true;
 }
 
-template <int FMT, int TT, bool EXPERT>
-void launch_fmt(const LinArgs& a, dim3 grid, bool hw8) {
-    if constexpr (TT == 1) {
-        if (!a.no_staged && launch_staged<FMT, EXPERT>(a, grid.y, hw8)) return;
-    }
+template <int FMT, int TT, bool EXPERT, int DEC>
+void launch_reg(const LinArgs& a, dim3 grid) {
     constexpr int threads = rows_per_block<TT>() * 8;
     grid.x = static_cast<unsigned>((a.R + rows_per_block<TT>() - 1) / rows_per_block<TT>());
     const int64_t nb = static_cast<int64_t>(grid.x) * grid.y, nsm = sm_count();
     constexpr bool can_deep = TT == 1 && !EXPERT;
     const bool deep = can_deep && (nb <= 2 * nsm || nb > 16 * nsm);
-    if (FMT == W_FP8 && hw8) {
-        auto k = deep ? k_linear<FMT, TT, EXPERT, true, can_deep> : k_linear<FMT, TT, EXPERT, true, false>;
-        GLM_LAUNCH(k, grid, threads, 0, a);
+    auto k = deep ? k_linear<FMT, TT, EXPERT, DEC, can_deep> : k_linear<FMT, TT, EXPERT, DEC, false>;
+    GLM_LAUNCH(k, grid, threads, 0, a);
+}
+
+template <int FMT, int TT, bool EXPERT>
+void launch_fmt(const LinArgs& a, dim3 grid) {
+    if constexpr (TT == 1) {
+        if (!a.no_staged && launch_staged<FMT, EXPERT>(a, grid.y)) return;
+    }
+    if constexpr (FMT == W_FP8) {
+        if (a.dec == kDecInt) launch_reg<FMT, TT, EXPERT, kDecInt>(a, grid);
+        else if (a.dec == kDecHw) launch_reg<FMT, TT, EXPERT, kDecHw>(a, grid);
+        else launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid);
     } else {
-        auto k = deep ? k_linear<FMT, TT, EXPERT, false, can_deep> : k_linear<FMT, TT, EXPERT, false, false>;
-        GLM_LAUNCH(k, grid, threads, 0, a);
+        launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid);
     }
 }
 
 template <int TT, bool EXPERT>
-void launch_tt(const LinArgs& a, dim3 grid, bool hw8) {
+void launch_tt(const LinArgs& a, dim3 grid) {
     switch (a.fmt) {
-        case W_BF16: launch_fmt<W_BF16, TT, EXPERT>(a, grid, hw8); break;
-        case W_F32: launch_fmt<W_F32, TT, EXPERT>(a, grid, hw8); break;
-        case W_FP8: launch_fmt<W_FP8, TT, EXPERT>(a, grid, hw8); break;
-        case W_MXFP4: launch_fmt<W_MXFP4, TT, EXPERT>(a, grid, hw8); break;
+        case W_BF16: launch_fmt<W_BF16, TT, EXPERT>(a, grid); break;
+        case W_F32: launch_fmt<W_F32, TT, EXPERT>(a, grid); break;
+        case W_FP8: launch_fmt<W_FP8, TT, EXPERT>(a, grid); break;
+        case W_MXFP4: launch_fmt<W_MXFP4, TT, EXPERT>(a, grid); break;
         default: throw std::logic_error("linear: unknown weight format");
     }
 }
 
-void run(LinArgs a, bool expert, int tile, const Nm& nm, bool hw8) {
+void run(LinArgs a, bool expert, int tile, const Nm& nm) {
     if (a.R <= 0) return;
     if (!expert && a.T <= 0) return;
     if (nm.seq) {
@@ -706,18 +758,29 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm, bool hw8) {
     if (gy == 0) return;
     dim3 grid(gx, gy);
     if (expert) {
-        if (TT == 1) launch_tt<1, true>(a, grid, hw8);
-        else if (TT == 4) launch_tt<4, true>(a, grid, hw8);
-        else launch_tt<8, true>(a, grid, hw8);
+        if (TT == 1) launch_tt<1, true>(a, grid);
+        else if (TT == 4) launch_tt<4, true>(a, grid);
+        else launch_tt<8, true>(a, grid);
     } else {
-        if (TT == 1) launch_tt<1, false>(a, grid, hw8);
-        else if (TT == 4) launch_tt<4, false>(a, grid, hw8);
-        else launch_tt<8, false>(a, grid, hw8);
+        if (TT == 1) launch_tt<1, false>(a, grid);
+        else if (TT == 4) launch_tt<4, false>(a, grid);
+        else launch_tt<8, false>(a, grid);
     }
     check_launch("linear");
 }
 
 int tile_for(int T) { return T <= 1 ? 1 : (T <= 4 ? 4 : 8); }
+
+int dec_for(int fmt, bool nan_free, bool hw8) {
+    if (fmt != W_FP8) return kDecSw;
+    return nan_free ? kDecInt : (hw8 ? kDecHw : kDecSw);
+}
+
+__global__ void k_e4m3_nan_scan(const uint8_t* p, size_t n, int* found) {
+    for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<size_t>(gridDim.x) * blockDim.x)
+        if ((p[i] & 0x7Fu) == 0x7Fu) *found = 1;
+}
 
 }  // namespace
 
@@ -745,7 +808,8 @@ void linear_heads(const Lin& W, int R, int rh, int64_t hstride, int64_t woff, co
     a.ldy = ldy;
     a.T = T;
     a.round = round;
-    run(a, false, tile_for(T), nm, hw8);
+    a.dec = dec_for(W.fmt, W.nan_free, hw8);
+    run(a, false, tile_for(T), nm);
 }
 
 void linear_experts(const ExpertTable& W, const int* items, const int* n_items, int max_items, const int* pairs,
@@ -768,7 +832,24 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
     a.pairs = pairs;
     a.xdiv = xdiv;
     a.tile_pairs = tile;
-    run(a, true, tile, nm, hw8);
+    a.dec = dec_for(W.fmt, W.nan_free, hw8);
+    run(a, true, tile, nm);
+}
+
+bool e4m3_nan_free_device(const void* data, size_t n) {
+    if (n == 0) return true;
+    void* dv = nullptr;
+    check(cudaMalloc(&dv, sizeof(int)), "cudaMalloc");
+    int* d = static_cast<int*>(dv);
+    int found = 0;
+    check(cudaMemcpy(d, &found, sizeof(int), cudaMemcpyHostToDevice), "nan scan");
+    auto k = k_e4m3_nan_scan;
+    GLM_LAUNCH(k, 1024, 256, 0, static_cast<const uint8_t*>(data), n, d);
+    check_launch("nan scan");
+    const cudaError_t e = cudaMemcpy(&found, d, sizeof(int), cudaMemcpyDeviceToHost);
+    cudaFree(d);
+    check(e, "nan scan");
+    return found == 0;
 }
 
 // ---- test and benchmark entry points ------------------------------------------------------------
@@ -814,6 +895,20 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
     }
     throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'staged' or 'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
+}
+
+void parse_decode(const std::string& d) {
+    if (d != "auto" && d != "sw" && d != "hw" && d != "int")
+        throw std::invalid_argument("linear: decode must be 'auto', 'sw', 'hw' or 'int', not '" + d + "'");
+}
+// FP8 decode path: auto = the engine's choice (integer placement for NaN-free weights, else hardware);
+// 'int' on weights with NaN codes is refused.
+int dec_of(const std::string& d, int fmt, bool nan_free) {
+    if (fmt != W_FP8) return kDecSw;
+    if (d == "sw") return kDecSw;
+    if (d == "hw") return kDecHw;
+    if (d == "int" && !nan_free) throw std::invalid_argument("linear: decode 'int' needs weights without NaN codes");
+    return nan_free ? kDecInt : kDecHw;
 }
 
 struct ForceGuard {
@@ -881,8 +976,9 @@ void fill(void* p, size_t n, uint32_t seed, int fmt) {
 
 std::vector<float> linear_device(const std::string& release, const void* data, size_t data_bytes, const void* scale,
                                  size_t scale_bytes, int64_t R, int64_t C, const float* X, int T, bool round,
-                                 const std::string& kernel, bool expert) {
+                                 const std::string& kernel, bool expert, const std::string& decode) {
     const int fmt = parse_release(release);
+    parse_decode(decode);
     bool no_staged = false, require_staged = false;
     const StChoice choice = parse_kernel(kernel, no_staged, require_staged);
     if (R <= 0 || C <= 0 || T <= 0) throw std::invalid_argument("linear: R, C and T must be positive");
@@ -909,6 +1005,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     a.T = T;
     a.round = round;
     a.no_staged = no_staged;
+    a.dec = dec_of(decode, fmt, fmt == W_FP8 && e4m3_nan_free_device(dd, data_bytes));
     ForceGuard force(choice);
     if (expert) {
         // one expert (the matrix), each token row its own work item of one pair
@@ -919,13 +1016,13 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         set_expert_args(a, dtab, ditems, T, 1);
         if (require_staged && !staged_applies(a, static_cast<unsigned>(std::min(T, 65535)), true))
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
-        run(a, true, 1, Nm{}, true);
+        run(a, true, 1, Nm{});
     } else {
         a.data = dd;
         a.scale = ds;
         if (require_staged && !staged_applies(a, 1, false))
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
-        run(a, false, tile_for(T), Nm{}, true);
+        run(a, false, tile_for(T), Nm{});
     }
     std::vector<float> y(static_cast<size_t>(T) * R);
     check(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost), "linear: Y");
@@ -934,8 +1031,9 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
 }
 
 double linear_bench_device(const std::string& release, int64_t R, int64_t C, int experts, const std::string& kernel,
-                           int reps) {
+                           int reps, const std::string& decode) {
     const int fmt = parse_release(release);
+    parse_decode(decode);
     bool no_staged = false, require_staged = false;
     const StChoice choice = parse_kernel(kernel, no_staged, require_staged);
     if (R <= 0 || C <= 0 || C % 64 != 0 || experts < 0 || experts > 64 || reps < 1)
@@ -970,6 +1068,7 @@ double linear_bench_device(const std::string& release, int64_t R, int64_t C, int
     a.T = 1;
     a.round = true;
     a.no_staged = no_staged;
+    a.dec = dec_of(decode, fmt, true);  // the fill makes no NaN codes
     ForceGuard force(choice);
     void* dtab = nullptr;
     if (experts > 0) {
@@ -988,8 +1087,8 @@ double linear_bench_device(const std::string& release, int64_t R, int64_t C, int
             throw std::invalid_argument("linear_bench: the staged kernel does not apply to this shape");
     }
     auto once = [&] {
-        if (experts > 0) run(a, true, 1, Nm{}, true);
-        else run(a, false, 1, Nm{}, true);
+        if (experts > 0) run(a, true, 1, Nm{});
+        else run(a, false, 1, Nm{});
     };
     for (int i = 0; i < 3; ++i) once();
     check(cudaDeviceSynchronize(), "bench warm-up");

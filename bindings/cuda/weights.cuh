@@ -24,6 +24,7 @@ struct Lin {
     int64_t row0 = 0;
     const void* data = nullptr;   // device
     const void* scale = nullptr;  // device
+    bool nan_free = false;        // fp8: no NaN code in the tensor (checked on the device at load)
     bool empty() const { return data == nullptr; }
     Lin rows(int64_t r0, int64_t n) const {
         Lin v = *this;
@@ -40,6 +41,7 @@ struct ExpertTable {
     int64_t R = 0, C = 0;
     const void* const* data = nullptr;   // device array [E]
     const void* const* scale = nullptr;  // device array [E]
+    bool nan_free = false;               // fp8: no expert holds a NaN code
 };
 
 // Everything one linear launch needs (passed by value to the kernel).
@@ -68,7 +70,11 @@ struct LinArgs {
     int max_items = 0;
     int tile_pairs = 1;                        // pairs per work item (at most)
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
+    int dec = 0;                               // fp8 decode path (weights.cu: Dec)
 };
+
+// True when no byte of the n at `data` (device) is an E4M3 NaN code (0x7F, 0xFF).
+bool e4m3_nan_free_device(const void* data, size_t n);
 
 // Y = W X for T token rows. hw8: decode E4M3 with the hardware conversion.
 void linear(const Lin& W, const float* X, int64_t ldx, float* Y, int64_t ldy, int T, bool round, const Nm& nm,
