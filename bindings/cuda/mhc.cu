@@ -251,6 +251,59 @@ __global__ void k_hc_collapse(const float* __restrict__ X, const double* __restr
     }));
 }
 
+// collapse + RMSNorm (attn_norm / ffn_norm) of one token per block: the collapsed row (exactly
+// k_hc_collapse's operations) goes to `collapsed` and to shared memory with the norm weight (all loads of
+// a batch in flight), then RMSNorm as rms_norm_rows: block64_dot over the row, y = bf16(bf16(x*inv)*w).
+// Used when no injection targets the collapsed row (an injection must reach the norm's input).
+constexpr int kCnThreads = 256;
+constexpr int kCnPer = 8;
+constexpr int kCnMaxD = 6000;  // 2D floats + red[64] within the default 48 KB of shared memory
+
+__global__ void __launch_bounds__(kCnThreads) k_hc_collapse_norm(const float* __restrict__ X,
+                                                                 const double* __restrict__ pre, int hc, int D,
+                                                                 const float* __restrict__ w, float eps,
+                                                                 float* collapsed, float* Y, Nm nm) {
+    __shared__ float red[64];
+    GLM_DYN_SMEM(float, sm);
+    float* xs = sm;
+    float* ws = sm + D;
+    const int64_t t = blockIdx.x;
+    const int tid = static_cast<int>(threadIdx.x);
+    const float* xt = X + t * hc * D;
+    const double* p = pre + t * hc;
+    for (int i0 = 0; i0 < D; i0 += kCnThreads * kCnPer) {
+        float cr[kCnPer], wr[kCnPer];
+#pragma unroll
+        for (int q = 0; q < kCnPer; ++q) {
+            const int d = i0 + tid + kCnThreads * q;
+            wr[q] = d < D ? __ldg(w + d) : 0.0f;
+            cr[q] = d < D ? bf16r64(cdot_serial<double>(hc, nm.seq,
+                                                        [&](int i, double& a, double& b) {
+                                                            a = static_cast<double>(__ldg(xt + i * D + d));
+                                                            b = p[i];
+                                                        }))
+                          : 0.0f;
+        }
+#pragma unroll
+        for (int q = 0; q < kCnPer; ++q) {
+            const int d = i0 + tid + kCnThreads * q;
+            if (d < D) {
+                xs[d] = cr[q];
+                ws[d] = wr[q];
+                collapsed[t * D + d] = cr[q];
+            }
+        }
+    }
+    // block64_dot starts with a barrier: the staged row is complete before it is read
+    const float ss = block64_dot<float>(D, nm.seq, red, [&](int i, float& a, float& b) {
+        a = xs[i];
+        b = xs[i];
+    });
+    const float inv = fdiv(1.0f, fsqrt(fadd(fdiv(ss, static_cast<float>(D)), eps)));
+    float* y = Y + t * D;
+    for (int i = tid; i < D; i += kCnThreads) y[i] = bf16r(fmul(bf16r(fmul(xs[i], inv)), ws[i]));
+}
+
 __global__ void k_hc_expand(float* X, const float* __restrict__ u, const double* __restrict__ post,
                             const double* __restrict__ comb, int T, int hc, int D, Nm nm) {
     const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -275,7 +328,7 @@ __global__ void k_hc_expand(float* X, const float* __restrict__ u, const double*
 }  // namespace
 
 void hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double* pre, double* post, double* comb,
-             float* collapsed) {
+             float* collapsed, const float* norm_w, float norm_eps, float* normed) {
     const Config& c = s.c;
     const int T = s.T, hc = static_cast<int>(c.hc_mult), D = static_cast<int>(c.hidden_size);
     const int n = hc * D, R = static_cast<int>(c.hc_dim());
@@ -303,6 +356,15 @@ void hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
     s.emit(layer, S_PRE, pre, hc, {hc});
     s.emit(layer, S_PRE + 1, post, hc, {hc});
     s.emit(layer, S_PRE + 2, comb, static_cast<int64_t>(hc) * hc, {hc, hc});
+    const bool inj_collapsed = s.inj.active && s.inj.layer == layer && s.inj.stage == S_PRE + 3;
+    if (D <= kCnMaxD && !inj_collapsed) {
+        auto k = k_hc_collapse_norm;
+        GLM_LAUNCH(k, T, kCnThreads, 2 * static_cast<size_t>(D) * sizeof(float), X, pre, hc, D, norm_w, norm_eps,
+                   collapsed, normed, s.nm);
+        check_launch("hc_collapse_norm");
+        s.emit(layer, S_PRE + 3, collapsed, D, {D});
+        return;
+    }
     {
         const int64_t total = static_cast<int64_t>(T) * D;
         auto k = k_hc_collapse;
@@ -310,6 +372,7 @@ void hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
         check_launch("hc_collapse");
     }
     s.emit(layer, S_PRE + 3, collapsed, D, {D});
+    rms_norm_rows(s, collapsed, D, T, D, norm_w, norm_eps, normed, D);
 }
 
 void hc_expand(Step& s, int layer, bool ffn, float* X, const float* u, const double* post, const double* comb) {
