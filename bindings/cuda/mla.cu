@@ -132,9 +132,11 @@ __global__ void k_mla_softmax(const float* __restrict__ scores, int T, int nh, c
 
 // mla.o_lat for short selections (ns <= kOlatShort): a thread per (t, h, k) holds the 64 partial sums
 // P[g][l] in registers (fully unrolled, so no local memory): element j to P[j % 64] by FMA, chunks in
-// order, then the 4/2/1 trees: the canonical cdot (cdot_serial's operations). Sequential mode: left to
-// right.
+// order, then the 4/2/1 trees: the canonical cdot (cdot_serial's operations). NP < 64 (only when every
+// row has ns <= NP, one chunk): P[NP..64) never receive an element and stay the constant +0, so they
+// take no registers; the trees still add them (the same operations). Sequential mode: left to right.
 constexpr int kOlatShort = 128;
+template <int NP>
 __global__ void __launch_bounds__(256) k_mla_olat_short(const float* __restrict__ probs, int nh, int r,
                                                         const int* __restrict__ sel,
                                                         const int64_t* __restrict__ sel_off,
@@ -154,7 +156,7 @@ __global__ void __launch_bounds__(256) k_mla_olat_short(const float* __restrict_
         for (int q = 0; q < 64; ++q) P[q] = 0.0f;
         for (int base = 0; base < ns; base += 64) {
 #pragma unroll
-            for (int q = 0; q < 64; ++q) {
+            for (int q = 0; q < NP; ++q) {
                 const int i = base + q;
                 if (i < ns) P[q] = ffma(pr[i], cache[static_cast<int64_t>(st[i]) * r], P[q]);
             }
@@ -338,7 +340,7 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     float* o_lat = s.scratch.d<float>(static_cast<size_t>(T) * nh * r);
     {
         if (max_ns <= kOlatShort) {
-            auto k = k_mla_olat_short;
+            auto k = max_ns <= 32 ? k_mla_olat_short<32> : k_mla_olat_short<64>;
             const int thr = r >= 256 ? 256 : (r + 31) / 32 * 32;
             GLM_LAUNCH(k, dim3(blocks(r, thr), nh, T), thr, 0, probs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs,
                        s.d_seg, o_lat, nm);

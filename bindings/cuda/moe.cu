@@ -53,6 +53,7 @@ GLM_DEV unsigned long long warp_max_u64(unsigned long long v) {
 // ascending. The top-k: warp 0 takes the best remaining candidate k times (a warp max of route_key;
 // each lane keeps the best of its own experts and recomputes it only when that one was taken), then
 // sorts the winners by index.
+template <int KR>
 __global__ void __launch_bounds__(256) k_moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
                                                    int E, int k, int G, int topk_group, float* scores, int* sel, Nm nm) {
     GLM_DYN_SMEM(float, sm);
@@ -70,6 +71,7 @@ __global__ void __launch_bounds__(256) k_moe_route(const float* __restrict__ log
         const float s = nm.sigmoid(lg[e]);
         sc[e] = s;
         ch[e] = fadd(s, bias[e]);
+        if (G == 1) key[e] = route_key(ch[e], e);
     }
     __syncthreads();
     auto better = [&](int a, int b) {
@@ -106,16 +108,24 @@ __global__ void __launch_bounds__(256) k_moe_route(const float* __restrict__ log
             gkeep[gi] = rank < topk_group ? 1 : 0;
         }
         __syncthreads();
+        for (int e = tid; e < E; e += nt) key[e] = gkeep[e / per] != 0 ? route_key(ch[e], e) : 0ull;
+        __syncthreads();
     }
-    for (int e = tid; e < E; e += nt) {
-        const bool cand = G > 1 ? gkeep[e / per] != 0 : true;
-        key[e] = cand ? route_key(ch[e], e) : 0ull;
-    }
-    __syncthreads();
     if (tid >= 32) return;
+    // KR > 0: lane L holds the keys of experts L + 32i (i < KR, E <= 32 KR) in registers; else in shared memory
+    unsigned long long kr[KR > 0 ? KR : 1];
+    if (KR > 0) {
+#pragma unroll
+        for (int i = 0; i < (KR > 0 ? KR : 1); ++i) kr[i] = tid + 32 * i < E ? key[tid + 32 * i] : 0ull;
+    }
     auto local_best = [&]() {
         unsigned long long b = 0ull;
-        for (int e = tid; e < E; e += 32) b = key[e] > b ? key[e] : b;
+        if (KR > 0) {
+#pragma unroll
+            for (int i = 0; i < (KR > 0 ? KR : 1); ++i) b = kr[i] > b ? kr[i] : b;
+        } else {
+            for (int e = tid; e < E; e += 32) b = key[e] > b ? key[e] : b;
+        }
         return b;
     };
     unsigned long long mine = local_best();
@@ -126,7 +136,12 @@ __global__ void __launch_bounds__(256) k_moe_route(const float* __restrict__ log
         const int e = static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(best & 0xFFFFFFFFull));
         if (tid == 0) wins[r] = e;
         if (mine == best) {  // the owner (keys are distinct)
-            key[e] = 0ull;
+            if (KR > 0) {
+#pragma unroll
+                for (int i = 0; i < (KR > 0 ? KR : 1); ++i) kr[i] = kr[i] == best ? 0ull : kr[i];
+            } else {
+                key[e] = 0ull;
+            }
             mine = local_best();
         }
         ++nwin;
@@ -294,7 +309,7 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     float* scores = s.scratch.d<float>(static_cast<size_t>(T) * E);
     int* sel = s.scratch.d<int>(static_cast<size_t>(T) * k);
     {
-        auto kk = k_moe_route;
+        auto kk = E <= 32 * 4 ? k_moe_route<4> : (E <= 32 * 16 ? k_moe_route<16> : k_moe_route<0>);
         const size_t okey = (static_cast<size_t>(E) + 2 * static_cast<size_t>(G) + static_cast<size_t>(k) + 1) & ~size_t(1);
         const size_t smem = (okey + 2 * static_cast<size_t>(E)) * 4;  // layout: k_moe_route
         GLM_LAUNCH(kk, T, 256, smem, logits, w.bias, E, k, G, static_cast<int>(c.topk_group), scores, sel, nm);
