@@ -3,9 +3,10 @@
 //
 // The cache on the GPU holds only the normalized latent c (kv_lora_rank values) per position. Each
 // head folds W_UK into its query (q_abs_h[k] = bf16(cdot over i < d_n of q_h[i] W_UK_h[i][k])) and
-// applies W_UV after the weighted sum over the selected positions. Scores and o_lat are computed by
-// groups of eight threads for a tile of HT heads at once (one read of a latent row / column serves
-// HT heads); each (head, element) still has its own canonical cdot.
+// applies W_UV after the weighted sum over the selected positions. Scores: a warp per (head,
+// position). o_lat: a thread per (head, k) with its 64 partial sums in registers when every row
+// attends <= 128 positions, else groups of eight threads for a tile of HT heads at once (one read of a
+// latent column serves HT heads). Each (head, element) has its own canonical cdot in every mapping.
 #include "engine.cuh"
 
 namespace glm::cuda {
