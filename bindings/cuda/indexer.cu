@@ -45,45 +45,53 @@ __global__ void k_pools(const int* __restrict__ items, int n_items, int kp, int 
     sg.pk[p * di + ch] = bf16r(K);
 }
 
-// indexer.scores: group per (t, pool p): s_h = max(cdot(K_p, q_h) * d_i^-1/2, 0), score = cdot_h(w_h, s_h).
-__global__ void __launch_bounds__(256) k_idx_scores(const float* __restrict__ q, const float* __restrict__ wts,
-                                                    int ni, int di, int kp, const int* __restrict__ pos,
-                                                    const int64_t* __restrict__ off, const SegDev* __restrict__ segs,
-                                                    const int* __restrict__ seg_of, float qscale, float* scores, Nm nm) {
-    const int g = lane8();
+// indexer.scores: block per (t, tile of PT pools), a group of eight threads per head (heads beyond 32
+// loop): s_h = max(cdot(K_p, q_h) * d_i^-1/2, 0) into shared memory; then group pp of the block makes
+// pool pp's score = cdot over h of (s_h, w_h) (group_dot: the canonical order over the head index, or
+// the sequential sum).
+constexpr int kIdxThreads = 256;
+__global__ void __launch_bounds__(kIdxThreads) k_idx_scores(const float* __restrict__ q, const float* __restrict__ wts,
+                                                            int ni, int di, int kp, int PT, const int* __restrict__ pos,
+                                                            const int64_t* __restrict__ off,
+                                                            const SegDev* __restrict__ segs,
+                                                            const int* __restrict__ seg_of, float qscale,
+                                                            float* scores, Nm nm) {
+    GLM_DYN_SMEM(float, sh);  // [PT][ni]
     const int t = static_cast<int>(blockIdx.y);
-    const int p = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x >> 3);
+    const int grp = static_cast<int>(threadIdx.x >> 3), ngrp = kIdxThreads / 8;
+    const int p0 = static_cast<int>(blockIdx.x) * PT;
     const int npools = (pos[t] + 1) / kp;
-    const bool live = p < npools;
-    const float* key = segs[seg_of[t]].pk + static_cast<int64_t>(live ? p : 0) * di;
+    if (p0 >= npools) return;  // uniform over the block
+    const float* pk = segs[seg_of[t]].pk;
     const float* qt = q + static_cast<int64_t>(t) * ni * di;
     const float* wt = wts + static_cast<int64_t>(t) * ni;
-    const int n = live ? di : 0;
-    float acc[8];
-    zero8(acc);
-    float sseq = 0.0f;
-    for (int hb = 0; hb < ni; hb += 8) {
-#pragma unroll
-        for (int l = 0; l < 8; ++l) {
-            const int h = hb + l;
-            if (h < ni) {  // uniform over the warp
-                const float v = fmul(group_dot<float>(n, nm.seq,
-                                                      [&](int i, float& a, float& b) {
-                                                          a = key[i];
-                                                          b = qt[static_cast<int64_t>(h) * di + i];
-                                                      }),
-                                     qscale);
-                const float sh = v > 0.0f ? v : 0.0f;
-                if (!nm.seq) {
-                    if (g == (h / 8) % 8) acc[l] = ffma(sh, wt[h], acc[l]);
-                } else {
-                    sseq = fadd(sseq, fmul(sh, wt[h]));
-                }
-            }
+    for (int pp = 0; pp < PT; ++pp) {
+        const int p = p0 + pp;
+        if (p >= npools) break;  // uniform
+        const float* key = pk + static_cast<int64_t>(p) * di;
+        for (int hb = 0; hb < ni; hb += ngrp) {
+            const int h = hb + grp;
+            const bool hl = h < ni;
+            const float* qh = qt + static_cast<int64_t>(hl ? h : 0) * di;
+            const float v = fmul(group_dot<float>(hl ? di : 0, nm.seq,
+                                                  [&](int i, float& a, float& b) {
+                                                      a = key[i];
+                                                      b = qh[i];
+                                                  }),
+                                 qscale);
+            if (hl && lane8() == 0) sh[pp * ni + h] = v > 0.0f ? v : 0.0f;
         }
     }
-    const float score = nm.seq ? sseq : group_fold(acc);
-    if (live && g == 0) scores[off[t] + p] = score;
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x >> 5) * 4 >= PT) return;  // warps without a pool (uniform per warp)
+    const int p = p0 + grp;
+    const bool live = grp < PT && p < npools;
+    const float* s = sh + (live ? grp : 0) * ni;
+    const float score = group_dot<float>(live ? ni : 0, nm.seq, [&](int h, float& a, float& b) {
+        a = s[h];
+        b = wt[h];
+    });
+    if (live && lane8() == 0) scores[off[t] + p] = score;
 }
 
 // Selection per row (one block): all positions, or the best `budget` pools + the tail.
@@ -189,8 +197,11 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
     int64_t* d_off = s.scratch.up(off);
     if (max_np > 0) {
         auto kk = k_idx_scores;
-        GLM_LAUNCH(kk, dim3(blocks(max_np, 32), T), 256, 0, q, wts, ni, di, kp, s.d_pos, d_off, segs, s.d_seg,
-                   static_cast<float>(1.0 / std::sqrt(static_cast<double>(di))), scores, nm);
+        // pools per block: one while there are few (latency), eight once there are many (q reuse)
+        const int PT = static_cast<int64_t>(max_np) * T >= 1024 ? 8 : 1;
+        GLM_LAUNCH(kk, dim3(blocks(max_np, PT), T), kIdxThreads, static_cast<size_t>(PT) * ni * 4, q, wts, ni, di, kp,
+                   PT, s.d_pos, d_off, segs, s.d_seg, static_cast<float>(1.0 / std::sqrt(static_cast<double>(di))),
+                   scores, nm);
         check_launch("idx_scores");
     }
     s.emit_var(layer, S_IDX_SCORES, scores, off, shapes);

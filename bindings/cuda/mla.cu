@@ -3,9 +3,10 @@
 //
 // The cache on the GPU holds only the normalized latent c (kv_lora_rank values) per position. Each
 // head folds W_UK into its query (q_abs_h[k] = bf16(cdot over i < d_n of q_h[i] W_UK_h[i][k])) and
-// applies W_UV after the weighted sum over the selected positions. Scores and o_lat are computed by
-// groups of eight threads for a tile of HT heads at once (one read of a latent row / column serves
-// HT heads); each (head, element) still has its own canonical cdot.
+// applies W_UV after the weighted sum over the selected positions. Scores: a warp per (head,
+// position). o_lat: a thread per (head, k) with its 64 partial sums in registers when every row
+// attends <= 128 positions, else groups of eight threads for a tile of HT heads at once (one read of a
+// latent column serves HT heads). Each (head, element) has its own canonical cdot in every mapping.
 #include "engine.cuh"
 
 namespace glm::cuda {
@@ -27,51 +28,63 @@ __global__ void k_append(const float* __restrict__ src, int64_t lds, int T, int 
     base[static_cast<int64_t>(pos[t]) * n + k] = src[static_cast<int64_t>(t) * lds + k];
 }
 
-// mla.scores[t][h][j] = cdot(q_abs[t][h], c[sel_j]) * scale. Group per (t, j, head tile).
+// mla.scores[t][h][j] = cdot(q_abs[t][h], c[sel_j]) * scale. A warp per (t, head, JW positions): lane
+// L = 8g + l (g < 4) owns the partial sums P[g][l] (elements 64c + L) and P[g+4][l] (elements
+// 64c + 32 + L), coalesced; the tree: P[g] += P[g+4] in the thread, then P[g] += P[g+2], P[g] += P[g+1]
+// and the lane tree 4/2/1 by shuffles down 16, 8, 4, 2, 1: the canonical cdot. Block: eight heads.
+// Sequential mode: lane 0 sums left to right.
+template <int JW>
 __global__ void __launch_bounds__(256) k_mla_scores(const float* __restrict__ q_abs, int nh, int r,
                                                     const int* __restrict__ sel, const int64_t* __restrict__ sel_off,
                                                     const int* __restrict__ sel_n, const SegDev* __restrict__ segs,
                                                     const int* __restrict__ seg_of, float scale, float* scores, Nm nm) {
-    const int g = lane8();
+    const int lane = static_cast<int>(threadIdx.x & 31u);
     const int t = static_cast<int>(blockIdx.y);
-    const int j = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x >> 3);
-    const int h0 = static_cast<int>(blockIdx.z) * HT;
+    const int h = static_cast<int>(blockIdx.z) * 8 + static_cast<int>(threadIdx.x >> 5);
+    const int j0 = static_cast<int>(blockIdx.x) * JW;
     const int ns = sel_n[t];
-    const bool live = j < ns;
-    const int tau = sel[sel_off[t] + (live ? j : 0)];
-    const float* crow = segs[seg_of[t]].c + static_cast<int64_t>(tau) * r;
-    const float* qa = q_abs + static_cast<int64_t>(t) * nh * r;
-    float* out = scores + sel_off[t] * nh;
+    if (h >= nh || j0 >= ns) return;  // uniform over the warp
+    const int* st = sel + sel_off[t];
+    const float* cache = segs[seg_of[t]].c;
+    const float* qa = q_abs + (static_cast<int64_t>(t) * nh + h) * r;
+    float* out = scores + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
+    const float* crow[JW];
+#pragma unroll
+    for (int jj = 0; jj < JW; ++jj) crow[jj] = cache + static_cast<int64_t>(st[j0 + jj < ns ? j0 + jj : j0]) * r;
     if (!nm.seq) {
-        float acc[HT][8];
+        float p0[JW], p1[JW];
 #pragma unroll
-        for (int hh = 0; hh < HT; ++hh) zero8(acc[hh]);
-        const int n = live ? r : 0;
-        for (int base = 8 * g; base < n; base += 64) {
+        for (int jj = 0; jj < JW; ++jj) p0[jj] = p1[jj] = 0.0f;
+#pragma unroll 4
+        for (int base = 0; base < r; base += 64) {
+            const int i0 = base + lane, i1 = base + 32 + lane;
+            if (i0 < r) {
+                const float qv = qa[i0];
 #pragma unroll
-            for (int l = 0; l < 8; ++l) {
-                const int i = base + l;
-                if (i < n) {
-                    const float cv = crow[i];
+                for (int jj = 0; jj < JW; ++jj) p0[jj] = ffma(qv, crow[jj][i0], p0[jj]);
+            }
+            if (i1 < r) {
+                const float qv = qa[i1];
 #pragma unroll
-                    for (int hh = 0; hh < HT; ++hh)
-                        if (h0 + hh < nh) acc[hh][l] = ffma(qa[static_cast<int64_t>(h0 + hh) * r + i], cv, acc[hh][l]);
-                }
+                for (int jj = 0; jj < JW; ++jj) p1[jj] = ffma(qv, crow[jj][i1], p1[jj]);
             }
         }
 #pragma unroll
-        for (int hh = 0; hh < HT; ++hh) {
-            const float v = group_fold(acc[hh]);
-            if (live && g == 0 && h0 + hh < nh) out[static_cast<int64_t>(h0 + hh) * ns + j] = fmul(v, scale);
+        for (int jj = 0; jj < JW; ++jj) {
+            float v = fadd(p0[jj], p1[jj]);
+#pragma unroll
+            for (int o = 16; o >= 1; o >>= 1) {
+                const float x = __shfl_down_sync(kFull, v, o);
+                if (lane < o) v = fadd(v, x);
+            }
+            if (lane == 0 && j0 + jj < ns) out[j0 + jj] = fmul(v, scale);
         }
-    } else {
-        for (int hh = 0; hh < HT; ++hh) {
-            const int h = h0 + hh < nh ? h0 + hh : nh - 1;
-            const float v = group_dot<float>(live ? r : 0, true, [&](int i, float& a, float& b) {
-                a = qa[static_cast<int64_t>(h) * r + i];
-                b = crow[i];
-            });
-            if (live && g == 0 && h0 + hh < nh) out[static_cast<int64_t>(h) * ns + j] = fmul(v, scale);
+    } else if (lane == 0) {
+        for (int jj = 0; jj < JW; ++jj) {
+            if (j0 + jj >= ns) break;
+            float v = 0.0f;
+            for (int i = 0; i < r; ++i) v = fadd(v, fmul(qa[i], crow[jj][i]));
+            out[j0 + jj] = fmul(v, scale);
         }
     }
 }
@@ -116,6 +129,56 @@ __global__ void k_mla_softmax(const float* __restrict__ scores, int T, int nh, c
     __syncwarp();
     if (live)
         for (int jj = lane; jj < ns; jj += 32) p[jj] = bf16r(fdiv(p[jj], sum));
+}
+
+// mla.o_lat for short selections (ns <= kOlatShort): a thread per (t, h, k) holds the 64 partial sums
+// P[g][l] in registers (fully unrolled, so no local memory): element j to P[j % 64] by FMA, chunks in
+// order, then the 4/2/1 trees: the canonical cdot (cdot_serial's operations). NP < 64 (only when every
+// row has ns <= NP, one chunk): P[NP..64) never receive an element and stay the constant +0, so they
+// take no registers; the trees still add them (the same operations). Sequential mode: left to right.
+constexpr int kOlatShort = 128;
+template <int NP>
+__global__ void __launch_bounds__(256) k_mla_olat_short(const float* __restrict__ probs, int nh, int r,
+                                                        const int* __restrict__ sel,
+                                                        const int64_t* __restrict__ sel_off,
+                                                        const int* __restrict__ sel_n, const SegDev* __restrict__ segs,
+                                                        const int* __restrict__ seg_of, float* o_lat, Nm nm) {
+    const int k = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+    const int h = static_cast<int>(blockIdx.y), t = static_cast<int>(blockIdx.z);
+    if (k >= r) return;
+    const int ns = sel_n[t];
+    const int* st = sel + sel_off[t];
+    const float* cache = segs[seg_of[t]].c + k;
+    const float* pr = probs + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
+    float v;
+    if (!nm.seq) {
+        float P[64];
+#pragma unroll
+        for (int q = 0; q < 64; ++q) P[q] = 0.0f;
+        for (int base = 0; base < ns; base += 64) {
+#pragma unroll
+            for (int q = 0; q < NP; ++q) {
+                const int i = base + q;
+                if (i < ns) P[q] = ffma(pr[i], cache[static_cast<int64_t>(st[i]) * r], P[q]);
+            }
+        }
+        // P[g] += P[g+w] for w = 4, 2, 1 (g < w), then P[0][l] += P[0][l+w] for w = 4, 2, 1 (l < w)
+#pragma unroll
+        for (int q = 0; q < 32; ++q) P[q] = fadd(P[q], P[q + 32]);
+#pragma unroll
+        for (int q = 0; q < 16; ++q) P[q] = fadd(P[q], P[q + 16]);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) P[q] = fadd(P[q], P[q + 8]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) P[q] = fadd(P[q], P[q + 4]);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) P[q] = fadd(P[q], P[q + 2]);
+        v = fadd(P[0], P[1]);
+    } else {
+        v = 0.0f;
+        for (int i = 0; i < ns; ++i) v = fadd(v, fmul(pr[i], cache[static_cast<int64_t>(st[i]) * r]));
+    }
+    o_lat[(static_cast<int64_t>(t) * nh + h) * r + k] = bf16r(v);
 }
 
 // mla.o_lat[t][h][k] = bf16(cdot over rank j of (p_h[j], c[sel_j][k])). Group per (t, k, head tile).
@@ -249,9 +312,16 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     SegDev* segs = s.seg_table(layer);
     const unsigned ntile = static_cast<unsigned>((nh + HT - 1) / HT);
     {
-        auto k = k_mla_scores;
-        GLM_LAUNCH(k, dim3(blocks(max_ns, 32), T, ntile), 256, 0, q_abs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs,
-                   s.d_seg, scale, scores, nm);
+        // positions per warp: one while the grid is small (latency), four once it is large (q_abs reuse)
+        if (static_cast<int64_t>(max_ns) * T * ntile <= 8192) {
+            auto k = k_mla_scores<1>;
+            GLM_LAUNCH(k, dim3(max_ns, T, ntile), 256, 0, q_abs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs, s.d_seg,
+                       scale, scores, nm);
+        } else {
+            auto k = k_mla_scores<4>;
+            GLM_LAUNCH(k, dim3(blocks(max_ns, 4), T, ntile), 256, 0, q_abs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n,
+                       segs, s.d_seg, scale, scores, nm);
+        }
         check_launch("mla_scores");
     }
     std::vector<int64_t> off(static_cast<size_t>(T));
@@ -270,9 +340,16 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     s.emit_var(layer, S_MLA_PROBS, probs, off, shapes);
     float* o_lat = s.scratch.d<float>(static_cast<size_t>(T) * nh * r);
     {
-        auto k = k_mla_olat;
-        GLM_LAUNCH(k, dim3(blocks(r, 32), T, ntile), 256, 0, probs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs,
-                   s.d_seg, o_lat, nm);
+        if (max_ns <= kOlatShort) {
+            auto k = max_ns <= 32 ? k_mla_olat_short<32> : k_mla_olat_short<64>;
+            const int thr = r >= 256 ? 256 : (r + 31) / 32 * 32;
+            GLM_LAUNCH(k, dim3(blocks(r, thr), nh, T), thr, 0, probs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs,
+                       s.d_seg, o_lat, nm);
+        } else {
+            auto k = k_mla_olat;
+            GLM_LAUNCH(k, dim3(blocks(r, 32), T, ntile), 256, 0, probs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs,
+                       s.d_seg, o_lat, nm);
+        }
         check_launch("mla_olat");
     }
     s.emit(layer, S_MLA_O_LAT, o_lat, static_cast<int64_t>(nh) * r, {nh, r});

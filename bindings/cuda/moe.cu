@@ -29,14 +29,40 @@ __global__ void k_swiglu_act(const float* __restrict__ g, const float* __restric
 
 GLM_DEV float key_of(float v) { return is_nan(v) ? -INFINITY : v; }
 
-// Routing of one row per block: scores, choices, group-limited top-k; writes sel[t][k] ascending.
-__global__ void k_moe_route(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k, int G,
-                            int topk_group, float* scores, int* sel, Nm nm) {
+// The routing order as one integer: larger is better. The f32 key (NaN as -inf, -0 as +0) mapped to
+// an order-preserving u32 in the high word, the complement of the index in the low word (ties to the
+// lower index). Every valid key is > 0; 0 marks "no candidate". A strict total order, so the k best
+// under it are exactly the experts whose rank (number of better candidates) is < k.
+GLM_DEV unsigned long long route_key(float v, int e) {
+    uint32_t u = f32_bits(key_of(v));
+    if ((u & 0x7FFFFFFFu) == 0u) u = 0u;
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return (static_cast<unsigned long long>(u) << 32) | static_cast<unsigned long long>(0xFFFFFFFFu - static_cast<uint32_t>(e));
+}
+
+GLM_DEV unsigned long long warp_max_u64(unsigned long long v) {
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) {
+        const unsigned long long m = __shfl_xor_sync(kFull, v, o);
+        v = m > v ? m : v;
+    }
+    return v;
+}
+
+// Routing of one row per block (256 threads): scores, choices, group-limited top-k; writes sel[t][k]
+// ascending. The top-k: warp 0 takes the best remaining candidate k times (a warp max of route_key;
+// each lane keeps the best of its own experts and recomputes it only when that one was taken), then
+// sorts the winners by index.
+template <int KR>
+__global__ void __launch_bounds__(256) k_moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
+                                                   int E, int k, int G, int topk_group, float* scores, int* sel, Nm nm) {
     GLM_DYN_SMEM(float, sm);
     float* ch = sm;                                        // [E]
     float* gscore = sm + E;                                // [G]
-    int* flag = reinterpret_cast<int*>(sm + E + G);        // [E]
-    int* gkeep = flag + E;                                 // [G]
+    int* gkeep = reinterpret_cast<int*>(sm + E + G);       // [G]
+    int* wins = gkeep + G;                                 // [k]
+    const int okey = (E + 2 * G + k + 1) & ~1;             // 8-byte aligned
+    unsigned long long* key = reinterpret_cast<unsigned long long*>(sm + okey);  // [E]
     const int t = static_cast<int>(blockIdx.x);
     const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
     const float* lg = logits + static_cast<int64_t>(t) * E;
@@ -45,6 +71,7 @@ __global__ void k_moe_route(const float* __restrict__ logits, const float* __res
         const float s = nm.sigmoid(lg[e]);
         sc[e] = s;
         ch[e] = fadd(s, bias[e]);
+        if (G == 1) key[e] = route_key(ch[e], e);
     }
     __syncthreads();
     auto better = [&](int a, int b) {
@@ -81,22 +108,50 @@ __global__ void k_moe_route(const float* __restrict__ logits, const float* __res
             gkeep[gi] = rank < topk_group ? 1 : 0;
         }
         __syncthreads();
+        for (int e = tid; e < E; e += nt) key[e] = gkeep[e / per] != 0 ? route_key(ch[e], e) : 0ull;
+        __syncthreads();
     }
-    for (int e = tid; e < E; e += nt) {
-        const bool cand = G > 1 ? gkeep[e / per] != 0 : true;
-        int rank = 0;
-        if (cand)
-            for (int e2 = 0; e2 < E; ++e2) {
-                const bool c2 = G > 1 ? gkeep[e2 / per] != 0 : true;
-                if (c2 && better(e2, e)) ++rank;
+    if (tid >= 32) return;
+    // KR > 0: lane L holds the keys of experts L + 32i (i < KR, E <= 32 KR) in registers; else in shared memory
+    unsigned long long kr[KR > 0 ? KR : 1];
+    if (KR > 0) {
+#pragma unroll
+        for (int i = 0; i < (KR > 0 ? KR : 1); ++i) kr[i] = tid + 32 * i < E ? key[tid + 32 * i] : 0ull;
+    }
+    auto local_best = [&]() {
+        unsigned long long b = 0ull;
+        if (KR > 0) {
+#pragma unroll
+            for (int i = 0; i < (KR > 0 ? KR : 1); ++i) b = kr[i] > b ? kr[i] : b;
+        } else {
+            for (int e = tid; e < E; e += 32) b = key[e] > b ? key[e] : b;
+        }
+        return b;
+    };
+    unsigned long long mine = local_best();
+    int nwin = 0;
+    for (int r = 0; r < k; ++r) {
+        const unsigned long long best = warp_max_u64(mine);
+        if (best == 0ull) break;  // fewer than k candidates (uniform over the warp)
+        const int e = static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(best & 0xFFFFFFFFull));
+        if (tid == 0) wins[r] = e;
+        if (mine == best) {  // the owner (keys are distinct)
+            if (KR > 0) {
+#pragma unroll
+                for (int i = 0; i < (KR > 0 ? KR : 1); ++i) kr[i] = kr[i] == best ? 0ull : kr[i];
+            } else {
+                key[e] = 0ull;
             }
-        flag[e] = (cand && rank < k) ? 1 : 0;
+            mine = local_best();
+        }
+        ++nwin;
     }
-    __syncthreads();
-    if (tid == 0) {
-        int w = 0;
-        for (int e = 0; e < E && w < k; ++e)
-            if (flag[e]) sel[static_cast<int64_t>(t) * k + w++] = e;
+    __syncwarp();
+    for (int j = tid; j < nwin; j += 32) {
+        const int e = wins[j];
+        int rank = 0;
+        for (int i = 0; i < nwin; ++i) rank += wins[i] < e ? 1 : 0;
+        sel[static_cast<int64_t>(t) * k + rank] = e;
     }
 }
 
@@ -119,26 +174,86 @@ __global__ void k_moe_weights(const float* __restrict__ scores, const int* __res
     for (int j = 0; j < k; ++j) w[j] = fmul(w[j], rsf);
 }
 
-// The expert work list (one thread): pairs p = t*k + j grouped by expert (ascending), then items of at
-// most `tile` pairs: (expert, first pair, count).
-__global__ void k_moe_plan(const int* __restrict__ sel, int npairs, int E, int tile, int* count, int* pairs,
-                           int* items, int* n_items) {
-    for (int e = 0; e < E; ++e) count[e] = 0;
-    for (int p = 0; p < npairs; ++p) ++count[sel[p]];
-    int off = 0, ni = 0;
-    for (int e = 0; e < E; ++e) {
-        const int c = count[e];
-        for (int a = 0; a < c; a += tile) {
-            items[3 * ni] = e;
-            items[3 * ni + 1] = off + a;
-            items[3 * ni + 2] = c - a < tile ? c - a : tile;
-            ++ni;
+// The expert work list (one block of kPlanThreads): pairs p = t*k + j grouped by expert (ascending,
+// ascending p within an expert), then items of at most `tile` pairs: (expert, first pair, count), in
+// expert order. Counts by shared-memory atomics (order-free), an exclusive scan of (pairs, items) per
+// expert (warp scans by shuffles, then the warp totals), each expert's items written by its thread;
+// the scatter by warp 0 over the pairs in increasing order, 32 at a time (rank among the equal experts
+// of lower lanes, then the cursor advanced by the last of them), so the result is the one-thread one.
+constexpr int kPlanThreads = 1024;
+__global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict__ sel, int npairs, int E, int tile,
+                                                           int* pairs, int* items, int* n_items) {
+    GLM_DYN_SMEM(int, cnt);  // [E]: count, then the fill cursor
+    __shared__ int wc[32], wi[32];
+    const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
+    const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+    for (int e = tid; e < E; e += nt) cnt[e] = 0;
+    __syncthreads();
+    for (int p = tid; p < npairs; p += nt) atomicAdd(&cnt[sel[p]], 1);
+    __syncthreads();
+    int carry_c = 0, carry_i = 0;
+    for (int base = 0; base < E; base += nt) {
+        const int e = base + tid;
+        const int c = e < E ? cnt[e] : 0;
+        const int ni = (c + tile - 1) / tile;
+        int ic = c, ii = ni;  // inclusive scans over the warp
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int yc = __shfl_sync(kFull, ic, lane >= o ? lane - o : lane);
+            const int yi = __shfl_sync(kFull, ii, lane >= o ? lane - o : lane);
+            if (lane >= o) {
+                ic += yc;
+                ii += yi;
+            }
         }
-        count[e] = off;  // becomes the fill cursor
-        off += c;
+        if (lane == 31) {
+            wc[warp] = ic;
+            wi[warp] = ii;
+        }
+        __syncthreads();
+        int pc = carry_c, pi = carry_i;
+        for (int w = 0; w < nw; ++w) {
+            if (w < warp) {
+                pc += wc[w];
+                pi += wi[w];
+            }
+            carry_c += wc[w];
+            carry_i += wi[w];
+        }
+        if (e < E) {
+            const int off = pc + ic - c;
+            int it = pi + ii - ni;
+            for (int a = 0; a < c; a += tile, ++it) {
+                items[3 * it] = e;
+                items[3 * it + 1] = off + a;
+                items[3 * it + 2] = c - a < tile ? c - a : tile;
+            }
+            cnt[e] = off;
+        }
+        __syncthreads();  // wc/wi reused; cursors visible to warp 0
     }
-    for (int p = 0; p < npairs; ++p) pairs[count[sel[p]]++] = p;
-    *n_items = ni;
+    if (tid == 0) *n_items = carry_i;
+    if (warp != 0) return;
+    for (int base = 0; base < npairs; base += 32) {
+        const int p = base + lane;
+        const int e = p < npairs ? sel[p] : -1;
+        int r = 0;
+        bool last = true;
+        for (int j = 0; j < 32; ++j) {
+            const int ej = __shfl_sync(kFull, e, j);
+            if (ej == e) {
+                if (j < lane) ++r;
+                if (j > lane) last = false;
+            }
+        }
+        const int cur = p < npairs ? cnt[e] : 0;
+        __syncwarp();
+        if (p < npairs) {
+            pairs[cur + r] = p;
+            if (last) cnt[e] = cur + r + 1;
+        }
+        __syncwarp();
+    }
 }
 
 __global__ void k_moe_routed(const float* __restrict__ ys, const float* __restrict__ wts, int T, int k, int D,
@@ -194,8 +309,9 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     float* scores = s.scratch.d<float>(static_cast<size_t>(T) * E);
     int* sel = s.scratch.d<int>(static_cast<size_t>(T) * k);
     {
-        auto kk = k_moe_route;
-        const size_t smem = (2 * static_cast<size_t>(E) + 2 * static_cast<size_t>(G)) * 4;
+        auto kk = E <= 32 * 4 ? k_moe_route<4> : (E <= 32 * 16 ? k_moe_route<16> : k_moe_route<0>);
+        const size_t okey = (static_cast<size_t>(E) + 2 * static_cast<size_t>(G) + static_cast<size_t>(k) + 1) & ~size_t(1);
+        const size_t smem = (okey + 2 * static_cast<size_t>(E)) * 4;  // layout: k_moe_route
         GLM_LAUNCH(kk, T, 256, smem, logits, w.bias, E, k, G, static_cast<int>(c.topk_group), scores, sel, nm);
         check_launch("moe_route");
     }
@@ -224,13 +340,12 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     s.mark("moe.experts");
     const int npairs = T * k;
     const int tile = T == 1 ? 1 : (T <= 16 ? 4 : 8);
-    int* count = s.scratch.d<int>(static_cast<size_t>(E));
     int* pairs = s.scratch.d<int>(static_cast<size_t>(npairs));
     int* items = s.scratch.d<int>(static_cast<size_t>(npairs) * 3);
     int* n_items = s.scratch.d<int>(1);
     {
         auto kk = k_moe_plan;
-        GLM_LAUNCH(kk, 1, 1, 0, sel, npairs, E, tile, count, pairs, items, n_items);
+        GLM_LAUNCH(kk, 1, kPlanThreads, static_cast<size_t>(E) * 4, sel, npairs, E, tile, pairs, items, n_items);
         check_launch("moe_plan");
     }
     float* gbuf = s.scratch.d<float>(static_cast<size_t>(npairs) * Im);
