@@ -105,6 +105,16 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
                         "roofline_ms": round(roof * 1e3, 3), "roofline_fraction": round(roof / dt, 3)}
     log(f"  decode b1: {dt * 1e3:.3f} ms/token ({1 / dt:.1f} tok/s); roofline {roof * 1e3:.3f} ms "
         f"-> {roof / dt:.1%} of the HBM roofline")
+    try:
+        from fast.cuda import cuda_module
+        tuned = cuda_module().tuned()
+    except (ImportError, AttributeError):
+        tuned = []
+    res["tuned"] = tuned
+    for t in tuned:
+        cands = ", ".join(f"{k} {v:.1f}" for k, v in t["us"].items())
+        log(f"  one-token kernel for {t['fmt']} {t['R']}x{t['C']}" + (f" x{t['expert_items']} experts" if t["expert_items"] else "")
+            + (" (heads)" if t["heads"] else "") + f" [{t['decode']}]: {t['choice']}  (us: {cands})")
     # per-module device time of decode steps
     eng.set_timing(True)
     eng.reset_stage_times()

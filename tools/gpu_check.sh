@@ -9,7 +9,7 @@
 # SLICE_LAYERS (2), SLICE_EXPERTS (288), SKIP_PEER=1 (no transformers peer), RELEASES (fp8,mxfp4),
 # TESTS=0 (skip the GPU tests: a performance iteration) or quick (skip the exhaustive expf and the slowest),
 # TESTS_K (a pytest -k expression instead),, PROFILE=1 (kernel timeline of decode steps,
-# tools/profile_cuda.py, after the benchmarks).
+# tools/profile_cuda.py, after the benchmarks), LINEAR_BENCH=1 (tools/bench_linear.py at the end).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
 # Order, most important first: machine facts; build (fast._core + fast._cuda, GLM_FORCE_CUDA=ON);
@@ -53,8 +53,12 @@ for r in ${RELEASES//,/ }; do [ -f "$SLICE/slice-$r/config.json" ] || HAVE=0; do
 if [ "$HAVE" = 1 ]; then
   echo "present"
 else
-  ( python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers "$LAYERS" --experts "$EXPERTS" --releases "$RELEASES" \
-      > "$OUT/slice_make.log" 2>&1; echo "exit $?" >> "$OUT/slice_make.log" ) &
+  (  # one process per release, in parallel
+    for r in ${RELEASES//,/ }; do
+      python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers "$LAYERS" --experts "$EXPERTS" --releases "$r" \
+        > "$OUT/slice_make_$r.log" 2>&1 &
+    done
+    wait; cat "$OUT"/slice_make_*.log > "$OUT/slice_make.log"; echo "exit $?" >> "$OUT/slice_make.log" ) &
   MAKE_PID=$!
 fi
 
@@ -94,6 +98,7 @@ T_TESTS=$(( $(left) - 230 )); [ "$T_TESTS" -lt 60 ] && T_TESTS=60
 SEL="not slice"
 [ "${TESTS:-1}" = "quick" ] && SEL="not slice and not exhaustive and not census and not small-bf16"
 [ -n "${TESTS_K:-}" ] && SEL="$TESTS_K"
+SEL="($SEL) and not linear_kernels"
 timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py -v -rsP -p no:cacheprovider --durations=15 -k "$SEL" \
   > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? (limit $T_TESTS s)"
@@ -102,6 +107,12 @@ grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
 grep -E "^(FAILED|ERROR)|Error|assert|first divergence|differ" "$OUT/pytest.log" | head -60
 grep -E "exhaustive device expf|^expf \{|^__expf \{" "$OUT/pytest.log" | head -5
 sed -n '/slowest/,/^$/p' "$OUT/pytest.log" | head -20
+
+phase "the linear kernels one by one, real-model shapes (tests/test_fast_cuda.py::test_linear_kernels_match_cpu)"
+timeout 120 python3 -X faulthandler -m pytest tests/test_fast_cuda.py -v -rs -p no:cacheprovider -k linear_kernels \
+  > "$OUT/pytest_linear.log" 2>&1
+echo "linear kernel tests exit $?"
+grep -E "PASSED|FAILED|passed|failed|error|differ|Fatal|File \"/work" "$OUT/pytest_linear.log" | cut -c1-120 | head -40
 fi
 
 if [ -n "${MAKE_PID:-}" ]; then
@@ -110,6 +121,19 @@ if [ -n "${MAKE_PID:-}" ]; then
 fi
 cat "$OUT/slice_make.log" 2>/dev/null
 df -h /tmp | tail -1
+
+phase "slice: CUDA engine = CPU engine at real widths"
+T_SLICE=$(( $(left) - 90 )); [ "$T_SLICE" -gt 120 ] && T_SLICE=120
+if [ "${TESTS:-1}" = "0" ]; then
+  echo "skipped: TESTS=0"
+elif [ "$T_SLICE" -gt 30 ]; then
+  GLM_SLICE_DIR="$SLICE" timeout "$T_SLICE" python3 -m pytest tests/test_fast_cuda.py -q -rs -p no:cacheprovider -k slice \
+    > "$OUT/pytest_slice.log" 2>&1
+  echo "slice test exit $? (limit $T_SLICE s)"
+  grep -E "passed|failed|error|first divergence|assert" "$OUT/pytest_slice.log" | head -20
+else
+  echo "skipped: no time left"
+fi
 
 phase "benchmarks (tools/bench_cuda.py)"
 PEER=""
@@ -130,16 +154,8 @@ if [ "${PROFILE:-0}" = "1" ]; then
   gzip -f "$OUT"/trace-*.json 2>/dev/null
 fi
 
-phase "slice: CUDA engine = CPU engine at real widths"
-T_SLICE=$(( $(left) - 5 ))
-if [ "${TESTS:-1}" = "0" ]; then
-  echo "skipped: TESTS=0"
-elif [ "$T_SLICE" -gt 30 ]; then
-  GLM_SLICE_DIR="$SLICE" timeout "$T_SLICE" python3 -m pytest tests/test_fast_cuda.py -q -rs -p no:cacheprovider -k slice \
-    > "$OUT/pytest_slice.log" 2>&1
-  echo "slice test exit $? (limit $T_SLICE s)"
-  grep -E "passed|failed|error|first divergence|assert" "$OUT/pytest_slice.log" | head -20
-else
-  echo "skipped: no time left"
+if [ "${LINEAR_BENCH:-0}" = "1" ]; then
+  phase "the linear kernels one by one, timed (tools/bench_linear.py)"
+  timeout 120 python3 tools/bench_linear.py --reps 15 --json "$OUT/bench_linear.json" 2>&1 | tail -22
 fi
 phase "done"

@@ -309,6 +309,28 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         "f32[T, R]: Y[t, r] = cdot(W[r], X[t]) through the engine's device kernels (expert: the routed-expert "
         "path). Layouts as fast._core.linear.");
     m.def(
+        "tuned",
+        [] {
+            py::list out;
+            for (const TunedShape& t : tuned_shapes()) {
+                py::dict d;
+                d["fmt"] = t.fmt;
+                d["R"] = t.R;
+                d["C"] = t.C;
+                d["expert_items"] = t.expert_items;
+                d["heads"] = t.heads;
+                d["decode"] = t.decode;
+                d["choice"] = t.choice;
+                py::dict us;
+                for (const auto& kv : t.us) us[py::str(kv.first)] = kv.second;
+                d["us"] = us;
+                out.append(d);
+            }
+            return out;
+        },
+        "The one-token linear kernel chosen per shape (timed on first use; GLM_CUDA_TUNE=0 turns it off), with "
+        "the microseconds of each candidate.");
+    m.def(
         "linear_bench",
         [](const std::string& release, int64_t R, int64_t C, int experts, const std::string& kernel, int reps,
            const std::string& decode) {

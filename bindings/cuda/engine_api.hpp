@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace glm::cuda {
@@ -143,6 +144,17 @@ std::vector<float> decode_table_device(const std::string& which);
 std::vector<float> linear_device(const std::string& release, const void* data, size_t data_bytes, const void* scale,
                                  size_t scale_bytes, int64_t R, int64_t C, const float* X, int T, bool round,
                                  const std::string& kernel, bool expert, const std::string& decode = "auto");
+// The one-token kernel chosen per shape by timing the candidates on first use (weights.cu), with the
+// microseconds each candidate took.
+struct TunedShape {
+    std::string fmt, decode, choice;
+    int64_t R = 0, C = 0;
+    int expert_items = 0;
+    bool heads = false;
+    std::vector<std::pair<std::string, float>> us;
+};
+std::vector<TunedShape> tuned_shapes();
+
 // Median device microseconds of one such launch over `reps` (weights made on the device; experts > 0:
 // that many distinct expert matrices, one pair each, as decode at batch 1).
 double linear_bench_device(const std::string& release, int64_t R, int64_t C, int experts, const std::string& kernel,

@@ -2,6 +2,9 @@
 // (weights.cuh has the contract). Rows are independent and each is computed whole by one group of
 // eight threads, so the grid shape changes no bit.
 #include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <tuple>
 #include <cstring>
 
 #include <string>
@@ -711,10 +714,7 @@ void launch_reg(const LinArgs& a, dim3 grid) {
 }
 
 template <int FMT, int TT, bool EXPERT>
-void launch_fmt(const LinArgs& a, dim3 grid) {
-    if constexpr (TT == 1) {
-        if (!a.no_staged && launch_staged<FMT, EXPERT>(a, grid.y)) return;
-    }
+void launch_register(const LinArgs& a, dim3 grid) {
     if constexpr (FMT == W_FP8) {
         if (a.dec == kDecInt) launch_reg<FMT, TT, EXPERT, kDecInt>(a, grid);
         else if (a.dec == kDecHw) launch_reg<FMT, TT, EXPERT, kDecHw>(a, grid);
@@ -722,6 +722,122 @@ void launch_fmt(const LinArgs& a, dim3 grid) {
     } else {
         launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid);
     }
+}
+
+// ---- the one-token kernel choice, measured -----------------------------------------------------
+//
+// Every variant (the register kernel, the staged kernel with 8/4/2 lanes per thread, x staged or not)
+// computes the same bits, so which is fastest for a shape is a question for the device, not for the
+// numerics: the first one-token launch of each shape (format, rows, columns, head blocking, expert
+// items, decode path) times the candidates on the real operands, each after evicting L2 (decode streams
+// every weight from HBM), and keeps the fastest. The candidates all write the same Y, so the call's
+// result is unchanged. Off under the CPU emulation (GLM_CUDA_TUNE=0 also turns it off): there the
+// staged kernel with 8 lanes is used wherever it applies, the register kernel elsewhere.
+struct TuneKey {
+    int fmt, R, rh, dec;
+    int64_t C;
+    bool expert;
+    unsigned gy;
+    bool operator<(const TuneKey& o) const {
+        return std::tie(fmt, R, rh, dec, C, expert, gy) < std::tie(o.fmt, o.R, o.rh, o.dec, o.C, o.expert, o.gy);
+    }
+};
+struct TuneResult {
+    StChoice choice;  // lpt == 0: the register kernel
+    std::vector<std::pair<std::string, float>> us;
+};
+std::map<TuneKey, TuneResult>& tuned() {
+    static std::map<TuneKey, TuneResult> m;
+    return m;
+}
+bool tuning_on() {
+#if defined(GLM_CUDA_EMU)
+    return false;
+#else
+    static const bool on = [] {
+        const char* e = std::getenv("GLM_CUDA_TUNE");
+        return !(e && std::string(e) == "0");
+    }();
+    return on;
+#endif
+}
+std::string choice_name(const StChoice& c) {
+    if (c.lpt == 0) return "register";
+    return "staged:" + std::to_string(c.lpt) + ":" + std::to_string(c.xs) +
+           (c.rpb ? ":" + std::to_string(c.rpb) + ":" + std::to_string(c.cps) : "");
+}
+
+void flush_l2() {
+    static void* buf = nullptr;
+    constexpr size_t n = size_t{96} << 20;  // larger than the H100/H200 L2 (50 MB)
+    if (!buf) check(cudaMalloc(&buf, n), "cudaMalloc (L2 flush)");
+    check(cudaMemsetAsync(buf, 0, n, 0), "L2 flush");
+}
+
+template <int FMT, int TT, bool EXPERT>
+void launch_fmt(const LinArgs& a, dim3 grid) {
+    if constexpr (TT == 1) {
+        if (!a.no_staged && staged_applies(a, grid.y, EXPERT)) {
+            if (g_st_force.lpt || !tuning_on()) {
+                if (launch_staged<FMT, EXPERT>(a, grid.y)) return;
+            } else {
+                const TuneKey key{a.fmt, a.R, a.rh < a.R ? a.rh : 0, a.dec, a.C, EXPERT, grid.y};
+                auto it = tuned().find(key);
+                if (it == tuned().end()) {
+                    const bool heads = a.rh < a.R && a.xhs != 0;
+                    std::vector<StChoice> cands(1);  // the register kernel
+                    for (int lpt : {8, 4, 2}) {
+                        StChoice c;
+                        c.lpt = lpt;
+                        c.xs = heads ? 0 : 1;
+                        cands.push_back(c);
+                    }
+                    TuneResult res;
+                    cudaEvent_t e0, e1;
+                    check(cudaEventCreate(&e0), "event");
+                    check(cudaEventCreate(&e1), "event");
+                    float best = 1e30f;
+                    for (const StChoice& c : cands) {
+                        float t_min = 1e30f;
+                        for (int rep = 0; rep < 2; ++rep) {
+                            flush_l2();
+                            check(cudaEventRecord(e0, 0), "event");
+                            if (c.lpt == 0) {
+                                launch_register<FMT, TT, EXPERT>(a, grid);
+                            } else {
+                                g_st_force = c;
+                                launch_staged<FMT, EXPERT>(a, grid.y);
+                                g_st_force = StChoice{};
+                            }
+                            check(cudaEventRecord(e1, 0), "event");
+                            check(cudaEventSynchronize(e1), "tuning");
+                            float ms = 0;
+                            check(cudaEventElapsedTime(&ms, e0, e1), "event");
+                            t_min = std::min(t_min, ms);
+                        }
+                        res.us.emplace_back(choice_name(c), 1e3f * t_min);
+                        if (t_min < best) {
+                            best = t_min;
+                            res.choice = c;
+                        }
+                    }
+                    cudaEventDestroy(e0);
+                    cudaEventDestroy(e1);
+                    it = tuned().emplace(key, res).first;
+                    return;  // Y holds the (identical) result of every candidate
+                }
+                if (it->second.choice.lpt != 0) {
+                    g_st_force = it->second.choice;
+                    const bool ok = launch_staged<FMT, EXPERT>(a, grid.y);
+                    g_st_force = StChoice{};
+                    if (ok) return;
+                }
+                launch_register<FMT, TT, EXPERT>(a, grid);
+                return;
+            }
+        }
+    }
+    launch_register<FMT, TT, EXPERT>(a, grid);
 }
 
 template <int TT, bool EXPERT>
@@ -834,6 +950,23 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
     a.tile_pairs = tile;
     a.dec = dec_for(W.fmt, W.nan_free, hw8);
     run(a, true, tile, nm);
+}
+
+std::vector<TunedShape> tuned_shapes() {
+    std::vector<TunedShape> out;
+    for (const auto& kv : tuned()) {
+        TunedShape t;
+        t.fmt = wfmt_name(kv.first.fmt);
+        t.R = kv.first.R;
+        t.C = kv.first.C;
+        t.expert_items = kv.first.expert ? static_cast<int>(kv.first.gy) : 0;
+        t.heads = kv.first.rh != 0;
+        t.decode = kv.first.dec == kDecInt ? "int" : (kv.first.dec == kDecHw ? "hw" : "sw");
+        t.choice = choice_name(kv.second.choice);
+        t.us = kv.second.us;
+        out.push_back(t);
+    }
+    return out;
 }
 
 bool e4m3_nan_free_device(const void* data, size_t n) {
