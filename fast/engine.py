@@ -465,14 +465,20 @@ class Engine:
             capture = rows[k][2]
             if capture is not None:
                 capture.put(int(layer), stage, rows[k][4] + int(row) - spans[k][0], value)
-        # logits per segment
+        # logits per segment: views of the one array when its rows are consecutive there (no copy of
+        # a 150k-wide row per step)
         where = {int(r): i for i, r in enumerate(head_rows)}
         out = []
         for (cache, ids, capture, want, start), (t0, n) in zip(rows, spans):
             if want == "all":
-                out.append(logits[[where[r] for r in range(t0, t0 + n)]])
+                i0 = where[t0]
+                if all(where[r] == i0 + r - t0 for r in range(t0, t0 + n)):
+                    out.append(logits[i0:i0 + n])
+                else:
+                    out.append(logits[[where[r] for r in range(t0, t0 + n)]])
             elif want == "last":
-                out.append(logits[[where[t0 + n - 1]]])
+                i = where[t0 + n - 1]
+                out.append(logits[i:i + 1])
             else:
                 out.append(None)
         return out
@@ -504,6 +510,10 @@ class Engine:
             raise EngineInputError(f"decode: {len(caches)} caches but {len(tokens)} tokens")
         caps = self._per_request_captures(capture, len(caches))
         outs = self.step([(c, [t], cp, "all") for c, t, cp in zip(caches, tokens, caps)])
+        if all(o.base is not None and o.base is outs[0].base for o in outs) and len(outs) > 0:
+            base = outs[0].base  # one row per cache, consecutive in the step's array: that array itself
+            if base.ndim == 2 and base.shape[0] == len(outs):
+                return base
         return np.concatenate(outs)
 
     @staticmethod

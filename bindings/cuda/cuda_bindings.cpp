@@ -34,6 +34,7 @@ Config config_from_dict(const py::dict& d) { return glm::pyglue::config_from_dic
 struct PyEngine {
     std::unique_ptr<Engine> eng;
     unsigned threads = 1;
+    int64_t vocab = 0;
 };
 
 py::tuple step(PyEngine& pe, const py::object& seq_o, const py::object& tok_o, const py::object& head_o,
@@ -72,16 +73,20 @@ py::tuple step(PyEngine& pe, const py::object& seq_o, const py::object& tok_o, c
         }
         inj.active = true;
     }
+    // the logits land in the numpy array handed back (the rows wanting them, in row order)
+    size_t n_head = 0;
+    for (uint8_t w : wh) n_head += w ? 1 : 0;
+    const size_t V = static_cast<size_t>(pe.vocab);
+    py::array_t<float> logits({static_cast<py::ssize_t>(n_head), static_cast<py::ssize_t>(V)});
     StepOutput out;
+    out.logits_dst = n_head ? logits.mutable_data() : nullptr;
     {
         py::gil_scoped_release nogil;
         E.step(ids, toks, wh, cr, cm, inj, out);
     }
-    const size_t V = out.head_rows.empty() ? 0 : out.logits.size() / out.head_rows.size();
+    if (out.head_rows.size() != n_head) throw std::logic_error("step: head rows disagree with want_head");
     py::array_t<int64_t> rows(static_cast<py::ssize_t>(out.head_rows.size()));
     if (!out.head_rows.empty()) std::memcpy(rows.mutable_data(), out.head_rows.data(), out.head_rows.size() * 8);
-    py::array_t<float> logits({static_cast<py::ssize_t>(out.head_rows.size()), static_cast<py::ssize_t>(V)});
-    if (!out.logits.empty()) std::memcpy(logits.mutable_data(), out.logits.data(), out.logits.size() * 4);
     py::list caps;
     for (const CaptureRecord& r : out.captures) {
         std::vector<py::ssize_t> shape(r.shape.begin(), r.shape.end());
@@ -130,7 +135,9 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
                  auto pe = std::make_unique<PyEngine>();
                  pe->threads = threads;
                  try {
-                     pe->eng = std::make_unique<Engine>(config_from_dict(cfg), seq, native);
+                     const Config config = config_from_dict(cfg);
+                     pe->eng = std::make_unique<Engine>(config, seq, native);
+                     pe->vocab = config.vocab_size;
                  } catch (const std::invalid_argument& e) {
                      bad(e.what());
                  }

@@ -80,6 +80,8 @@ class Scratch {
     }
     // Copy host bytes to fresh device scratch through pinned staging (asynchronous, stream order).
     void* upload(const void* host, size_t bytes);
+    // Pinned host memory valid until reset() (device-to-host copies at full speed).
+    void* pinned(size_t bytes);
     template <class T>
     T* up(const std::vector<T>& v) {
         return static_cast<T*>(upload(v.data(), v.size() * sizeof(T)));

@@ -65,7 +65,8 @@ struct CaptureRecord {
 
 struct StepOutput {
     std::vector<int64_t> head_rows;
-    std::vector<float> logits;  // [head_rows.size()][V]
+    std::vector<float> logits;  // [head_rows.size()][V] (left empty when logits_dst is given)
+    float* logits_dst = nullptr;  // caller's buffer of (rows wanting logits) x V floats, written instead
     std::vector<CaptureRecord> captures;
     int64_t injected = 0;
 };

@@ -193,9 +193,7 @@ void* Scratch::dev(size_t bytes) {
     return extra_.back().p;
 }
 
-void* Scratch::upload(const void* host, size_t bytes) {
-    void* d = dev(bytes);
-    if (bytes == 0) return d;
+void* Scratch::pinned(size_t bytes) {
     const size_t b = (bytes + 255) / 256 * 256;
     void* h;
     if (pinned_off_ + b <= pinned_cap_) {
@@ -205,6 +203,13 @@ void* Scratch::upload(const void* host, size_t bytes) {
         check(cudaMallocHost(&h, b), "cudaMallocHost");
         pinned_extra_.push_back(h);
     }
+    return h;
+}
+
+void* Scratch::upload(const void* host, size_t bytes) {
+    void* d = dev(bytes);
+    if (bytes == 0) return d;
+    void* h = pinned(bytes);
     std::memcpy(h, host, bytes);
     check(cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, 0), "upload");
     return d;
@@ -1052,13 +1057,18 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         if (want_head[t]) hrows.push_back(static_cast<int>(t));
     out.head_rows.assign(hrows.begin(), hrows.end());
     const size_t V = static_cast<size_t>(c.vocab_size);
-    out.logits.assign(hrows.size() * V, 0.0f);
+    if (!out.logits_dst) out.logits.assign(hrows.size() * V, 0.0f);
     if (!hrows.empty()) {
         float* logits = s.scratch.d<float>(hrows.size() * V);
         head_forward(s, X, hrows, logits);
         s.mark("end");
-        check(cudaMemcpy(out.logits.data(), logits, out.logits.size() * sizeof(float), cudaMemcpyDeviceToHost),
-              "logits");
+        // through pinned staging (a pageable copy runs at a fraction of the speed), then into the
+        // caller's buffer (the numpy array handed back) without another copy
+        const size_t nb = hrows.size() * V * sizeof(float);
+        void* h = s.scratch.pinned(nb);
+        check(cudaMemcpyAsync(h, logits, nb, cudaMemcpyDeviceToHost, 0), "logits");
+        check(cudaStreamSynchronize(0), "logits");
+        std::memcpy(out.logits_dst ? out.logits_dst : out.logits.data(), h, nb);
     } else {
         s.mark("end");
     }
