@@ -192,9 +192,8 @@ struct Step;
 void rms_norm_rows(Step& s, const float* X, int64_t ldx, int rows, int n, const float* w, float eps, float* Y,
                    int64_t ldy);                                                                        // norm.cu
 void layer_norm_rows(Step& s, const float* X, int rows, int n, const float* w, const float* b, float eps, float* Y);
-// hc_site: the mHC site and the sublayer's RMSNorm of the collapsed row (norm_w, norm_eps) into normed
 void hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double* pre, double* post, double* comb,
-             float* collapsed, const float* norm_w, float norm_eps, float* normed);                   // mhc.cu
+             float* collapsed);                                                                         // mhc.cu
 void hc_expand(Step& s, int layer, bool ffn, float* X, const float* u, const double* post, const double* comb);
 void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out);                       // kda.cu
 void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out);                       // mla.cu

@@ -1027,7 +1027,8 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         const LayerW& w = E_.layers[static_cast<size_t>(l)];
         // attention sublayer
         s.mark("mhc");
-        hc_site(s, l, false, w.attn_hc, X, pre, post, comb, xin, w.attn_norm, eps, xn);
+        hc_site(s, l, false, w.attn_hc, X, pre, post, comb, xin);
+        rms_norm_rows(s, xin, D, Ti, D, w.attn_norm, eps, xn, D);
         s.emit(l, S_ATTN_NORM, xn, D, {D});
         if (w.kda) {
             kda_forward(s, l, w.k, xn, u);
@@ -1038,7 +1039,8 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         s.mark("mhc");
         hc_expand(s, l, false, X, u, post, comb);
         // feed-forward sublayer
-        hc_site(s, l, true, w.ffn_hc, X, pre, post, comb, xin, w.ffn_norm, eps, xn);
+        hc_site(s, l, true, w.ffn_hc, X, pre, post, comb, xin);
+        rms_norm_rows(s, xin, D, Ti, D, w.ffn_norm, eps, xn, D);
         s.emit(l, S_FFN_NORM, xn, D, {D});
         if (w.f.moe) {
             moe_forward(s, l, w.f, xn, u);

@@ -11,49 +11,6 @@ namespace {
 
 constexpr int kNormThreads = 128;
 
-// RMSNorm of rows with n <= kNormSmemMax: kNormStageThreads threads first stage the row x and the weight
-// w in shared memory (all their loads in flight at once), then block64_dot over the staged row (the
-// same elements, chains and fold as from global memory) and the output pass from shared memory.
-constexpr int kNormStageThreads = 256;
-constexpr int kNormPer = 8;  // loads of each array in flight per thread and batch
-constexpr int kNormSmemMax = 6000;  // 2n floats + red[64] within the default 48 KB
-
-__global__ void __launch_bounds__(kNormStageThreads) k_rmsnorm_staged(const float* __restrict__ X, int64_t ldx,
-                                                                      int n, const float* __restrict__ w,
-                                                                      float eps, float* Y, int64_t ldy, Nm nm) {
-    __shared__ float red[64];
-    GLM_DYN_SMEM(float, sm);
-    float* xs = sm;
-    float* ws = sm + n;
-    const float* x = X + static_cast<int64_t>(blockIdx.x) * ldx;
-    float* y = Y + static_cast<int64_t>(blockIdx.x) * ldy;
-    const int tid = static_cast<int>(threadIdx.x);
-    for (int i0 = 0; i0 < n; i0 += kNormStageThreads * kNormPer) {
-        float xr[kNormPer], wr[kNormPer];
-#pragma unroll
-        for (int q = 0; q < kNormPer; ++q) {
-            const int i = i0 + tid + kNormStageThreads * q;
-            xr[q] = i < n ? __ldg(x + i) : 0.0f;
-            wr[q] = i < n ? __ldg(w + i) : 0.0f;
-        }
-#pragma unroll
-        for (int q = 0; q < kNormPer; ++q) {
-            const int i = i0 + tid + kNormStageThreads * q;
-            if (i < n) {
-                xs[i] = xr[q];
-                ws[i] = wr[q];
-            }
-        }
-    }
-    // block64_dot starts with a barrier: the staged row is complete before it is read
-    const float ss = block64_dot<float>(n, nm.seq, red, [&](int i, float& a, float& b) {
-        a = xs[i];
-        b = xs[i];
-    });
-    const float inv = fdiv(1.0f, fsqrt(fadd(fdiv(ss, static_cast<float>(n)), eps)));
-    for (int i = tid; i < n; i += kNormStageThreads) y[i] = bf16r(fmul(bf16r(fmul(xs[i], inv)), ws[i]));
-}
-
 __global__ void k_rmsnorm(const float* __restrict__ X, int64_t ldx, int n, const float* __restrict__ w, float eps,
                           float* Y, int64_t ldy, Nm nm) {
     __shared__ float red[64];
@@ -130,14 +87,8 @@ __global__ void k_inject(void* p, int dtype, int64_t ulps) {
 void rms_norm_rows(Step& s, const float* X, int64_t ldx, int rows, int n, const float* w, float eps, float* Y,
                    int64_t ldy) {
     if (rows <= 0) return;
-    if (n <= kNormSmemMax) {
-        auto k = k_rmsnorm_staged;
-        GLM_LAUNCH(k, rows, kNormStageThreads, 2 * static_cast<size_t>(n) * sizeof(float), X, ldx, n, w, eps, Y, ldy,
-                   s.nm);
-    } else {
-        auto k = k_rmsnorm;
-        GLM_LAUNCH(k, rows, kNormThreads, 0, X, ldx, n, w, eps, Y, ldy, s.nm);
-    }
+    auto k = k_rmsnorm;
+    GLM_LAUNCH(k, rows, kNormThreads, 0, X, ldx, n, w, eps, Y, ldy, s.nm);
     check_launch("rms_norm");
 }
 
