@@ -93,7 +93,7 @@ class Scratch {
     std::vector<DBuf> extra_;
     size_t off_ = 0, need_ = 0;
     void* pinned_ = nullptr;
-    size_t pinned_cap_ = 0, pinned_off_ = 0;
+    size_t pinned_cap_ = 0, pinned_off_ = 0, pinned_need_ = 0;
     std::vector<void*> pinned_extra_;
 };
 

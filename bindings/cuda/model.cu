@@ -195,6 +195,7 @@ void* Scratch::dev(size_t bytes) {
 
 void* Scratch::pinned(size_t bytes) {
     const size_t b = (bytes + 255) / 256 * 256;
+    pinned_need_ += b;
     void* h;
     if (pinned_off_ + b <= pinned_cap_) {
         h = static_cast<char*>(pinned_) + pinned_off_;
@@ -225,7 +226,8 @@ void Scratch::reset() {
     if (!pinned_ || !pinned_extra_.empty()) {
         for (void* p : pinned_extra_) cudaFreeHost(p);
         pinned_extra_.clear();
-        const size_t want = pinned_ ? 2 * pinned_cap_ : size_t{1} << 20;
+        // room for what this step asked for (a steady batch then never allocates pinned memory again)
+        const size_t want = std::max(pinned_ ? 2 * pinned_cap_ : size_t{1} << 20, pinned_need_ + pinned_need_ / 4);
         if (pinned_) cudaFreeHost(pinned_);
         pinned_ = nullptr;
         check(cudaMallocHost(&pinned_, want), "cudaMallocHost");
@@ -234,6 +236,7 @@ void Scratch::reset() {
     off_ = 0;
     need_ = 0;
     pinned_off_ = 0;
+    pinned_need_ = 0;
 }
 
 // ---- the step context -----------------------------------------------------------------------------
@@ -1067,10 +1070,15 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         // through pinned staging (a pageable copy runs at a fraction of the speed), then into the
         // caller's buffer (the numpy array handed back) without another copy
         const size_t nb = hrows.size() * V * sizeof(float);
-        void* h = s.scratch.pinned(nb);
-        check(cudaMemcpyAsync(h, logits, nb, cudaMemcpyDeviceToHost, 0), "logits");
-        check(cudaStreamSynchronize(0), "logits");
-        std::memcpy(out.logits_dst ? out.logits_dst : out.logits.data(), h, nb);
+        float* dst = out.logits_dst ? out.logits_dst : out.logits.data();
+        if (nb <= (size_t{16} << 20)) {  // decode-sized: pinned staging; a whole prefill's rows: directly
+            void* h = s.scratch.pinned(nb);
+            check(cudaMemcpyAsync(h, logits, nb, cudaMemcpyDeviceToHost, 0), "logits");
+            check(cudaStreamSynchronize(0), "logits");
+            std::memcpy(dst, h, nb);
+        } else {
+            check(cudaMemcpy(dst, logits, nb, cudaMemcpyDeviceToHost), "logits");
+        }
     } else {
         s.mark("end");
     }
