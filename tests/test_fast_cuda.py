@@ -264,6 +264,9 @@ INJECTIONS = [
     "4,12,mla.selected,2,-1",
     "1,6,moe.weights,0,1",
     "6,9,logits,7,1",
+    "2,5,attn_hc.collapsed,17,1",   # the mHC site's output, read by the norm that follows
+    "4,8,ffn_hc.pre,2,1000",
+    "1,13,moe.experts,100,2",
 ]
 
 
