@@ -5,8 +5,9 @@
 
 For each matrix shape of a real-width layer (KDA, MLA, MoE: FP8, BF16, MXFP4 as the releases store
 them) and each kernel variant (the register kernel; the staged kernel with 8, 4 or 2 lanes per
-thread, x read through L1 or staged, a few block/stage sizes), the median device time of one launch
-and the weight bytes streamed per second, against the copy bandwidth measured in the same run.
+thread, x read through L1 or staged, a few block/stage sizes; FP8 with both E4M3 decode paths), the
+median device time of one launch with L2 evicted before each (decode reads every weight from HBM), and
+the weight bytes streamed per second, against the copy bandwidth measured in the same run.
 Every variant computes the same bits (tests/test_fast_cuda.py::test_linear_kernels_match_cpu).
 """
 from __future__ import annotations
@@ -41,6 +42,8 @@ SHAPES = [
 VARIANTS = ["register", "staged:8:0", "staged:8:1", "staged:4:0", "staged:4:1", "staged:2:0", "staged:2:1",
             "staged:4:1:16:8", "staged:4:1:8:16", "staged:4:1:16:24", "staged:2:1:8:16", "staged:2:1:8:48",
             "staged:8:1:32:6"]
+# FP8 shapes are timed with both E4M3 decode paths: the conversion unit ("hw") and bit placement ("int")
+FP8_DECODES = ("int", "hw")
 
 
 def weight_bytes(release: str, R: int, C: int, experts: int) -> int:
@@ -59,23 +62,25 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (bytes read + written)")
     rows = []
-    head = f"{'matrix':18s} {'rel':5s} {'R':>6s} {'C':>6s} {'MB':>6s} " + " ".join(f"{v[7:] or 'reg':>8s}" if v != "register" else f"{'register':>8s}" for v in VARIANTS)
+    head = f"{'matrix':18s} {'rel':9s} {'R':>6s} {'C':>6s} {'MB':>6s} " + " ".join(f"{v[7:] or 'reg':>8s}" if v != "register" else f"{'register':>8s}" for v in VARIANTS)
     print("median us per launch (and TB/s of weights for the best):")
     print(head)
     for what, rel, R, C, ex in SHAPES:
         nb = weight_bytes(rel, R, C, ex)
-        ts = {}
-        for v in VARIANTS:
-            try:
-                ts[v] = cu.linear_bench(rel, R, C, ex, v, a.reps)
-            except ValueError:
-                ts[v] = float("nan")
-        best = min((t, v) for v, t in ts.items() if t == t)
-        rows.append({"what": what, "release": rel, "R": R, "C": C, "experts": ex, "bytes": nb, "us": ts,
-                     "best": best[1], "best_tb_s": nb / (best[0] * 1e-6) / 1e12})
-        cells = " ".join(f"{ts[v]:8.1f}" for v in VARIANTS)
-        print(f"{what:18s} {rel:5s} {R:6d} {C:6d} {nb / 1e6:6.1f} {cells}   best {best[1]} {best[0]:.1f} us "
-              f"= {nb / (best[0] * 1e-6) / 1e12:.2f} TB/s ({nb / (best[0] * 1e-6) / bw:.0%} of copy)")
+        for dec in (FP8_DECODES if rel == "fp8" else ("auto",)):
+            ts = {}
+            for v in VARIANTS:
+                try:
+                    ts[v] = cu.linear_bench(rel, R, C, ex, v, a.reps, dec)
+                except ValueError:
+                    ts[v] = float("nan")
+            best = min((t, v) for v, t in ts.items() if t == t)
+            rows.append({"what": what, "release": rel, "decode": dec, "R": R, "C": C, "experts": ex, "bytes": nb,
+                         "us": ts, "best": best[1], "best_tb_s": nb / (best[0] * 1e-6) / 1e12})
+            cells = " ".join(f"{ts[v]:8.1f}" for v in VARIANTS)
+            tag = f"{rel}/{dec}" if rel == "fp8" else rel
+            print(f"{what:18s} {tag:9s} {R:6d} {C:6d} {nb / 1e6:6.1f} {cells}   best {best[1]} {best[0]:.1f} us "
+                  f"= {nb / (best[0] * 1e-6) / 1e12:.2f} TB/s ({nb / (best[0] * 1e-6) / bw:.0%} of copy)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"copy_bw": bw, "rows": rows}, f, indent=1)

@@ -1230,6 +1230,7 @@ double linear_bench_device(const std::string& release, int64_t R, int64_t C, int
     check(cudaEventCreate(&e1), "event");
     std::vector<float> ms;
     for (int i = 0; i < reps; ++i) {
+        flush_l2();  // decode streams every weight from HBM: no rep may find it in L2
         check(cudaEventRecord(e0, 0), "event");
         once();
         check(cudaEventRecord(e1, 0), "event");
