@@ -1044,6 +1044,24 @@ int dec_of(const std::string& d, int fmt, bool nan_free) {
     return nan_free ? kDecInt : kDecHw;
 }
 
+// Y[t][r] over all R rows of one matrix (no head blocking), x rows ldx apart, y rows R apart.
+LinArgs whole_matrix_args(int fmt, int64_t R, int64_t C, const void* X, int64_t ldx, void* Y, int T, bool round,
+                          bool no_staged) {
+    LinArgs a;
+    a.fmt = fmt;
+    a.C = C;
+    a.R = static_cast<int>(R);
+    a.rh = a.R;
+    a.X = static_cast<const float*>(X);
+    a.ldx = ldx;
+    a.Y = static_cast<float*>(Y);
+    a.ldy = R;
+    a.T = T;
+    a.round = round;
+    a.no_staged = no_staged;
+    return a;
+}
+
 struct ForceGuard {
     explicit ForceGuard(const StChoice& c) { g_st_force = c; }
     ~ForceGuard() { g_st_force = StChoice{}; }
@@ -1126,18 +1144,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     check(cudaMemcpy(dd, data, data_bytes, cudaMemcpyHostToDevice), "linear: weights");
     if (scale_bytes) check(cudaMemcpy(ds, scale, scale_bytes, cudaMemcpyHostToDevice), "linear: scales");
     check(cudaMemcpy(dx, X, static_cast<size_t>(T) * C * 4, cudaMemcpyHostToDevice), "linear: X");
-    LinArgs a;
-    a.fmt = fmt;
-    a.C = C;
-    a.R = static_cast<int>(R);
-    a.rh = a.R;
-    a.X = static_cast<const float*>(dx);
-    a.ldx = C;
-    a.Y = static_cast<float*>(dy);
-    a.ldy = R;
-    a.T = T;
-    a.round = round;
-    a.no_staged = no_staged;
+    LinArgs a = whole_matrix_args(fmt, R, C, dx, C, dy, T, round, no_staged);
     a.dec = dec_of(decode, fmt, fmt == W_FP8 && e4m3_nan_free_device(dd, data_bytes));
     ForceGuard force(choice);
     if (expert) {
@@ -1189,18 +1196,7 @@ double linear_bench_device(const std::string& release, int64_t R, int64_t C, int
     fill(dx, static_cast<size_t>(C) * 4, 5u, W_F32);
     const int T = std::max(1, experts);
     void* dy = B.alloc(static_cast<size_t>(T) * R * 4);
-    LinArgs a;
-    a.fmt = fmt;
-    a.C = C;
-    a.R = static_cast<int>(R);
-    a.rh = a.R;
-    a.X = static_cast<const float*>(dx);
-    a.ldx = 0;  // every pair reads the same x row
-    a.Y = static_cast<float*>(dy);
-    a.ldy = R;
-    a.T = 1;
-    a.round = true;
-    a.no_staged = no_staged;
+    LinArgs a = whole_matrix_args(fmt, R, C, dx, 0, dy, 1, true, no_staged);  // ldx 0: every pair reads one x
     a.dec = dec_of(decode, fmt, true);  // the fill makes no NaN codes
     ForceGuard force(choice);
     void* dtab = nullptr;
