@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CUDA engine's linear kernels one by one, in the shapes of a decode step at batch 1.
 
-    python tools/bench_linear.py [--reps 30] [--json OUT]
+    python tools/bench_linear.py [--reps 30] [--json OUT] [--only experts] [--variants register,staged:8:1]
 
 For each matrix shape of a real-width layer (KDA, MLA, MoE: FP8, BF16, MXFP4 as the releases store
 them) and each kernel variant (the register kernel; the staged kernel with 8, 4 or 2 lanes per
@@ -56,20 +56,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--json", default=None)
+    p.add_argument("--only", default="", help="shapes whose name contains this (e.g. 'experts')")
+    p.add_argument("--variants", default="", help="comma-separated kernel variants (default: all)")
     a = p.parse_args(argv)
+    shapes = [sh for sh in SHAPES if a.only in sh[0]]
+    variants = [v for v in a.variants.split(",") if v] or VARIANTS
     import fast._cuda as cu
     from bench_cuda import copy_bandwidth
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (bytes read + written)")
     rows = []
-    head = f"{'matrix':18s} {'rel':9s} {'R':>6s} {'C':>6s} {'MB':>6s} " + " ".join(f"{v[7:] or 'reg':>8s}" if v != "register" else f"{'register':>8s}" for v in VARIANTS)
+    head = f"{'matrix':18s} {'rel':9s} {'R':>6s} {'C':>6s} {'MB':>6s} " + " ".join(f"{v[7:] or 'reg':>8s}" if v != "register" else f"{'register':>8s}" for v in variants)
     print("median us per launch (and TB/s of weights for the best):")
     print(head)
-    for what, rel, R, C, ex in SHAPES:
+    for what, rel, R, C, ex in shapes:
         nb = weight_bytes(rel, R, C, ex)
         for dec in (FP8_DECODES if rel == "fp8" else ("auto",)):
             ts = {}
-            for v in VARIANTS:
+            for v in variants:
                 try:
                     ts[v] = cu.linear_bench(rel, R, C, ex, v, a.reps, dec)
                 except ValueError:
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
             best = min((t, v) for v, t in ts.items() if t == t)
             rows.append({"what": what, "release": rel, "decode": dec, "R": R, "C": C, "experts": ex, "bytes": nb,
                          "us": ts, "best": best[1], "best_tb_s": nb / (best[0] * 1e-6) / 1e12})
-            cells = " ".join(f"{ts[v]:8.1f}" for v in VARIANTS)
+            cells = " ".join(f"{ts[v]:8.1f}" for v in variants)
             tag = f"{rel}/{dec}" if rel == "fp8" else rel
             print(f"{what:18s} {tag:9s} {R:6d} {C:6d} {nb / 1e6:6.1f} {cells}   best {best[1]} {best[0]:.1f} us "
                   f"= {nb / (best[0] * 1e-6) / 1e12:.2f} TB/s ({nb / (best[0] * 1e-6) / bw:.0%} of copy)")

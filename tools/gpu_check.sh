@@ -9,7 +9,8 @@
 # SLICE_LAYERS (2), SLICE_EXPERTS (288), SKIP_PEER=1 (no transformers peer), RELEASES (fp8,mxfp4),
 # TESTS=0 (skip the GPU tests: a performance iteration) or quick (skip the exhaustive expf and the slowest),
 # TESTS_K (a pytest -k expression instead),, PROFILE=1 (kernel timeline of decode steps,
-# tools/profile_cuda.py, after the benchmarks), LINEAR_BENCH=1 (tools/bench_linear.py at the end).
+# tools/profile_cuda.py, after the benchmarks), LINEAR_BENCH=1 (tools/bench_linear.py at the end),
+# NCU=1 (ncu counters of the routed-expert kernels).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
 # Order, most important first: machine facts; build (fast._core + fast._cuda, GLM_FORCE_CUDA=ON);
@@ -154,6 +155,16 @@ if [ "${PROFILE:-0}" = "1" ]; then
   gzip -f "$OUT"/trace-*.json 2>/dev/null
 fi
 
+if [ "${NCU:-0}" = "1" ] && command -v ncu > /dev/null; then
+  # hardware counters of the routed-expert kernels (the largest gap to the roofline in decode)
+  phase "ncu: the routed-expert linear kernels (speed of light, memory, warp stalls)"
+  timeout 240 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section LaunchStats --section Occupancy -k regex:k_linear -c 8 \
+    python3 tools/bench_linear.py --only "experts.gate" --reps 1 --variants register,staged:8:1 \
+    > "$OUT/ncu_experts.txt" 2>&1
+  echo "ncu exit $?"; grep -E "k_linear|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers|Stall|Issue Slot|Warp Cycles" \
+    "$OUT/ncu_experts.txt" | head -60
+fi
 if [ "${LINEAR_BENCH:-0}" = "1" ]; then
   phase "the linear kernels one by one, timed (tools/bench_linear.py)"
   timeout 120 python3 tools/bench_linear.py --reps 15 --json "$OUT/bench_linear.json" 2>&1 | tail -22
