@@ -625,14 +625,6 @@ __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, in
     }
 }
 
-// Which staged variant a launch uses (tests and benchmarks may force one; 0 = the engine's choice).
-struct StChoice {
-    int lpt = 0;   // 8, 4 or 2 lanes per thread
-    int xs = -1;   // stage x too (1) or read it through L1 (0)
-    int rpb = 0;   // rows per block
-    int cps = 0;   // chunks per stage
-};
-
 // The staged kernel takes one token row (or expert items of one pair each), whole chunks, 16-byte
 // aligned rows (and x rows), and matrices of at most 16 waves of 16-row blocks (lm_head streams at
 // 85-90 % of the copy bandwidth through the register kernel already).
@@ -668,23 +660,21 @@ void launch_st(const LinArgs& a, dim3 grid, int rpb, int cps, size_t smem) {
     }
 }
 
-StChoice g_st_force;  // set by linear_device / linear_bench_device only
-
+// The staged kernel with variant c (fields 0 / -1: the defaults); false when it does not apply.
 template <int FMT, bool EXPERT>
-bool launch_staged(const LinArgs& a, unsigned gy) {
+bool launch_staged(const LinArgs& a, unsigned gy, const StChoice& c) {
     constexpr int CB = chunk_bytes<FMT>();
     if (!staged_applies(a, gy, EXPERT)) return false;
     const int64_t nsm = sm_count();
     const bool heads = a.rh < a.R && a.xhs != 0;
-    int lpt = g_st_force.lpt ? g_st_force.lpt : 8;
-    bool xs = g_st_force.xs >= 0 ? g_st_force.xs == 1 : !heads;
-    if (heads) xs = false;
+    const int lpt = c.lpt > 0 ? c.lpt : 8;
+    const bool xs = !heads && (c.xs >= 0 ? c.xs == 1 : true);
     const int maxr = kStThreads / (64 / lpt);
-    int rpb = g_st_force.rpb ? std::min(g_st_force.rpb, maxr) : std::min(16, maxr);
-    if (!g_st_force.rpb)
+    int rpb = c.rpb ? std::min(c.rpb, maxr) : std::min(16, maxr);
+    if (!c.rpb)
         while (rpb > 1 && (a.R + rpb - 1) / rpb * static_cast<int64_t>(gy) < 2 * nsm) rpb /= 2;
     const int nchunks = static_cast<int>(a.C / 64);
-    int cps = g_st_force.cps ? g_st_force.cps : std::max(1, kStStageBytes / (rpb * CB));
+    int cps = c.cps ? c.cps : std::max(1, kStStageBytes / (rpb * CB));
     cps = std::min(cps, nchunks);
     const size_t smem = static_cast<size_t>(kStStages) * (rpb * (cps * CB + CB) + (xs ? cps * 256 : 0));
     if (smem > 200 * 1024) return false;
@@ -743,7 +733,7 @@ struct TuneKey {
     }
 };
 struct TuneResult {
-    StChoice choice;  // lpt == 0: the register kernel
+    StChoice choice;  // lpt == -1: the register kernel
     std::vector<std::pair<std::string, float>> us;
 };
 std::map<TuneKey, TuneResult>& tuned() {
@@ -762,7 +752,7 @@ bool tuning_on() {
 #endif
 }
 std::string choice_name(const StChoice& c) {
-    if (c.lpt == 0) return "register";
+    if (c.lpt < 0) return "register";
     return "staged:" + std::to_string(c.lpt) + ":" + std::to_string(c.xs) +
            (c.rpb ? ":" + std::to_string(c.rpb) + ":" + std::to_string(c.cps) : "");
 }
@@ -774,67 +764,58 @@ void flush_l2() {
     check(cudaMemsetAsync(buf, 0, n, 0), "L2 flush");
 }
 
+// The fastest one-token kernel for a's shape: timed over the candidates on the first call (which
+// leaves their common result in Y), looked up after.
+template <int FMT, bool EXPERT>
+StChoice tuned_choice(const LinArgs& a, dim3 grid) {
+    const TuneKey key{a.fmt, a.R, a.rh < a.R ? a.rh : 0, a.dec, a.C, EXPERT, grid.y};
+    auto it = tuned().find(key);
+    if (it != tuned().end()) return it->second.choice;
+    const bool heads = a.rh < a.R && a.xhs != 0;
+    std::vector<StChoice> cands(1);
+    cands[0].lpt = -1;  // the register kernel
+    for (int lpt : {8, 4, 2}) {
+        StChoice c;
+        c.lpt = lpt;
+        c.xs = heads ? 0 : 1;
+        cands.push_back(c);
+    }
+    TuneResult res;
+    cudaEvent_t e0, e1;
+    check(cudaEventCreate(&e0), "event");
+    check(cudaEventCreate(&e1), "event");
+    float best = 1e30f;
+    for (const StChoice& c : cands) {
+        float t_min = 1e30f;
+        for (int rep = 0; rep < 2; ++rep) {
+            flush_l2();
+            check(cudaEventRecord(e0, 0), "event");
+            if (c.lpt < 0) launch_register<FMT, 1, EXPERT>(a, grid);
+            else launch_staged<FMT, EXPERT>(a, grid.y, c);
+            check(cudaEventRecord(e1, 0), "event");
+            check(cudaEventSynchronize(e1), "tuning");
+            float ms = 0;
+            check(cudaEventElapsedTime(&ms, e0, e1), "event");
+            t_min = std::min(t_min, ms);
+        }
+        res.us.emplace_back(choice_name(c), 1e3f * t_min);
+        if (t_min < best) {
+            best = t_min;
+            res.choice = c;
+        }
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return tuned().emplace(key, res).first->second.choice;
+}
+
 template <int FMT, int TT, bool EXPERT>
 void launch_fmt(const LinArgs& a, dim3 grid) {
     if constexpr (TT == 1) {
         if (!a.no_staged && staged_applies(a, grid.y, EXPERT)) {
-            if (g_st_force.lpt || !tuning_on()) {
-                if (launch_staged<FMT, EXPERT>(a, grid.y)) return;
-            } else {
-                const TuneKey key{a.fmt, a.R, a.rh < a.R ? a.rh : 0, a.dec, a.C, EXPERT, grid.y};
-                auto it = tuned().find(key);
-                if (it == tuned().end()) {
-                    const bool heads = a.rh < a.R && a.xhs != 0;
-                    std::vector<StChoice> cands(1);  // the register kernel
-                    for (int lpt : {8, 4, 2}) {
-                        StChoice c;
-                        c.lpt = lpt;
-                        c.xs = heads ? 0 : 1;
-                        cands.push_back(c);
-                    }
-                    TuneResult res;
-                    cudaEvent_t e0, e1;
-                    check(cudaEventCreate(&e0), "event");
-                    check(cudaEventCreate(&e1), "event");
-                    float best = 1e30f;
-                    for (const StChoice& c : cands) {
-                        float t_min = 1e30f;
-                        for (int rep = 0; rep < 2; ++rep) {
-                            flush_l2();
-                            check(cudaEventRecord(e0, 0), "event");
-                            if (c.lpt == 0) {
-                                launch_register<FMT, TT, EXPERT>(a, grid);
-                            } else {
-                                g_st_force = c;
-                                launch_staged<FMT, EXPERT>(a, grid.y);
-                                g_st_force = StChoice{};
-                            }
-                            check(cudaEventRecord(e1, 0), "event");
-                            check(cudaEventSynchronize(e1), "tuning");
-                            float ms = 0;
-                            check(cudaEventElapsedTime(&ms, e0, e1), "event");
-                            t_min = std::min(t_min, ms);
-                        }
-                        res.us.emplace_back(choice_name(c), 1e3f * t_min);
-                        if (t_min < best) {
-                            best = t_min;
-                            res.choice = c;
-                        }
-                    }
-                    cudaEventDestroy(e0);
-                    cudaEventDestroy(e1);
-                    it = tuned().emplace(key, res).first;
-                    return;  // Y holds the (identical) result of every candidate
-                }
-                if (it->second.choice.lpt != 0) {
-                    g_st_force = it->second.choice;
-                    const bool ok = launch_staged<FMT, EXPERT>(a, grid.y);
-                    g_st_force = StChoice{};
-                    if (ok) return;
-                }
-                launch_register<FMT, TT, EXPERT>(a, grid);
-                return;
-            }
+            StChoice c = a.st;  // a variant forced by a test or benchmark, else the measured choice
+            if (c.lpt == 0 && tuning_on()) c = tuned_choice<FMT, EXPERT>(a, grid);
+            if (c.lpt >= 0 && launch_staged<FMT, EXPERT>(a, grid.y, c)) return;
         }
     }
     launch_register<FMT, TT, EXPERT>(a, grid);
@@ -1062,11 +1043,6 @@ LinArgs whole_matrix_args(int fmt, int64_t R, int64_t C, const void* X, int64_t 
     return a;
 }
 
-struct ForceGuard {
-    explicit ForceGuard(const StChoice& c) { g_st_force = c; }
-    ~ForceGuard() { g_st_force = StChoice{}; }
-};
-
 struct DevBufs {
     std::vector<void*> p;
     void* alloc(size_t n) {
@@ -1146,7 +1122,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     check(cudaMemcpy(dx, X, static_cast<size_t>(T) * C * 4, cudaMemcpyHostToDevice), "linear: X");
     LinArgs a = whole_matrix_args(fmt, R, C, dx, C, dy, T, round, no_staged);
     a.dec = dec_of(decode, fmt, fmt == W_FP8 && e4m3_nan_free_device(dd, data_bytes));
-    ForceGuard force(choice);
+    a.st = choice;
     if (expert) {
         // one expert (the matrix), each token row its own work item of one pair
         const void* tab[2] = {dd, ds};
@@ -1198,7 +1174,7 @@ double linear_bench_device(const std::string& release, int64_t R, int64_t C, int
     void* dy = B.alloc(static_cast<size_t>(T) * R * 4);
     LinArgs a = whole_matrix_args(fmt, R, C, dx, 0, dy, 1, true, no_staged);  // ldx 0: every pair reads one x
     a.dec = dec_of(decode, fmt, true);  // the fill makes no NaN codes
-    ForceGuard force(choice);
+    a.st = choice;
     void* dtab = nullptr;
     if (experts > 0) {
         dtab = B.alloc(tab.size() * sizeof(void*));

@@ -44,6 +44,15 @@ struct ExpertTable {
     bool nan_free = false;               // fp8: no expert holds a NaN code
 };
 
+// Which variant of the staged one-token kernel a launch uses (weights.cu): 0 / -1 fields take the
+// engine's choice; lpt -1 in a tuned result means the register kernel.
+struct StChoice {
+    int lpt = 0;   // 8, 4 or 2 lanes of one accumulator per thread
+    int xs = -1;   // stage x too (1) or read it through L1 (0)
+    int rpb = 0;   // rows per block
+    int cps = 0;   // chunks per stage
+};
+
 // Everything one linear launch needs (passed by value to the kernel).
 struct LinArgs {
     int fmt = W_BF16;
@@ -70,6 +79,7 @@ struct LinArgs {
     int max_items = 0;
     int tile_pairs = 1;                        // pairs per work item (at most)
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
+    StChoice st;                               // a staged variant forced by a test or benchmark
     int dec = 0;                               // fp8 decode path (weights.cu: Dec)
 };
 
