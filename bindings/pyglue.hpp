@@ -1,6 +1,7 @@
 // Python-boundary helpers shared by the CPU glue (engine_bindings.cpp) and the CUDA glue
-// (cuda/cuda_bindings.cpp): argument errors, the engine config dict, array checks. Both engines take
-// the same config dict from fast/engine.py, so it is read in one place.
+// (cuda/cuda_bindings.cpp): argument errors, the engine config dict, array checks, and one forward
+// step (arguments in, logits and captures out). Both engines take the same config dict and the same
+// step arguments from fast/engine.py, so they are read in one place.
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -11,6 +12,8 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "engine_types.hpp"
 
 namespace glm::pyglue {
 
@@ -84,6 +87,76 @@ inline py::array checked(const py::object& o, const char* what, const char* kind
         bad(std::string(what) + ": unexpected dtype " + py::str(a.dtype()).cast<std::string>());
     if (!(a.flags() & py::array::c_style)) bad(std::string(what) + ": must be C-contiguous");
     return a;
+}
+
+// One forward step of an engine whose step() has the shared signature (bindings/engine_types.hpp):
+// the numpy arguments checked and copied, the step run without the GIL, the logits written straight
+// into the array returned; `stage_name(i)` and `stage_dtype(i)` describe the captures.
+// Returns (head_rows i64[n], logits f32[n, V], [(layer, stage name, row, value)], injected).
+template <class Engine, class StageName, class StageDtype>
+py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::object& tok_o, const py::object& head_o,
+                   const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o,
+                   StageName stage_name, StageDtype stage_dtype) {
+    const py::array seq = checked(seq_o, "seq_ids", "i", 8);
+    const py::array tok = checked(tok_o, "tokens", "i", 4);
+    const py::array head = checked(head_o, "want_head", "b", 1);
+    const py::array caprow = checked(caprow_o, "cap_rows", "b", 1);
+    const py::array mask = checked(mask_o, "cap_mask", "b", 1);
+    if (seq.ndim() != 1 || tok.ndim() != 1 || head.ndim() != 1 || caprow.ndim() != 1 || mask.ndim() != 1)
+        bad("step: every argument must be 1-D");
+    const size_t T = static_cast<size_t>(seq.shape(0));
+    if (static_cast<size_t>(tok.shape(0)) != T || static_cast<size_t>(head.shape(0)) != T ||
+        static_cast<size_t>(caprow.shape(0)) != T)
+        bad("step: seq_ids, tokens, want_head, cap_rows must have the same length");
+    auto bytes = [](const py::array& a, size_t n) {
+        const uint8_t* p = static_cast<const uint8_t*>(a.data());
+        return std::vector<uint8_t>(p, p + n);
+    };
+    const std::vector<int64_t> ids(static_cast<const int64_t*>(seq.data()), static_cast<const int64_t*>(seq.data()) + T);
+    const std::vector<int32_t> toks(static_cast<const int32_t*>(tok.data()), static_cast<const int32_t*>(tok.data()) + T);
+    const std::vector<uint8_t> wh = bytes(head, T), cr = bytes(caprow, T);
+    const std::vector<uint8_t> cm = bytes(mask, static_cast<size_t>(mask.shape(0)));
+    Injection inj;
+    if (!inj_o.is_none()) {
+        try {
+            const py::tuple t = inj_o.cast<py::tuple>();
+            if (t.size() != 5) throw py::cast_error();
+            inj.layer = t[0].cast<int>();
+            inj.pos = t[1].cast<int64_t>();
+            inj.stage = t[2].cast<int>();
+            inj.element = t[3].cast<int64_t>();
+            inj.ulps = t[4].cast<int64_t>();
+        } catch (const py::cast_error&) {
+            bad("inject: expected (layer, pos, stage_index, element, ulps) as ints");
+        }
+        inj.active = true;
+    }
+    // the logits land in the numpy array handed back (the rows wanting them, in row order)
+    size_t n_head = 0;
+    for (uint8_t w : wh) n_head += w ? 1 : 0;
+    py::array_t<float> logits({static_cast<py::ssize_t>(n_head), static_cast<py::ssize_t>(V)});
+    StepOutput out;
+    out.logits_dst = n_head ? logits.mutable_data() : nullptr;
+    {
+        py::gil_scoped_release nogil;
+        E.step(ids, toks, wh, cr, cm, inj, out);
+    }
+    if (out.head_rows.size() != n_head) throw std::logic_error("step: head rows disagree with want_head");
+    py::array_t<int64_t> rows(static_cast<py::ssize_t>(n_head));
+    if (n_head) std::memcpy(rows.mutable_data(), out.head_rows.data(), n_head * 8);
+    py::list caps;
+    for (const CaptureRecord& r : out.captures) {
+        const std::vector<py::ssize_t> shape(r.shape.begin(), r.shape.end());
+        py::array a;
+        switch (stage_dtype(r.stage)) {
+            case SDType::F64: a = py::array_t<double>(shape); break;
+            case SDType::I32: a = py::array_t<int32_t>(shape); break;
+            default: a = py::array_t<float>(shape); break;
+        }
+        if (!r.bytes.empty()) std::memcpy(a.mutable_data(), r.bytes.data(), r.bytes.size());
+        caps.append(py::make_tuple(r.layer, stage_name(r.stage), r.row, a));
+    }
+    return py::make_tuple(rows, logits, caps, out.injected);
 }
 
 }  // namespace glm::pyglue

@@ -107,68 +107,8 @@ float Numerics::fast_expf(float x) {
 
 // ---- config -------------------------------------------------------------------------------------
 
-void EngineConfig::validate() const {
-    auto bad = [](const std::string& field, const std::string& why) {
-        throw std::invalid_argument("config field '" + field + "': " + why);
-    };
-    auto pos = [&](const char* f, int64_t v) {
-        if (v < 1) bad(f, "must be >= 1, got " + std::to_string(v));
-    };
-    pos("vocab_size", vocab_size);
-    pos("hidden_size", hidden_size);
-    pos("num_hidden_layers", num_hidden_layers);
-    pos("hc_mult", hc_mult);
-    if (hc_mult > 63) bad("hc_mult", "must be <= 63 in the CPU engine, got " + std::to_string(hc_mult));
-    pos("hc_sinkhorn_iters", hc_sinkhorn_iters);
-    pos("max_context", max_context);
-    const size_t L = static_cast<size_t>(num_hidden_layers);
-    if (is_kda.size() != L) bad("layer_types", "needs one entry per layer");
-    if (is_moe.size() != L) bad("mlp_layer_types", "needs one entry per layer");
-    if (has_indexer.size() != L) bad("indexer_types", "needs one entry per layer");
-    bool any_kda = false, any_mla = false, any_moe = false, any_dense = false;
-    for (size_t l = 0; l < L; ++l) {
-        any_kda |= is_kda[l] != 0;
-        any_mla |= is_kda[l] == 0;
-        any_moe |= is_moe[l] != 0;
-        any_dense |= is_moe[l] == 0;
-        if (!is_kda[l] && !has_indexer[l] && (l == 0 || is_kda[l - 1] || !has_indexer[l - 1]))
-            bad("indexer_types", "layer " + std::to_string(l) +
-                                     " is a 'shared' indexed_attention layer that does not follow a 'full' one");
-    }
-    if (any_kda) {
-        pos("linear_num_heads", linear_num_heads);
-        pos("linear_head_dim", linear_head_dim);
-        pos("linear_conv_kernel_dim", linear_conv_kernel_dim);
-    }
-    if (any_mla) {
-        pos("num_attention_heads", num_attention_heads);
-        pos("q_lora_rank", q_lora_rank);
-        pos("kv_lora_rank", kv_lora_rank);
-        pos("qk_nope_head_dim", qk_nope_head_dim);
-        pos("v_head_dim", v_head_dim);
-        if (qk_rope_head_dim != 0) bad("qk_rope_head_dim", "only NoPE MLA (0) is supported");
-        pos("index_kpool", index_kpool);
-        pos("index_topk", index_topk);
-        pos("index_head_dim", index_head_dim);
-        pos("index_n_heads", index_n_heads);
-        if (index_topk % index_kpool != 0) bad("index_topk", "must be divisible by index_kpool");
-    }
-    if (any_dense) pos("intermediate_size", intermediate_size);
-    if (any_moe) {
-        pos("n_routed_experts", n_routed_experts);
-        pos("moe_intermediate_size", moe_intermediate_size);
-        pos("n_shared_experts", n_shared_experts);
-        pos("n_group", n_group);
-        pos("topk_group", topk_group);
-        pos("num_experts_per_tok", num_experts_per_tok);
-        if (num_experts_per_tok > 256) bad("num_experts_per_tok", "must be <= 256 in the CPU engine");
-        if (n_routed_experts % n_group != 0 || n_routed_experts / n_group < 2)
-            bad("n_group", "each group needs at least 2 experts and n_routed_experts must divide evenly");
-        if (topk_group > n_group) bad("topk_group", "must be <= n_group");
-        if (num_experts_per_tok > topk_group * (n_routed_experts / n_group))
-            bad("num_experts_per_tok", "exceeds the experts of topk_group groups");
-    }
-}
+// What the CPU engine's kernels hold (mHC coefficients in fixed arrays, the top-k in one pass).
+const EngineLimits kCpuLimits{"CPU", 63};
 
 // ---- the step context ---------------------------------------------------------------------------
 
@@ -279,7 +219,7 @@ void Step::linear(const Lin& W, const float* X, size_t ldx, float* Y, size_t ldy
 // ---- the engine ---------------------------------------------------------------------------------
 
 Engine::Engine(const EngineConfig& cfg, unsigned threads, Numerics nm, size_t inline_work) : cfg_(cfg), nm_(nm) {
-    cfg_.validate();
+    validate_config(cfg_, kCpuLimits);
     pool_ = std::make_unique<ThreadPool>(threads, inline_work);
     layers.resize(static_cast<size_t>(cfg_.num_hidden_layers));
     for (size_t l = 0; l < layers.size(); ++l) {
@@ -813,8 +753,7 @@ void Engine::run_step(Step& s, const std::vector<int32_t>& tokens, const std::ve
     for (size_t t = 0; t < T; ++t)
         if (want_head[t]) hrows.push_back(t);
     out.head_rows.assign(hrows.begin(), hrows.end());
-    out.logits.assign(hrows.size() * static_cast<size_t>(c.vocab_size), 0.0f);
-    head_forward(s, X.data(), hrows, out.logits.data());
+    head_forward(s, X.data(), hrows, out.logits_out(hrows.size() * static_cast<size_t>(c.vocab_size)));
 }
 
 }  // namespace glm::cpu

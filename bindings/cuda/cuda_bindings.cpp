@@ -39,67 +39,8 @@ struct PyEngine {
 
 py::tuple step(PyEngine& pe, const py::object& seq_o, const py::object& tok_o, const py::object& head_o,
                const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o) {
-    Engine& E = *pe.eng;
-    const py::array seq = checked(seq_o, "seq_ids", "i", 8);
-    const py::array tok = checked(tok_o, "tokens", "i", 4);
-    const py::array head = checked(head_o, "want_head", "b", 1);
-    const py::array caprow = checked(caprow_o, "cap_rows", "b", 1);
-    const py::array mask = checked(mask_o, "cap_mask", "b", 1);
-    if (seq.ndim() != 1 || tok.ndim() != 1 || head.ndim() != 1 || caprow.ndim() != 1 || mask.ndim() != 1)
-        bad("step: every argument must be 1-D");
-    const size_t T = static_cast<size_t>(seq.shape(0));
-    if (static_cast<size_t>(tok.shape(0)) != T || static_cast<size_t>(head.shape(0)) != T ||
-        static_cast<size_t>(caprow.shape(0)) != T)
-        bad("step: seq_ids, tokens, want_head, cap_rows must have the same length");
-    std::vector<int64_t> ids(static_cast<const int64_t*>(seq.data()), static_cast<const int64_t*>(seq.data()) + T);
-    std::vector<int32_t> toks(static_cast<const int32_t*>(tok.data()), static_cast<const int32_t*>(tok.data()) + T);
-    std::vector<uint8_t> wh(static_cast<const uint8_t*>(head.data()), static_cast<const uint8_t*>(head.data()) + T);
-    std::vector<uint8_t> cr(static_cast<const uint8_t*>(caprow.data()), static_cast<const uint8_t*>(caprow.data()) + T);
-    const size_t nm = static_cast<size_t>(mask.shape(0));
-    std::vector<uint8_t> cm(static_cast<const uint8_t*>(mask.data()), static_cast<const uint8_t*>(mask.data()) + nm);
-    Injection inj;
-    if (!inj_o.is_none()) {
-        py::tuple t;
-        try {
-            t = inj_o.cast<py::tuple>();
-            if (t.size() != 5) throw py::cast_error();
-            inj.layer = t[0].cast<int>();
-            inj.pos = t[1].cast<int64_t>();
-            inj.stage = t[2].cast<int>();
-            inj.element = t[3].cast<int64_t>();
-            inj.ulps = t[4].cast<int64_t>();
-        } catch (const py::cast_error&) {
-            bad("inject: expected (layer, pos, stage_index, element, ulps) as ints");
-        }
-        inj.active = true;
-    }
-    // the logits land in the numpy array handed back (the rows wanting them, in row order)
-    size_t n_head = 0;
-    for (uint8_t w : wh) n_head += w ? 1 : 0;
-    const size_t V = static_cast<size_t>(pe.vocab);
-    py::array_t<float> logits({static_cast<py::ssize_t>(n_head), static_cast<py::ssize_t>(V)});
-    StepOutput out;
-    out.logits_dst = n_head ? logits.mutable_data() : nullptr;
-    {
-        py::gil_scoped_release nogil;
-        E.step(ids, toks, wh, cr, cm, inj, out);
-    }
-    if (out.head_rows.size() != n_head) throw std::logic_error("step: head rows disagree with want_head");
-    py::array_t<int64_t> rows(static_cast<py::ssize_t>(out.head_rows.size()));
-    if (!out.head_rows.empty()) std::memcpy(rows.mutable_data(), out.head_rows.data(), out.head_rows.size() * 8);
-    py::list caps;
-    for (const CaptureRecord& r : out.captures) {
-        std::vector<py::ssize_t> shape(r.shape.begin(), r.shape.end());
-        py::array a;
-        switch (stage_dtype(r.stage)) {
-            case SDType::F64: a = py::array_t<double>(shape); break;
-            case SDType::I32: a = py::array_t<int32_t>(shape); break;
-            default: a = py::array_t<float>(shape); break;
-        }
-        if (!r.bytes.empty()) std::memcpy(a.mutable_data(), r.bytes.data(), r.bytes.size());
-        caps.append(py::make_tuple(r.layer, stage_name(r.stage), r.row, a));
-    }
-    return py::make_tuple(rows, logits, caps, out.injected);
+    return glm::pyglue::run_step(*pe.eng, static_cast<size_t>(pe.vocab), seq_o, tok_o, head_o, caprow_o, mask_o,
+                                 inj_o, stage_name, stage_dtype);
 }
 
 template <class F>

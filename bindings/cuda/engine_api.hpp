@@ -15,61 +15,21 @@
 #include <utility>
 #include <vector>
 
+#include "../engine_types.hpp"
+
 namespace glm::cuda {
 
-struct Config {
-    int64_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0;
-    int64_t intermediate_size = 0, moe_intermediate_size = 0;
-    int64_t n_routed_experts = 0, num_experts_per_tok = 0, n_shared_experts = 0, n_group = 1, topk_group = 1;
-    bool norm_topk_prob = true;
-    double routed_scaling_factor = 1.0, swiglu_limit = 10.0, rms_norm_eps = 1e-5;
-    int64_t num_attention_heads = 0, q_lora_rank = 0, kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0,
-            v_head_dim = 0;
-    int64_t index_topk = 0, index_head_dim = 0, index_n_heads = 0, index_kpool = 1;
-    int64_t linear_num_heads = 0, linear_head_dim = 0, linear_conv_kernel_dim = 1;
-    double linear_lower_bound = -5.0;
-    int64_t hc_mult = 4;
-    double hc_eps = 1e-6;
-    int64_t hc_sinkhorn_iters = 20;
-    bool tie_word_embeddings = false;
-    int64_t max_context = 0;
-    std::vector<uint8_t> is_kda, is_moe, has_indexer;  // per layer
-
-    int64_t kda_dim() const { return linear_num_heads * linear_head_dim; }
-    int64_t hc_dim() const { return (2 + hc_mult) * hc_mult; }
-    void validate() const;  // throws std::invalid_argument naming the field
-};
-
-enum class SDType : uint8_t { F32, F64, BF16, I32 };
+// The config, the stage dtype, the injection spec, capture records and a step's output are the CPU
+// engine's (bindings/engine_types.hpp).
+using Config = glm::EngineConfig;
+using glm::SDType;
+using glm::Injection;
+using glm::CaptureRecord;
+using glm::StepOutput;
 
 int stage_count();
 const char* stage_name(int i);
 SDType stage_dtype(int i);
-
-struct Injection {
-    bool active = false;
-    int layer = -1;
-    int64_t pos = -1;
-    int stage = -1;
-    int64_t element = 0;
-    int64_t ulps = 0;
-};
-
-struct CaptureRecord {
-    int layer;
-    int stage;
-    int64_t row;
-    std::vector<int64_t> shape;
-    std::vector<uint8_t> bytes;  // f32 for F32/BF16 stages, f64 for F64, i32 for I32
-};
-
-struct StepOutput {
-    std::vector<int64_t> head_rows;
-    std::vector<float> logits;  // [head_rows.size()][V] (left empty when logits_dst is given)
-    float* logits_dst = nullptr;  // caller's buffer of (rows wanting logits) x V floats, written instead
-    std::vector<CaptureRecord> captures;
-    int64_t injected = 0;
-};
 
 // Per-stage device time of the last step(s) (timing mode only): name -> milliseconds.
 struct StageTimes {

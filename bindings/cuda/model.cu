@@ -68,71 +68,9 @@ SDType stage_dtype(int i) { return kStages[i].dtype; }
 
 // ---- config ---------------------------------------------------------------------------------------
 
-void Config::validate() const {
-    auto bad = [](const std::string& field, const std::string& why) {
-        throw std::invalid_argument("config field '" + field + "': " + why);
-    };
-    auto pos = [&](const char* f, int64_t v) {
-        if (v < 1) bad(f, "must be >= 1, got " + std::to_string(v));
-    };
-    pos("vocab_size", vocab_size);
-    pos("hidden_size", hidden_size);
-    pos("num_hidden_layers", num_hidden_layers);
-    pos("hc_mult", hc_mult);
-    if (hc_mult > 16) bad("hc_mult", "must be <= 16 in the CUDA engine, got " + std::to_string(hc_mult));
-    pos("hc_sinkhorn_iters", hc_sinkhorn_iters);
-    pos("max_context", max_context);
-    if (max_context > (int64_t{1} << 30)) bad("max_context", "must be < 2^30 in the CUDA engine");
-    const size_t L = static_cast<size_t>(num_hidden_layers);
-    if (is_kda.size() != L) bad("layer_types", "needs one entry per layer");
-    if (is_moe.size() != L) bad("mlp_layer_types", "needs one entry per layer");
-    if (has_indexer.size() != L) bad("indexer_types", "needs one entry per layer");
-    bool any_kda = false, any_mla = false, any_moe = false, any_dense = false;
-    for (size_t l = 0; l < L; ++l) {
-        any_kda |= is_kda[l] != 0;
-        any_mla |= is_kda[l] == 0;
-        any_moe |= is_moe[l] != 0;
-        any_dense |= is_moe[l] == 0;
-        if (!is_kda[l] && !has_indexer[l] && (l == 0 || is_kda[l - 1] || !has_indexer[l - 1]))
-            bad("indexer_types", "layer " + std::to_string(l) +
-                                     " is a 'shared' indexed_attention layer that does not follow a 'full' one");
-    }
-    if (any_kda) {
-        pos("linear_num_heads", linear_num_heads);
-        pos("linear_head_dim", linear_head_dim);
-        pos("linear_conv_kernel_dim", linear_conv_kernel_dim);
-        if (linear_head_dim > 256) bad("linear_head_dim", "must be <= 256 in the CUDA engine");
-    }
-    if (any_mla) {
-        pos("num_attention_heads", num_attention_heads);
-        pos("q_lora_rank", q_lora_rank);
-        pos("kv_lora_rank", kv_lora_rank);
-        pos("qk_nope_head_dim", qk_nope_head_dim);
-        pos("v_head_dim", v_head_dim);
-        if (qk_rope_head_dim != 0) bad("qk_rope_head_dim", "only NoPE MLA (0) is supported");
-        pos("index_kpool", index_kpool);
-        pos("index_topk", index_topk);
-        pos("index_head_dim", index_head_dim);
-        pos("index_n_heads", index_n_heads);
-        if (index_topk % index_kpool != 0) bad("index_topk", "must be divisible by index_kpool");
-    }
-    if (any_dense) pos("intermediate_size", intermediate_size);
-    if (any_moe) {
-        pos("n_routed_experts", n_routed_experts);
-        pos("moe_intermediate_size", moe_intermediate_size);
-        pos("n_shared_experts", n_shared_experts);
-        pos("n_group", n_group);
-        pos("topk_group", topk_group);
-        pos("num_experts_per_tok", num_experts_per_tok);
-        if (num_experts_per_tok > 256) bad("num_experts_per_tok", "must be <= 256 in the CUDA engine");
-        if (n_routed_experts > 4096) bad("n_routed_experts", "must be <= 4096 in the CUDA engine");
-        if (n_routed_experts % n_group != 0 || n_routed_experts / n_group < 2)
-            bad("n_group", "each group needs at least 2 experts and n_routed_experts must divide evenly");
-        if (topk_group > n_group) bad("topk_group", "must be <= n_group");
-        if (num_experts_per_tok > topk_group * (n_routed_experts / n_group))
-            bad("num_experts_per_tok", "exceeds the experts of topk_group groups");
-    }
-}
+// What the CUDA engine's kernels hold (mHC coefficients per block, KDA state columns in registers,
+// expert tables, 32-bit positions).
+const EngineLimits kCudaLimits{"CUDA", 16, int64_t{1} << 30, 256, 4096};
 
 // ---- device memory --------------------------------------------------------------------------------
 
@@ -423,7 +361,7 @@ std::vector<float> to_f32(const std::string& what, const std::string& release, c
 Engine::Engine(const Config& cfg, bool seq_dot, bool native_exp) : p_(std::make_unique<Impl>()) {
     Impl& e = *p_;
     e.cfg = cfg;
-    e.cfg.validate();
+    validate_config(e.cfg, kCudaLimits);
     e.nm.seq = seq_dot;
     e.nm.native = native_exp;
     int ndev = 0;
@@ -1062,7 +1000,7 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         if (want_head[t]) hrows.push_back(static_cast<int>(t));
     out.head_rows.assign(hrows.begin(), hrows.end());
     const size_t V = static_cast<size_t>(c.vocab_size);
-    if (!out.logits_dst) out.logits.assign(hrows.size() * V, 0.0f);
+    float* dst = out.logits_out(hrows.size() * V);
     if (!hrows.empty()) {
         float* logits = s.scratch.d<float>(hrows.size() * V);
         head_forward(s, X, hrows, logits);
@@ -1070,7 +1008,6 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         // through pinned staging (a pageable copy runs at a fraction of the speed), then into the
         // caller's buffer (the numpy array handed back) without another copy
         const size_t nb = hrows.size() * V * sizeof(float);
-        float* dst = out.logits_dst ? out.logits_dst : out.logits.data();
         if (nb <= (size_t{16} << 20)) {  // decode-sized: pinned staging; a whole prefill's rows: directly
             void* h = s.scratch.pinned(nb);
             check(cudaMemcpyAsync(h, logits, nb, cudaMemcpyDeviceToHost, 0), "logits");

@@ -1,0 +1,152 @@
+// The types both engines share at their host interface (plain C++, no CPU intrinsics and no CUDA):
+// the engine config (one struct, read from the one config dict fast/engine.py builds, and validated by
+// one function with each engine's limits), the stage dtype, the injection spec, a capture record and
+// a step's output. bindings/cpu/engine.hpp and bindings/cuda/engine_api.hpp use these.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace glm {
+
+struct EngineConfig {
+    int64_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0;
+    int64_t intermediate_size = 0, moe_intermediate_size = 0;
+    int64_t n_routed_experts = 0, num_experts_per_tok = 0, n_shared_experts = 0, n_group = 1, topk_group = 1;
+    bool norm_topk_prob = true;
+    double routed_scaling_factor = 1.0, swiglu_limit = 10.0, rms_norm_eps = 1e-5;
+    int64_t num_attention_heads = 0, q_lora_rank = 0, kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0,
+            v_head_dim = 0;
+    int64_t index_topk = 0, index_head_dim = 0, index_n_heads = 0, index_kpool = 1;
+    int64_t linear_num_heads = 0, linear_head_dim = 0, linear_conv_kernel_dim = 1;
+    double linear_lower_bound = -5.0;
+    int64_t hc_mult = 4;
+    double hc_eps = 1e-6;
+    int64_t hc_sinkhorn_iters = 20;
+    bool tie_word_embeddings = false;
+    int64_t max_context = 0;
+    std::vector<uint8_t> is_kda, is_moe, has_indexer;  // per layer
+
+    int64_t kda_dim() const { return linear_num_heads * linear_head_dim; }
+    int64_t hc_dim() const { return (2 + hc_mult) * hc_mult; }
+};
+
+// What an engine's kernels can hold (a config beyond them is refused, naming the field).
+struct EngineLimits {
+    const char* engine;                   // "CPU", "CUDA": for the messages
+    int64_t max_hc_mult;
+    int64_t max_context = 0;              // 0: no limit
+    int64_t max_linear_head_dim = 0;      // 0: no limit
+    int64_t max_routed_experts = 0;       // 0: no limit
+    int64_t max_experts_per_tok = 256;
+};
+
+// Throws std::invalid_argument naming the field.
+inline void validate_config(const EngineConfig& c, const EngineLimits& lim) {
+    auto bad = [](const std::string& field, const std::string& why) {
+        throw std::invalid_argument("config field '" + field + "': " + why);
+    };
+    auto pos = [&](const char* f, int64_t v) {
+        if (v < 1) bad(f, "must be >= 1, got " + std::to_string(v));
+    };
+    auto at_most = [&](const char* f, int64_t v, int64_t limit) {
+        if (limit > 0 && v > limit)
+            bad(f, "must be <= " + std::to_string(limit) + " in the " + lim.engine + " engine, got " + std::to_string(v));
+    };
+    pos("vocab_size", c.vocab_size);
+    pos("hidden_size", c.hidden_size);
+    pos("num_hidden_layers", c.num_hidden_layers);
+    pos("hc_mult", c.hc_mult);
+    at_most("hc_mult", c.hc_mult, lim.max_hc_mult);
+    pos("hc_sinkhorn_iters", c.hc_sinkhorn_iters);
+    pos("max_context", c.max_context);
+    at_most("max_context", c.max_context, lim.max_context);
+    const size_t L = static_cast<size_t>(c.num_hidden_layers);
+    if (c.is_kda.size() != L) bad("layer_types", "needs one entry per layer");
+    if (c.is_moe.size() != L) bad("mlp_layer_types", "needs one entry per layer");
+    if (c.has_indexer.size() != L) bad("indexer_types", "needs one entry per layer");
+    bool any_kda = false, any_mla = false, any_moe = false, any_dense = false;
+    for (size_t l = 0; l < L; ++l) {
+        any_kda |= c.is_kda[l] != 0;
+        any_mla |= c.is_kda[l] == 0;
+        any_moe |= c.is_moe[l] != 0;
+        any_dense |= c.is_moe[l] == 0;
+        if (!c.is_kda[l] && !c.has_indexer[l] && (l == 0 || c.is_kda[l - 1] || !c.has_indexer[l - 1]))
+            bad("indexer_types", "layer " + std::to_string(l) +
+                                     " is a 'shared' indexed_attention layer that does not follow a 'full' one");
+    }
+    if (any_kda) {
+        pos("linear_num_heads", c.linear_num_heads);
+        pos("linear_head_dim", c.linear_head_dim);
+        at_most("linear_head_dim", c.linear_head_dim, lim.max_linear_head_dim);
+        pos("linear_conv_kernel_dim", c.linear_conv_kernel_dim);
+    }
+    if (any_mla) {
+        pos("num_attention_heads", c.num_attention_heads);
+        pos("q_lora_rank", c.q_lora_rank);
+        pos("kv_lora_rank", c.kv_lora_rank);
+        pos("qk_nope_head_dim", c.qk_nope_head_dim);
+        pos("v_head_dim", c.v_head_dim);
+        if (c.qk_rope_head_dim != 0) bad("qk_rope_head_dim", "only NoPE MLA (0) is supported");
+        pos("index_kpool", c.index_kpool);
+        pos("index_topk", c.index_topk);
+        pos("index_head_dim", c.index_head_dim);
+        pos("index_n_heads", c.index_n_heads);
+        if (c.index_topk % c.index_kpool != 0) bad("index_topk", "must be divisible by index_kpool");
+    }
+    if (any_dense) pos("intermediate_size", c.intermediate_size);
+    if (any_moe) {
+        pos("n_routed_experts", c.n_routed_experts);
+        at_most("n_routed_experts", c.n_routed_experts, lim.max_routed_experts);
+        pos("moe_intermediate_size", c.moe_intermediate_size);
+        pos("n_shared_experts", c.n_shared_experts);
+        pos("n_group", c.n_group);
+        pos("topk_group", c.topk_group);
+        pos("num_experts_per_tok", c.num_experts_per_tok);
+        at_most("num_experts_per_tok", c.num_experts_per_tok, lim.max_experts_per_tok);
+        if (c.n_routed_experts % c.n_group != 0 || c.n_routed_experts / c.n_group < 2)
+            bad("n_group", "each group needs at least 2 experts and n_routed_experts must divide evenly");
+        if (c.topk_group > c.n_group) bad("topk_group", "must be <= n_group");
+        if (c.num_experts_per_tok > c.topk_group * (c.n_routed_experts / c.n_group))
+            bad("num_experts_per_tok", "exceeds the experts of topk_group groups");
+    }
+}
+
+// ---- a step's interface ---------------------------------------------------------------------------
+
+enum class SDType : uint8_t { F32, F64, BF16, I32 };
+
+struct Injection {
+    bool active = false;
+    int layer = -1;
+    int64_t pos = -1;
+    int stage = -1;
+    int64_t element = 0;
+    int64_t ulps = 0;
+};
+
+struct CaptureRecord {
+    int layer;
+    int stage;
+    int64_t row;  // row of the step
+    std::vector<int64_t> shape;
+    std::vector<uint8_t> bytes;  // f32 for F32/BF16 stages, f64 for F64, i32 for I32
+};
+
+struct StepOutput {
+    std::vector<int64_t> head_rows;  // rows whose logits were computed, ascending
+    std::vector<float> logits;       // [head_rows.size()][V] (left empty when logits_dst is given)
+    float* logits_dst = nullptr;     // the caller's buffer of (rows wanting logits) x V floats, written instead
+    std::vector<CaptureRecord> captures;
+    int64_t injected = 0;  // elements the injection perturbed in this step
+    float* logits_out(size_t n) {  // where the step writes its n logits
+        if (logits_dst) return logits_dst;
+        logits.assign(n, 0.0f);
+        return logits.data();
+    }
+};
+
+}  // namespace glm
