@@ -28,9 +28,8 @@ def prompt(vocab: int, n: int = PROMPT_LEN) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def small_dir(tmp_path_factory):
-    from oracle.zoo import make_checkpoint
-    return make_checkpoint("small", "bf16", tmp_path_factory.mktemp("zoo") / "small-bf16")
+def small_dir(small_zoo):
+    return small_zoo / "small-bf16"
 
 
 def checkpoint_path(name, golden_dir, small_dir):

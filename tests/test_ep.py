@@ -25,7 +25,7 @@ import fast
 from fast import distributed as D
 from fast.engine import EngineInputError
 from oracle.capture import Capture
-from oracle.zoo import make_zoo
+from tests.engine_checks import bits, prompt
 
 try:
     import torch.distributed as _dist
@@ -57,38 +57,14 @@ def case_id(c) -> str:
     return f"r{c[0]}-{c[1]}" + ("" if c[2] is None else "-" + "_".join(f"{a}:{b}" for a, b in c[2]))
 
 
-def prompt(vocab: int, n: int, seed: int) -> list[int]:
-    return [int(v) for v in np.random.default_rng(seed).integers(0, vocab, n)]
-
-
-def bits(x) -> np.ndarray:
-    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-
-
 @pytest.fixture(scope="session")
-def ep_small_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ep_zoo")
-    make_zoo("small", root)
-    return root
-
-
-@pytest.fixture(scope="session")
-def path_of(golden_dir, request):
-    def get(name: str) -> str:
-        if name.startswith("tiny"):
-            return str(golden_dir / name)
-        return str(request.getfixturevalue("ep_small_dir") / name)
-    return get
-
-
-@pytest.fixture(scope="session")
-def reference(path_of):
+def reference(ckpt_path):
     """name -> (ids, tokens, logits, capture hashes) of the single-process engine's greedy generate."""
     cache = {}
 
     def get(name: str):
         if name not in cache:
-            eng = fast.Engine(path_of(name), threads=1)
+            eng = fast.Engine(ckpt_path(name), threads=1)
             n, new, _ = SHAPE[name.split("-")[0]]
             ids = prompt(eng.config.vocab_size, n, 17)
             cap = Capture(keep_values=False)
@@ -117,13 +93,13 @@ def first_difference(want: dict, got: dict) -> str | None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_ep_bit_identical(case, path_of, reference):
+def test_ep_bit_identical(case, ckpt_path, reference):
     ranks, name, ranges = case
     if ranks > 1 and not HAVE_TORCH:
         pytest.skip("torch.distributed with gloo is not installed")
     ids, toks, logits, hashes = reference(name)
     _, new, chunk = SHAPE[name.split("-")[0]]
-    eng = fast.Engine(path_of(name), ranks=ranks, expert_ranges=ranges, threads=1, verify_ranks=True)
+    eng = fast.Engine(ckpt_path(name), ranks=ranks, expert_ranges=ranges, threads=1, verify_ranks=True)
     assert eng.ranks == ranks
     E = eng.config.n_routed_experts
     want_ranges = ranges or D.even_ranges(E, ranks)
@@ -166,10 +142,10 @@ def test_ep_bit_identical(case, path_of, reference):
 
 
 @needs_torch
-def test_ep_batched_generate(path_of):
+def test_ep_batched_generate(ckpt_path):
     name = "tiny-mxfp4"
-    single = fast.Engine(path_of(name), threads=1)
-    eng = fast.Engine(path_of(name), ranks=3, threads=1, verify_ranks=True)
+    single = fast.Engine(ckpt_path(name), threads=1)
+    eng = fast.Engine(ckpt_path(name), ranks=3, threads=1, verify_ranks=True)
     prompts = [prompt(300, n, s) for n, s in ((9, 1), (17, 2), (4, 3), (12, 4))]
     caps_a = [Capture(keep_values=False) for _ in prompts]
     caps_b = [Capture(keep_values=False) for _ in prompts]
@@ -182,12 +158,12 @@ def test_ep_batched_generate(path_of):
 
 @needs_torch
 @pytest.mark.parametrize("spec", ["2,7,moe.selected,1,-1", "1,6,moe.experts,100,1", "3,9,moe.weights,0,3"])
-def test_ep_injection_equals_single(spec, path_of):
+def test_ep_injection_equals_single(spec, ckpt_path):
     """A fault injected before, into or after the exchange propagates exactly as in one process."""
     name = "tiny-fp8"
     ids = prompt(300, 14, 5)
-    single = fast.Engine(path_of(name), threads=1, inject=spec)
-    eng = fast.Engine(path_of(name), ranks=3, threads=1, inject=spec, verify_ranks=True)
+    single = fast.Engine(ckpt_path(name), threads=1, inject=spec)
+    eng = fast.Engine(ckpt_path(name), ranks=3, threads=1, inject=spec, verify_ranks=True)
     a, b = Capture(keep_values=False), Capture(keep_values=False)
     la = single.prefill(ids, single.new_cache(), chunk=5, capture=a)
     lb = eng.prefill(ids, eng.new_cache(), chunk=5, capture=b)
@@ -197,11 +173,11 @@ def test_ep_injection_equals_single(spec, path_of):
 
 
 @needs_torch
-def test_ep_threads_within_rank(path_of, reference):
+def test_ep_threads_within_rank(ckpt_path, reference):
     """Two threads per rank splitting every job (parallel_work=0) change nothing either."""
     name = "small-mxfp4"
     ids, toks, logits, hashes = reference(name)
-    eng = fast.Engine(path_of(name), ranks=3, threads=2, parallel_work=0, verify_ranks=True)
+    eng = fast.Engine(ckpt_path(name), ranks=3, threads=2, parallel_work=0, verify_ranks=True)
     cap = Capture(keep_values=False)
     got_toks, got_logits = eng.generate(ids, len(toks), capture=cap, return_logits=True)
     assert got_toks == toks and np.array_equal(bits(got_logits), bits(logits))
@@ -212,10 +188,10 @@ def test_ep_threads_within_rank(path_of, reference):
 # memory plan, ranges, missing torch
 
 
-def test_memory_plan_accounts_every_byte(path_of):
+def test_memory_plan_accounts_every_byte(ckpt_path):
     from oracle.checkpoint import open_checkpoint
     for name in TINY:
-        ck = open_checkpoint(path_of(name), verify=False)
+        ck = open_checkpoint(ckpt_path(name), verify=False)
         plans = D.memory_plans(ck, [(0, 3), (3, 5), (5, 8)], context=64)
         stored = ck.release_summary()["bytes"]
         assert plans[0].replicated + plans[0].all_experts == stored
@@ -228,7 +204,7 @@ def test_memory_plan_accounts_every_byte(path_of):
         assert not any(s.scanned for s in ck._slots.values())
 
 
-def test_memory_plan_refuses_before_allocating(path_of, monkeypatch):
+def test_memory_plan_refuses_before_allocating(ckpt_path, monkeypatch):
     from fast import engine as fe
     from oracle.checkpoint import Checkpoint
 
@@ -238,13 +214,13 @@ def test_memory_plan_refuses_before_allocating(path_of, monkeypatch):
     monkeypatch.setattr(fe, "_core", lambda: types.SimpleNamespace(_Engine=no))
     monkeypatch.setattr(D, "_cluster", no)
     with pytest.raises(EngineInputError, match=r"memory plan: rank \d .* more than memory_limit=100000 bytes"):
-        fast.Engine(path_of("tiny-bf16"), ranks=2, memory_limit=100_000)
+        fast.Engine(ckpt_path("tiny-bf16"), ranks=2, memory_limit=100_000)
     with pytest.raises(EngineInputError, match="memory plan"):
-        fast.Engine(path_of("tiny-bf16"), ranks=1, memory_limit=100_000, max_context=16)
+        fast.Engine(ckpt_path("tiny-bf16"), ranks=1, memory_limit=100_000, max_context=16)
 
 
-def test_memory_plan_fits(path_of, capsys):
-    eng = fast.Engine(path_of("tiny-fp8"), ranks=1, memory_limit=64 << 20, max_context=256, threads=1)
+def test_memory_plan_fits(ckpt_path, capsys):
+    eng = fast.Engine(ckpt_path("tiny-fp8"), ranks=1, memory_limit=64 << 20, max_context=256, threads=1)
     plan = eng.memory_plan
     assert len(plan) == 1 and plan[0].fits and plan[0].limit == 64 << 20 and plan[0].context == 256
     err = capsys.readouterr().err
@@ -259,27 +235,27 @@ def test_memory_plan_fits(path_of, capsys):
     ([(0, 1.5), (1.5, 8)], 2, "integer"),
     ("0-4,4-8", 2, "pairs"),
 ])
-def test_bad_expert_ranges(ranges, ranks, msg, path_of):
+def test_bad_expert_ranges(ranges, ranks, msg, ckpt_path):
     with pytest.raises(EngineInputError, match=msg):
-        fast.Engine(path_of("tiny-bf16"), ranks=ranks, expert_ranges=ranges)
+        fast.Engine(ckpt_path("tiny-bf16"), ranks=ranks, expert_ranges=ranges)
 
 
-def test_bad_ranks_and_limit(path_of):
+def test_bad_ranks_and_limit(ckpt_path):
     for bad in (0, -1, 1.5, "2"):
         with pytest.raises(EngineInputError, match="ranks"):
-            fast.Engine(path_of("tiny-bf16"), ranks=bad)
+            fast.Engine(ckpt_path("tiny-bf16"), ranks=bad)
     with pytest.raises(EngineInputError, match="memory_limit"):
-        fast.Engine(path_of("tiny-bf16"), ranks=1, memory_limit=-5)
+        fast.Engine(ckpt_path("tiny-bf16"), ranks=1, memory_limit=-5)
 
 
-def test_without_torch(path_of, monkeypatch):
+def test_without_torch(ckpt_path, monkeypatch):
     """torch is imported only for ranks > 1, with a clear message when it is missing."""
     for mod in ("torch", "torch.distributed"):
         monkeypatch.setitem(sys.modules, mod, None)
-    eng = fast.Engine(path_of("tiny-bf16"), ranks=1, threads=1)  # one rank needs no torch
-    assert eng.generate([1, 2, 3], 2) == fast.Engine(path_of("tiny-bf16"), threads=1).generate([1, 2, 3], 2)
+    eng = fast.Engine(ckpt_path("tiny-bf16"), ranks=1, threads=1)  # one rank needs no torch
+    assert eng.generate([1, 2, 3], 2) == fast.Engine(ckpt_path("tiny-bf16"), threads=1).generate([1, 2, 3], 2)
     with pytest.raises(ImportError, match=r"ranks > 1\) needs torch"):
-        fast.Engine(path_of("tiny-bf16"), ranks=2)
+        fast.Engine(ckpt_path("tiny-bf16"), ranks=2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,8 +268,8 @@ def _env():
 
 
 @needs_torch
-def test_launch_oracle_run(path_of):
-    args = ["run", "--checkpoint", path_of("tiny-fp8"), "--ids", "5,6,7,8,9,10,11", "--max-new", "5",
+def test_launch_oracle_run(ckpt_path):
+    args = ["run", "--checkpoint", ckpt_path("tiny-fp8"), "--ids", "5,6,7,8,9,10,11", "--max-new", "5",
             "--engine", "cpu", "--json"]
     single = subprocess.run([sys.executable, "-m", "oracle", *args], capture_output=True, text=True, env=_env(),
                             cwd=REPO, timeout=120)
@@ -325,17 +301,17 @@ json.dump({"rank": eng.rank, "ranks": eng.ranks, "tokens": toks,
 
 
 @needs_torch
-def test_launch_every_rank_capture(path_of, tmp_path):
+def test_launch_every_rank_capture(ckpt_path, tmp_path):
     """Three ranks under the launcher: every rank's own capture equals the single-process one."""
     name = "tiny-mxfp4"
     ids = prompt(300, 19, 23)
-    single = fast.Engine(path_of(name), threads=1)
+    single = fast.Engine(ckpt_path(name), threads=1)
     cap = Capture(keep_values=False)
     toks, logits = single.generate(ids, 4, capture=cap, return_logits=True)
     script = tmp_path / "rank.py"
     script.write_text(_RANK_SCRIPT)
     r = subprocess.run([sys.executable, "-m", "fast.launch", "--ranks", "3", "--", sys.executable, str(script),
-                        path_of(name), ",".join(map(str, ids)), str(tmp_path)],
+                        ckpt_path(name), ",".join(map(str, ids)), str(tmp_path)],
                        capture_output=True, text=True, env=_env(), cwd=REPO, timeout=180)
     assert r.returncode == 0, r.stderr
     want_hashes = sorted([list(k) + [v] for k, v in cap.hashes.items()])

@@ -14,8 +14,7 @@ import fast
 import oracle
 from oracle.capture import Capture
 from oracle.inject import Injection
-from oracle.stages import model_stages
-from oracle.zoo import make_zoo
+from tests.engine_checks import assert_same_capture, bits, case_id, first_divergence, prompt
 
 TINY = ("tiny-bf16", "tiny-fp8", "tiny-mxfp4")
 SMALL = ("small-bf16", "small-fp8", "small-mxfp4")
@@ -34,33 +33,6 @@ CASES = [
     ("small-fp8", 24, 9, 3),
     ("small-mxfp4", 24, 10, 3),
 ]
-
-
-def case_id(case) -> str:
-    return f"{case[0]}-T{case[1]}-s{case[2]}-n{case[3]}"
-
-
-def prompt(vocab: int, n: int, seed: int) -> list[int]:
-    return [int(v) for v in np.random.default_rng(seed).integers(0, vocab, n)]
-
-
-@pytest.fixture(scope="session")
-def small_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zoo")
-    make_zoo("small", root)
-    return root
-
-
-@pytest.fixture(scope="session")
-def ckpt_path(golden_dir, request):
-    cache = {}
-
-    def get(name: str) -> str:
-        if name not in cache:
-            cache[name] = str(golden_dir / name) if name.startswith("tiny") else \
-                str(request.getfixturevalue("small_dir") / name)
-        return cache[name]
-    return get
 
 
 @pytest.fixture(scope="session")
@@ -104,39 +76,7 @@ def oracle_runs(models):
     return get
 
 
-def first_divergence(config, a: Capture, b: Capture, positions) -> str | None:
-    """The first (position, layer, stage) in causal order whose rows differ, with its elements."""
-    if set(a.hashes) != set(b.hashes):
-        only_a = sorted(set(a.hashes) - set(b.hashes))[:5]
-        only_b = sorted(set(b.hashes) - set(a.hashes))[:5]
-        return f"captured rows differ: only in oracle {only_a}, only in engine {only_b}"
-    order = model_stages(config)
-    for pos in positions:
-        for layer, stage, _ in order:
-            k = (layer, stage, pos)
-            if k in a.hashes and a.hashes[k] != b.hashes[k]:
-                msg = f"first divergence: position {pos}, layer {layer}, stage {stage}"
-                va, vb = a.values.get((layer, stage), {}).get(pos), b.values.get((layer, stage), {}).get(pos)
-                if va is not None and vb is not None:
-                    va, vb = np.asarray(va), np.asarray(vb)
-                    if va.shape != vb.shape:
-                        return msg + f": shapes {va.shape} vs {vb.shape}"
-                    fa, fb = va.reshape(-1), vb.reshape(-1)
-                    i = np.flatnonzero(fa.view(f"u{fa.itemsize}") != fb.view(f"u{fb.itemsize}"))
-                    if i.size:
-                        return msg + f": element {int(i[0])}: oracle {fa[i[0]]!r}, engine {fb[i[0]]!r}"
-                return msg
-    return None
 
-
-def assert_same_capture(config, a: Capture, b: Capture, positions):
-    problem = first_divergence(config, a, b, positions)
-    assert problem is None, problem
-    assert a.hashes == b.hashes
-
-
-def bits(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
 
 
 # ---------------------------------------------------------------------------------------------

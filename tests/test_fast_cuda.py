@@ -23,8 +23,7 @@ import fast
 from fast.cuda import CudaEngine, cuda_available, cuda_module
 from oracle.capture import Capture
 from oracle.golden import canonical_prompts, hash12
-from oracle.stages import model_stages
-from oracle.zoo import make_zoo
+from tests.engine_checks import assert_same_capture, bits, case_id, prompt
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="no CUDA device, or fast._cuda is not built")]
@@ -50,36 +49,8 @@ CASES = [
 ]
 
 
-def case_id(case) -> str:
-    return f"{case[0]}-T{case[1]}-s{case[2]}-n{case[3]}"
-
-
 def maybe_slow(name):
     return [pytest.param(name, marks=needs_gpu)] if name.startswith("small") else [name]
-
-
-def prompt(vocab: int, n: int, seed: int) -> list[int]:
-    return [int(v) for v in np.random.default_rng(seed).integers(0, vocab, n)]
-
-
-def bits(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-
-
-@pytest.fixture(scope="session")
-def small_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zoo_cuda")
-    make_zoo("small", root)
-    return root
-
-
-@pytest.fixture(scope="session")
-def ckpt_path(golden_dir, request):
-    def get(name: str) -> str:
-        if name.startswith("tiny"):
-            return str(golden_dir / name)
-        return str(request.getfixturevalue("small_dir") / name)
-    return get
 
 
 @pytest.fixture(scope="session")
@@ -121,36 +92,6 @@ def reference(cpu_engines):
             cache[case] = (ids, toks, logits, cap)
         return cache[case]
     return get
-
-
-def first_divergence(config, a: Capture, b: Capture, positions) -> str | None:
-    """The first (position, layer, stage) in causal order whose rows differ, with its first element."""
-    if set(a.hashes) != set(b.hashes):
-        only_a = sorted(set(a.hashes) - set(b.hashes))[:5]
-        only_b = sorted(set(b.hashes) - set(a.hashes))[:5]
-        return f"captured rows differ: only in reference {only_a}, only in cuda {only_b}"
-    for pos in positions:
-        for layer, stage, _ in model_stages(config):
-            k = (layer, stage, pos)
-            if k in a.hashes and a.hashes[k] != b.hashes[k]:
-                msg = f"first divergence: position {pos}, layer {layer}, stage {stage}"
-                va, vb = a.values.get((layer, stage), {}).get(pos), b.values.get((layer, stage), {}).get(pos)
-                if va is not None and vb is not None:
-                    va, vb = np.asarray(va), np.asarray(vb)
-                    if va.shape != vb.shape:
-                        return msg + f": shapes {va.shape} vs {vb.shape}"
-                    fa, fb = va.reshape(-1), vb.reshape(-1)
-                    i = np.flatnonzero(fa.view(f"u{fa.itemsize}") != fb.view(f"u{fb.itemsize}"))
-                    if i.size:
-                        return msg + f": {i.size} elements, first {int(i[0])}: reference {fa[i[0]]!r}, cuda {fb[i[0]]!r}"
-                return msg
-    return None
-
-
-def assert_same_capture(config, a: Capture, b: Capture, positions):
-    problem = first_divergence(config, a, b, positions)
-    assert problem is None, problem
-    assert a.hashes == b.hashes
 
 
 # ---------------------------------------------------------------------------------------------
