@@ -40,9 +40,8 @@ struct PyEngine {
 py::tuple step(PyEngine& pe, const py::object& seq_o, const py::object& tok_o, const py::object& head_o,
                const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o) {
     Engine& E = *pe.eng;
-    return glm::pyglue::run_step(
-        E, static_cast<size_t>(E.config().vocab_size), seq_o, tok_o, head_o, caprow_o, mask_o, inj_o,
-        [](int i) { return kStages[i].name; }, [](int i) { return kStages[i].dtype; });
+    return glm::pyglue::run_step(E, static_cast<size_t>(E.config().vocab_size), seq_o, tok_o, head_o, caprow_o,
+                                 mask_o, inj_o);
 }
 
 py::array exp64_array(const py::array_t<double, py::array::c_style | py::array::forcecast>& x) {
@@ -325,15 +324,7 @@ void register_engine(py::module_& m) {
             py::arg("inject"),
             "One forward step for a batch of rows -> (head_rows i64[n], logits f32[n, V], captures, injected).");
 
-    py::list names;
-    for (int i = 0; i < S_COUNT; ++i) {
-        const char* dt = kStages[i].dtype == SDType::F32 ? "f32"
-                         : kStages[i].dtype == SDType::F64 ? "f64"
-                         : kStages[i].dtype == SDType::BF16 ? "bf16"
-                                                            : "i32";
-        names.append(py::make_tuple(kStages[i].name, dt));
-    }
-    m.attr("ENGINE_STAGES") = names;
+    m.attr("ENGINE_STAGES") = glm::pyglue::stage_list();
     m.def("engine_exp64", &exp64_array, py::arg("x"), "The engine's canonical double exp (mHC), elementwise.");
     m.def("engine_bench_copy", &bench_copy, py::arg("nbytes"), py::arg("threads"), py::arg("reps"),
           py::call_guard<py::gil_scoped_release>(),

@@ -1,11 +1,12 @@
 // The types both engines share at their host interface (plain C++, no CPU intrinsics and no CUDA):
 // the engine config (one struct, read from the one config dict fast/engine.py builds, and validated by
-// one function with each engine's limits), the stage dtype, the injection spec, a capture record and
+// one function with each engine's limits), the stage table (names, dtypes), the injection spec, a capture record and
 // a step's output. bindings/cpu/engine.hpp and bindings/cuda/engine_api.hpp use these.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -118,6 +119,72 @@ inline void validate_config(const EngineConfig& c, const EngineLimits& lim) {
 // ---- a step's interface ---------------------------------------------------------------------------
 
 enum class SDType : uint8_t { F32, F64, BF16, I32 };
+
+// The stages, in the model's order, with their names and dtypes as oracle/stages.py.
+enum Stage : int {
+    S_EMBED,
+    S_ATTN_HC_PRE, S_ATTN_HC_POST, S_ATTN_HC_COMB, S_ATTN_HC_COLLAPSED, S_ATTN_NORM,
+    S_KDA_Q_PROJ, S_KDA_K_PROJ, S_KDA_V_PROJ, S_KDA_Q, S_KDA_K, S_KDA_V, S_KDA_G, S_KDA_BETA, S_KDA_STATE,
+    S_KDA_O, S_KDA_GATE, S_KDA_O_NORM, S_KDA_OUT,
+    S_MLA_Q_LAT, S_MLA_Q, S_MLA_C, S_MLA_Q_ABS, S_IDX_Q, S_IDX_K, S_IDX_GATE, S_IDX_WEIGHTS, S_IDX_SCORES,
+    S_MLA_SELECTED, S_MLA_SCORES, S_MLA_PROBS, S_MLA_O_LAT, S_MLA_O, S_MLA_OUT,
+    S_ATTN_HC_STREAMS,
+    S_FFN_HC_PRE, S_FFN_HC_POST, S_FFN_HC_COMB, S_FFN_HC_COLLAPSED, S_FFN_NORM,
+    S_MLP_GATE, S_MLP_UP, S_MLP_OUT,
+    S_MOE_LOGITS, S_MOE_SELECTED, S_MOE_WEIGHTS, S_MOE_EXPERTS, S_MOE_ROUTED, S_MOE_SHARED, S_MOE_OUT,
+    S_FFN_HC_STREAMS,
+    S_HEAD_MEAN, S_FINAL_NORM, S_LOGITS,
+    S_COUNT
+};
+
+struct StageInfo {
+    const char* name;
+    SDType dtype;
+};
+inline constexpr StageInfo kStages[S_COUNT] = {
+    {"embed", SDType::BF16},
+    {"attn_hc.pre", SDType::F64}, {"attn_hc.post", SDType::F64}, {"attn_hc.comb", SDType::F64},
+    {"attn_hc.collapsed", SDType::BF16}, {"attn_norm", SDType::BF16},
+    {"kda.q_proj", SDType::BF16}, {"kda.k_proj", SDType::BF16}, {"kda.v_proj", SDType::BF16},
+    {"kda.q", SDType::BF16}, {"kda.k", SDType::BF16}, {"kda.v", SDType::BF16},
+    {"kda.g", SDType::F32}, {"kda.beta", SDType::F32}, {"kda.state", SDType::F32}, {"kda.o", SDType::F32},
+    {"kda.gate", SDType::BF16}, {"kda.o_norm", SDType::BF16}, {"kda.out", SDType::BF16},
+    {"mla.q_lat", SDType::BF16}, {"mla.q", SDType::BF16}, {"mla.c", SDType::BF16}, {"mla.q_abs", SDType::BF16},
+    {"indexer.q", SDType::BF16}, {"indexer.k", SDType::BF16}, {"indexer.gate", SDType::BF16},
+    {"indexer.weights", SDType::F32}, {"indexer.scores", SDType::F32},
+    {"mla.selected", SDType::I32}, {"mla.scores", SDType::F32}, {"mla.probs", SDType::BF16},
+    {"mla.o_lat", SDType::BF16}, {"mla.o", SDType::BF16}, {"mla.out", SDType::BF16},
+    {"attn_hc.streams", SDType::BF16},
+    {"ffn_hc.pre", SDType::F64}, {"ffn_hc.post", SDType::F64}, {"ffn_hc.comb", SDType::F64},
+    {"ffn_hc.collapsed", SDType::BF16}, {"ffn_norm", SDType::BF16},
+    {"mlp.gate", SDType::BF16}, {"mlp.up", SDType::BF16}, {"mlp.out", SDType::BF16},
+    {"moe.logits", SDType::F32}, {"moe.selected", SDType::I32}, {"moe.weights", SDType::F32},
+    {"moe.experts", SDType::BF16}, {"moe.routed", SDType::BF16}, {"moe.shared", SDType::BF16},
+    {"moe.out", SDType::BF16},
+    {"ffn_hc.streams", SDType::BF16},
+    {"head.mean", SDType::BF16}, {"final_norm", SDType::BF16}, {"logits", SDType::F32},
+};
+
+inline int stage_by_name(const std::string& name) {  // -1 if unknown
+    for (int i = 0; i < S_COUNT; ++i)
+        if (name == kStages[i].name) return i;
+    return -1;
+}
+
+inline size_t numel(const std::vector<int64_t>& shape) {
+    size_t n = 1;
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    return n;
+}
+
+inline std::string shape_str(const std::vector<int64_t>& s) {  // as Python prints a tuple
+    std::ostringstream o;
+    o << "(";
+    for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+    if (s.size() == 1) o << ",";
+    o << ")";
+    return o.str();
+}
 
 struct Injection {
     bool active = false;

@@ -89,14 +89,24 @@ inline py::array checked(const py::object& o, const char* what, const char* kind
     return a;
 }
 
+// The module attribute ENGINE_STAGES: [(stage name, dtype name)] in the engines' stage order.
+inline py::list stage_list() {
+    py::list names;
+    for (int i = 0; i < S_COUNT; ++i) {
+        const SDType t = kStages[i].dtype;
+        const char* dt = t == SDType::F32 ? "f32" : t == SDType::F64 ? "f64" : t == SDType::BF16 ? "bf16" : "i32";
+        names.append(py::make_tuple(kStages[i].name, dt));
+    }
+    return names;
+}
+
 // One forward step of an engine whose step() has the shared signature (bindings/engine_types.hpp):
 // the numpy arguments checked and copied, the step run without the GIL, the logits written straight
-// into the array returned; `stage_name(i)` and `stage_dtype(i)` describe the captures.
+// into the array returned.
 // Returns (head_rows i64[n], logits f32[n, V], [(layer, stage name, row, value)], injected).
-template <class Engine, class StageName, class StageDtype>
+template <class Engine>
 py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::object& tok_o, const py::object& head_o,
-                   const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o,
-                   StageName stage_name, StageDtype stage_dtype) {
+                   const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o) {
     const py::array seq = checked(seq_o, "seq_ids", "i", 8);
     const py::array tok = checked(tok_o, "tokens", "i", 4);
     const py::array head = checked(head_o, "want_head", "b", 1);
@@ -148,13 +158,13 @@ py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::objec
     for (const CaptureRecord& r : out.captures) {
         const std::vector<py::ssize_t> shape(r.shape.begin(), r.shape.end());
         py::array a;
-        switch (stage_dtype(r.stage)) {
+        switch (kStages[r.stage].dtype) {
             case SDType::F64: a = py::array_t<double>(shape); break;
             case SDType::I32: a = py::array_t<int32_t>(shape); break;
             default: a = py::array_t<float>(shape); break;
         }
         if (!r.bytes.empty()) std::memcpy(a.mutable_data(), r.bytes.data(), r.bytes.size());
-        caps.append(py::make_tuple(r.layer, stage_name(r.stage), r.row, a));
+        caps.append(py::make_tuple(r.layer, kStages[r.stage].name, r.row, a));
     }
     return py::make_tuple(rows, logits, caps, out.injected);
 }

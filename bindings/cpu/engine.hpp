@@ -39,6 +39,9 @@ namespace glm::cpu {
 
 using glm::EngineConfig;
 using glm::SDType;
+using glm::Stage;
+using glm::kStages;
+using glm::stage_by_name;
 using glm::Injection;
 using glm::CaptureRecord;
 using glm::StepOutput;
@@ -74,31 +77,6 @@ struct Numerics {
     static __m256 neg8(__m256 x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
     static float fast_expf(float x);
 };
-
-// ---- stages (names and dtypes as oracle/stages.py) ----------------------------------------------
-
-enum Stage : int {
-    S_EMBED,
-    S_ATTN_HC_PRE, S_ATTN_HC_POST, S_ATTN_HC_COMB, S_ATTN_HC_COLLAPSED, S_ATTN_NORM,
-    S_KDA_Q_PROJ, S_KDA_K_PROJ, S_KDA_V_PROJ, S_KDA_Q, S_KDA_K, S_KDA_V, S_KDA_G, S_KDA_BETA, S_KDA_STATE,
-    S_KDA_O, S_KDA_GATE, S_KDA_O_NORM, S_KDA_OUT,
-    S_MLA_Q_LAT, S_MLA_Q, S_MLA_C, S_MLA_Q_ABS, S_IDX_Q, S_IDX_K, S_IDX_GATE, S_IDX_WEIGHTS, S_IDX_SCORES,
-    S_MLA_SELECTED, S_MLA_SCORES, S_MLA_PROBS, S_MLA_O_LAT, S_MLA_O, S_MLA_OUT,
-    S_ATTN_HC_STREAMS,
-    S_FFN_HC_PRE, S_FFN_HC_POST, S_FFN_HC_COMB, S_FFN_HC_COLLAPSED, S_FFN_NORM,
-    S_MLP_GATE, S_MLP_UP, S_MLP_OUT,
-    S_MOE_LOGITS, S_MOE_SELECTED, S_MOE_WEIGHTS, S_MOE_EXPERTS, S_MOE_ROUTED, S_MOE_SHARED, S_MOE_OUT,
-    S_FFN_HC_STREAMS,
-    S_HEAD_MEAN, S_FINAL_NORM, S_LOGITS,
-    S_COUNT
-};
-
-struct StageInfo {
-    const char* name;
-    SDType dtype;
-};
-extern const StageInfo kStages[S_COUNT];
-int stage_by_name(const std::string& name);  // -1 if unknown
 
 // ---- weights ------------------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ struct PyEngine {
 py::tuple step(PyEngine& pe, const py::object& seq_o, const py::object& tok_o, const py::object& head_o,
                const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o) {
     return glm::pyglue::run_step(*pe.eng, static_cast<size_t>(pe.vocab), seq_o, tok_o, head_o, caprow_o, mask_o,
-                                 inj_o, stage_name, stage_dtype);
+                                 inj_o);
 }
 
 template <class F>
@@ -140,13 +140,7 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
             py::arg("inject"),
             "One forward step for a batch of rows -> (head_rows i64[n], logits f32[n, V], captures, injected).");
 
-    py::list names;
-    for (int i = 0; i < stage_count(); ++i) {
-        const SDType t = stage_dtype(i);
-        const char* dt = t == SDType::F32 ? "f32" : t == SDType::F64 ? "f64" : t == SDType::BF16 ? "bf16" : "i32";
-        names.append(py::make_tuple(stage_name(i), dt));
-    }
-    m.attr("ENGINE_STAGES") = names;
+    m.attr("ENGINE_STAGES") = glm::pyglue::stage_list();
 
     auto expf_fn = [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x, bool native) {
         py::array_t<float> y(std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));

@@ -19,21 +19,7 @@
 
 namespace glm::cuda {
 
-enum Stage : int {
-    S_EMBED,
-    S_ATTN_HC_PRE, S_ATTN_HC_POST, S_ATTN_HC_COMB, S_ATTN_HC_COLLAPSED, S_ATTN_NORM,
-    S_KDA_Q_PROJ, S_KDA_K_PROJ, S_KDA_V_PROJ, S_KDA_Q, S_KDA_K, S_KDA_V, S_KDA_G, S_KDA_BETA, S_KDA_STATE,
-    S_KDA_O, S_KDA_GATE, S_KDA_O_NORM, S_KDA_OUT,
-    S_MLA_Q_LAT, S_MLA_Q, S_MLA_C, S_MLA_Q_ABS, S_IDX_Q, S_IDX_K, S_IDX_GATE, S_IDX_WEIGHTS, S_IDX_SCORES,
-    S_MLA_SELECTED, S_MLA_SCORES, S_MLA_PROBS, S_MLA_O_LAT, S_MLA_O, S_MLA_OUT,
-    S_ATTN_HC_STREAMS,
-    S_FFN_HC_PRE, S_FFN_HC_POST, S_FFN_HC_COMB, S_FFN_HC_COLLAPSED, S_FFN_NORM,
-    S_MLP_GATE, S_MLP_UP, S_MLP_OUT,
-    S_MOE_LOGITS, S_MOE_SELECTED, S_MOE_WEIGHTS, S_MOE_EXPERTS, S_MOE_ROUTED, S_MOE_SHARED, S_MOE_OUT,
-    S_FFN_HC_STREAMS,
-    S_HEAD_MEAN, S_FINAL_NORM, S_LOGITS,
-    S_COUNT
-};
+// The stages (enum Stage, kStages) are bindings/engine_types.hpp's, shared with the CPU engine.
 
 // ---- device memory --------------------------------------------------------------------------------
 

@@ -19,17 +19,13 @@
 
 namespace glm::cuda {
 
-// The config, the stage dtype, the injection spec, capture records and a step's output are the CPU
+// The config, the stage table, the injection spec, capture records and a step's output are the CPU
 // engine's (bindings/engine_types.hpp).
 using Config = glm::EngineConfig;
 using glm::SDType;
 using glm::Injection;
 using glm::CaptureRecord;
 using glm::StepOutput;
-
-int stage_count();
-const char* stage_name(int i);
-SDType stage_dtype(int i);
 
 // Per-stage device time of the last step(s) (timing mode only): name -> milliseconds.
 struct StageTimes {

@@ -10,61 +10,17 @@
 #include <sstream>
 
 #include "engine.cuh"
+#include "../tensor_roles.hpp"
 
 namespace glm::cuda {
 
 // ---- stages ---------------------------------------------------------------------------------------
 
 namespace {
-struct StageInfo {
-    const char* name;
-    SDType dtype;
-};
-const StageInfo kStages[S_COUNT] = {
-    {"embed", SDType::BF16},
-    {"attn_hc.pre", SDType::F64}, {"attn_hc.post", SDType::F64}, {"attn_hc.comb", SDType::F64},
-    {"attn_hc.collapsed", SDType::BF16}, {"attn_norm", SDType::BF16},
-    {"kda.q_proj", SDType::BF16}, {"kda.k_proj", SDType::BF16}, {"kda.v_proj", SDType::BF16},
-    {"kda.q", SDType::BF16}, {"kda.k", SDType::BF16}, {"kda.v", SDType::BF16},
-    {"kda.g", SDType::F32}, {"kda.beta", SDType::F32}, {"kda.state", SDType::F32}, {"kda.o", SDType::F32},
-    {"kda.gate", SDType::BF16}, {"kda.o_norm", SDType::BF16}, {"kda.out", SDType::BF16},
-    {"mla.q_lat", SDType::BF16}, {"mla.q", SDType::BF16}, {"mla.c", SDType::BF16}, {"mla.q_abs", SDType::BF16},
-    {"indexer.q", SDType::BF16}, {"indexer.k", SDType::BF16}, {"indexer.gate", SDType::BF16},
-    {"indexer.weights", SDType::F32}, {"indexer.scores", SDType::F32},
-    {"mla.selected", SDType::I32}, {"mla.scores", SDType::F32}, {"mla.probs", SDType::BF16},
-    {"mla.o_lat", SDType::BF16}, {"mla.o", SDType::BF16}, {"mla.out", SDType::BF16},
-    {"attn_hc.streams", SDType::BF16},
-    {"ffn_hc.pre", SDType::F64}, {"ffn_hc.post", SDType::F64}, {"ffn_hc.comb", SDType::F64},
-    {"ffn_hc.collapsed", SDType::BF16}, {"ffn_norm", SDType::BF16},
-    {"mlp.gate", SDType::BF16}, {"mlp.up", SDType::BF16}, {"mlp.out", SDType::BF16},
-    {"moe.logits", SDType::F32}, {"moe.selected", SDType::I32}, {"moe.weights", SDType::F32},
-    {"moe.experts", SDType::BF16}, {"moe.routed", SDType::BF16}, {"moe.shared", SDType::BF16},
-    {"moe.out", SDType::BF16},
-    {"ffn_hc.streams", SDType::BF16},
-    {"head.mean", SDType::BF16}, {"final_norm", SDType::BF16}, {"logits", SDType::F32},
-};
-
 size_t elem_bytes(SDType t) { return t == SDType::F64 ? 8 : 4; }
 
-size_t numel(const std::vector<int64_t>& shape) {
-    size_t n = 1;
-    for (int64_t d : shape) n *= static_cast<size_t>(d);
-    return n;
-}
-
-std::string shape_str(const std::vector<int64_t>& s) {
-    std::ostringstream o;
-    o << "(";
-    for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-    if (s.size() == 1) o << ",";
-    o << ")";
-    return o.str();
-}
 }  // namespace
 
-int stage_count() { return S_COUNT; }
-const char* stage_name(int i) { return kStages[i].name; }
-SDType stage_dtype(int i) { return kStages[i].dtype; }
 
 // ---- config ---------------------------------------------------------------------------------------
 
@@ -477,127 +433,49 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
         const std::vector<float> f = small_host(want);
         return static_cast<float*>(upload(f.data(), f.size() * sizeof(float)));
     };
-    auto need_layer = [&]() -> LayerW& {
-        if (layer < 0) bad("needs a layer index");
-        return E_.layers[static_cast<size_t>(layer)];
-    };
-
-    const size_t D = static_cast<size_t>(c.hidden_size), V = static_cast<size_t>(c.vocab_size);
-    const size_t hc = static_cast<size_t>(c.hc_mult), P = static_cast<size_t>(c.kda_dim());
-    const size_t d = static_cast<size_t>(c.linear_head_dim), H = static_cast<size_t>(c.linear_num_heads);
-    const size_t K = static_cast<size_t>(c.linear_conv_kernel_dim);
-    const size_t nh = static_cast<size_t>(c.num_attention_heads), dn = static_cast<size_t>(c.qk_nope_head_dim);
-    const size_t dv = static_cast<size_t>(c.v_head_dim), r = static_cast<size_t>(c.kv_lora_rank);
-    const size_t rq = static_cast<size_t>(c.q_lora_rank), dr = static_cast<size_t>(c.qk_rope_head_dim);
-    const size_t ni = static_cast<size_t>(c.index_n_heads), di = static_cast<size_t>(c.index_head_dim);
-    const size_t kp = static_cast<size_t>(c.index_kpool);
-    const size_t I = static_cast<size_t>(c.intermediate_size), Im = static_cast<size_t>(c.moe_intermediate_size);
-    const size_t Is = Im * static_cast<size_t>(c.n_shared_experts), E = static_cast<size_t>(c.n_routed_experts);
 
     const std::string key = role + "#" + std::to_string(layer) + "#" + std::to_string(expert);
     if (E_.have.count(key)) bad("registered twice");
 
-    if (role == "embed") {
-        E_.embed = make_lin(V, D);
-    } else if (role == "lm_head") {
-        E_.lm_head = make_lin(V, D);
-    } else if (role == "final_norm") {
-        E_.final_norm = small(D);
-    } else if (role == "attn_norm") {
-        need_layer().attn_norm = small(D);
-    } else if (role == "ffn_norm") {
-        need_layer().ffn_norm = small(D);
-    } else if (role.rfind("attn_hc.", 0) == 0 || role.rfind("ffn_hc.", 0) == 0) {
-        HcW& hw = role[0] == 'a' ? need_layer().attn_hc : need_layer().ffn_hc;
-        const std::string leaf = role.substr(role.find('.') + 1);
-        const size_t R = static_cast<size_t>(c.hc_dim());
-        if (leaf == "fn" || leaf == "base") {
-            const std::vector<float> f = small_host(leaf == "fn" ? R * hc * D : R);
-            const std::vector<double> v(f.begin(), f.end());
-            double* dp = static_cast<double*>(upload(v.data(), v.size() * sizeof(double)));
-            (leaf == "fn" ? hw.fn : hw.base) = dp;
-        } else if (leaf == "scale") {
-            const std::vector<float> f = small_host(3);
-            for (int i = 0; i < 3; ++i) hw.scale[i] = f[static_cast<size_t>(i)];
-        } else {
-            bad("unknown role");
+    // where the role goes and its shape: bindings/tensor_roles.hpp, shared with the CPU engine
+    using Bad = decltype(bad);
+    using MakeLin = decltype(make_lin);
+    using SmallHost = decltype(small_host);
+    using Small = decltype(small);
+    struct Ops {
+        EngineCore& e;
+        int layer_index;
+        const Bad& bad_;
+        const MakeLin& make_lin_;
+        const SmallHost& small_host_;
+        const Small& small_;
+        void bad(const std::string& why) const { bad_(why); }
+        LayerW& layer() const {
+            if (layer_index < 0) bad_("needs a layer index");
+            return e.layers[static_cast<size_t>(layer_index)];
         }
-    } else if (role.rfind("kda.", 0) == 0) {
-        LayerW& lw = need_layer();
-        if (!lw.kda) bad("is a KDA tensor but the layer is not a KDA layer");
-        KdaW& k = lw.k;
-        if (role == "kda.q_proj") k.q_proj = make_lin(P, D);
-        else if (role == "kda.k_proj") k.k_proj = make_lin(P, D);
-        else if (role == "kda.v_proj") k.v_proj = make_lin(P, D);
-        else if (role == "kda.f_a_proj") k.f_a = make_lin(d, D);
-        else if (role == "kda.f_b_proj") k.f_b = make_lin(P, d);
-        else if (role == "kda.b_proj") k.b_proj = make_lin(H, D);
-        else if (role == "kda.g_a_proj") k.g_a = make_lin(d, D);
-        else if (role == "kda.g_b_proj") k.g_b = make_lin(P, d);
-        else if (role == "kda.o_proj") k.o_proj = make_lin(D, P);
-        else if (role == "kda.q_conv" || role == "kda.k_conv" || role == "kda.v_conv") {
-            const size_t which = role == "kda.q_conv" ? 0 : role == "kda.k_conv" ? 1 : 2;
-            const std::vector<float> f = small_host(P * K);
+        EngineCore& top() const { return e; }
+        Lin lin(size_t rows, size_t cols) const { return make_lin_(rows, cols); }
+        float* vec(size_t n) const { return small_(n); }
+        std::vector<float> host(size_t n) const { return small_host_(n); }
+        double* f64(size_t n) const {
+            const std::vector<float> f = small_host_(n);
+            const std::vector<double> v(f.begin(), f.end());
+            void* d = e.arena.alloc(v.size() * sizeof(double));
+            check(cudaMemcpy(d, v.data(), v.size() * sizeof(double), cudaMemcpyHostToDevice), "weight upload");
+            return static_cast<double*>(d);
+        }
+        void conv(KdaW& k, size_t which, size_t n) const {
+            const std::vector<float> f = small_host_(n);
             if (!k.conv) {
-                k.conv = static_cast<float*>(E_.arena.alloc(3 * P * K * sizeof(float)));
-                check(cudaMemset(k.conv, 0, 3 * P * K * sizeof(float)), "memset");
+                k.conv = static_cast<float*>(e.arena.alloc(3 * n * sizeof(float)));
+                check(cudaMemset(k.conv, 0, 3 * n * sizeof(float)), "memset");
             }
-            check(cudaMemcpy(k.conv + which * P * K, f.data(), P * K * sizeof(float), cudaMemcpyHostToDevice), "conv");
-        } else if (role == "kda.dt_bias") k.dt_bias = small(P);
-        else if (role == "kda.A_log") k.A_log = small(H);
-        else if (role == "kda.o_norm") k.o_norm = small(d);
-        else bad("unknown role");
-    } else if (role.rfind("mla.", 0) == 0) {
-        LayerW& lw = need_layer();
-        if (lw.kda) bad("is an MLA tensor but the layer is a KDA layer");
-        MlaW& m = lw.m;
-        if (role == "mla.q_a_proj") m.q_a = make_lin(rq, D);
-        else if (role == "mla.q_b_proj") m.q_b = make_lin(nh * (dn + dr), rq);
-        else if (role == "mla.kv_a_proj") m.kv_a = make_lin(r + dr, D);
-        else if (role == "mla.kv_b_proj") m.kv_b = make_lin(nh * (dn + dv), r);
-        else if (role == "mla.o_proj") m.o_proj = make_lin(D, nh * dv);
-        else if (role == "mla.q_a_norm") m.q_a_norm = small(rq);
-        else if (role == "mla.kv_a_norm") m.kv_a_norm = small(r);
-        else bad("unknown role");
-    } else if (role.rfind("indexer.", 0) == 0) {
-        LayerW& lw = need_layer();
-        if (lw.kda || !lw.m.has_indexer) bad("is an indexer tensor but the layer has no full indexer");
-        MlaW& m = lw.m;
-        if (role == "indexer.wq_b") m.wq_b = make_lin(ni * di, rq);
-        else if (role == "indexer.wk") m.wk = make_lin(di, D);
-        else if (role == "indexer.weights_proj") m.weights_proj = make_lin(ni, D);
-        else if (role == "indexer.kpool_gate") m.kpool_gate = make_lin(di, D);
-        else if (role == "indexer.k_norm") m.k_norm_w = small(di);
-        else if (role == "indexer.k_norm_bias") m.k_norm_b = small(di);
-        else if (role == "indexer.kpool_ape") m.ape = small(kp * di);
-        else bad("unknown role");
-    } else if (role.rfind("mlp.", 0) == 0) {
-        LayerW& lw = need_layer();
-        if (lw.f.moe) bad("is a dense-MLP tensor but the layer is an MoE layer");
-        if (role == "mlp.gate_proj") lw.f.gate = make_lin(I, D);
-        else if (role == "mlp.up_proj") lw.f.up = make_lin(I, D);
-        else if (role == "mlp.down_proj") lw.f.down = make_lin(D, I);
-        else bad("unknown role");
-    } else if (role.rfind("moe.", 0) == 0) {
-        LayerW& lw = need_layer();
-        if (!lw.f.moe) bad("is an MoE tensor but the layer is a dense layer");
-        FfnW& f = lw.f;
-        if (role.rfind("moe.expert.", 0) == 0) {
-            if (expert < 0 || static_cast<size_t>(expert) >= E) bad("expert index out of range");
-            const size_t e = static_cast<size_t>(expert);
-            if (role == "moe.expert.gate_proj") f.e_gate[e] = make_lin(Im, D);
-            else if (role == "moe.expert.up_proj") f.e_up[e] = make_lin(Im, D);
-            else if (role == "moe.expert.down_proj") f.e_down[e] = make_lin(D, Im);
-            else bad("unknown role");
-        } else if (role == "moe.gate") f.router = make_lin(E, D);
-        else if (role == "moe.gate_bias") f.bias = small(E);
-        else if (role == "moe.shared.gate_proj") f.s_gate = make_lin(Is, D);
-        else if (role == "moe.shared.up_proj") f.s_up = make_lin(Is, D);
-        else if (role == "moe.shared.down_proj") f.s_down = make_lin(D, Is);
-        else bad("unknown role");
-    } else {
-        bad("unknown role");
-    }
+            check(cudaMemcpy(k.conv + which * n, f.data(), n * sizeof(float), cudaMemcpyHostToDevice), "conv");
+        }
+        void check_expert(int) const {}
+    } ops{E_, layer, bad, make_lin, small_host, small};
+    glm::assign_role(role, expert, c, ops);
     E_.have[key] = 1;
 }
 
