@@ -21,13 +21,11 @@ from __future__ import annotations
 import importlib
 import os
 
-import numpy as np
-
-from oracle import names as N
 from oracle.checkpoint import Checkpoint, open_checkpoint
 from oracle.stages import ALL_STAGE_NAMES
 
-from .engine import Engine, EngineInputError, _core, _engine_config, _is_int
+from .engine import (Engine, EngineInputError, _check_switches, _context_limit, _core, _engine_config,
+                     _load_tensors)
 
 __all__ = ["CudaEngine", "cuda_module", "cuda_available"]
 
@@ -62,26 +60,14 @@ class CudaEngine(Engine):
             raise EngineInputError(f"device {device!r}: this engine runs on 'cuda'")
         if threads is None:
             threads = 1
-        if not _is_int(threads) or not 1 <= threads <= 1024:
-            raise EngineInputError(f"threads must be an int in [1, 1024] or None, got {threads!r}")
-        if dot not in ("canonical", "sequential"):
-            raise EngineInputError(f"dot must be 'canonical' or 'sequential', got {dot!r}")
-        if expf not in ("canonical", "native"):
-            raise EngineInputError(f"expf must be 'canonical' or 'native', got {expf!r}")
-        if parallel_work is not None and (not _is_int(parallel_work) or parallel_work < 0):
-            raise EngineInputError(f"parallel_work must be an int >= 0 or None, got {parallel_work!r}")
+        _check_switches(threads, dot, expf, parallel_work)
         cu = cuda_module()
         if [tuple(s) for s in cu.ENGINE_STAGES] != [tuple(s) for s in _core().ENGINE_STAGES]:
             raise RuntimeError("the CUDA and CPU engines' stage tables differ")  # pragma: no cover
         self.cuda = cu
         self.checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
         self.config = cfg = self.checkpoint.config
-        limit = int(cfg.max_position_embeddings)
-        if max_context is not None:
-            if not _is_int(max_context) or not 1 <= max_context <= limit:
-                raise EngineInputError(f"max_context must be an int in [1, {limit}], got {max_context!r}")
-            limit = int(max_context)
-        self.max_context = limit
+        self.max_context = limit = _context_limit(cfg, max_context)
         self.options = {"dot": dot, "expf": expf, "threads": int(threads), "device": "cuda"}
         try:
             self._core = cu._Engine(_engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf)
@@ -89,17 +75,7 @@ class CudaEngine(Engine):
             raise EngineInputError(f"device 'cuda': {e}") from None
         self.release = {}
         self.loaded = {"tensors": 0, "experts": set()}  # what this process read from the checkpoint
-        for entry in N.expected(cfg):
-            role, layer, expert = entry.spec.role, entry.layer, entry.expert
-            raw = self.checkpoint.raw(role, layer, expert)
-            data = np.ascontiguousarray(raw.data)
-            scale = None if raw.scale is None else np.ascontiguousarray(raw.scale)
-            self._core.add_tensor(role, -1 if layer is None else layer, -1 if expert is None else expert,
-                                  raw.release, data, scale, list(raw.shape))
-            self.release[raw.release] = self.release.get(raw.release, 0) + 1
-            self.loaded["tensors"] += 1
-            if expert is not None:
-                self.loaded["experts"].add(int(expert))
+        _load_tensors(self, self._core)
         self._core.finalize()
         self._stage_index = {name: i for i, (name, _) in enumerate(cu.ENGINE_STAGES)}
         missing = set(ALL_STAGE_NAMES) - set(self._stage_index)

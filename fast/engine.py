@@ -35,6 +35,47 @@ __all__ = ["Engine", "Cache", "EngineInputError", "parse_inject"]
 _HEAD_STAGES = ("head.mean", "final_norm", "logits")
 
 
+
+def _check_switches(threads, dot, expf, parallel_work) -> None:
+    """The options both engines take (threads already resolved to an int)."""
+    if not _is_int(threads) or not 1 <= threads <= 1024:
+        raise EngineInputError(f"threads must be an int in [1, 1024] or None, got {threads!r}")
+    if dot not in ("canonical", "sequential"):
+        raise EngineInputError(f"dot must be 'canonical' or 'sequential', got {dot!r}")
+    if expf not in ("canonical", "native"):
+        raise EngineInputError(f"expf must be 'canonical' or 'native', got {expf!r}")
+    if parallel_work is not None and (not _is_int(parallel_work) or parallel_work < 0):
+        raise EngineInputError(f"parallel_work must be an int >= 0 or None, got {parallel_work!r}")
+
+
+def _context_limit(cfg, max_context) -> int:
+    """Positions a sequence may reach: max_context if given (checked), else the checkpoint's limit."""
+    limit = int(cfg.max_position_embeddings)
+    if max_context is not None:
+        if not _is_int(max_context) or not 1 <= max_context <= limit:
+            raise EngineInputError(f"max_context must be an int in [1, {limit}], got {max_context!r}")
+        limit = int(max_context)
+    return limit
+
+
+def _load_tensors(eng, core, owns=None) -> None:
+    """Every tensor of eng.checkpoint the model expects into an engine core (owns(entry) False: skip an
+    expert another rank holds), counted in eng.release and eng.loaded."""
+    cfg = eng.checkpoint.config
+    for entry in N.expected(cfg):
+        if owns is not None and not owns(entry):
+            continue  # another rank's routed expert: never read
+        role, layer, expert = entry.spec.role, entry.layer, entry.expert
+        raw = eng.checkpoint.raw(role, layer, expert)
+        data = np.ascontiguousarray(raw.data)
+        scale = None if raw.scale is None else np.ascontiguousarray(raw.scale)
+        core.add_tensor(role, -1 if layer is None else layer, -1 if expert is None else expert,
+                        raw.release, data, scale, list(raw.shape))
+        eng.release[raw.release] = eng.release.get(raw.release, 0) + 1
+        eng.loaded["tensors"] += 1
+        if expert is not None:
+            eng.loaded["experts"].add(int(expert))
+
 class EngineInputError(ValueError):
     """Input the engine cannot take: bad token ids, shapes, dtypes, context overflow, bad options."""
 
@@ -211,25 +252,13 @@ class Engine:
             threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             if ep is not None:
                 threads = ep.default_threads()  # the cores shared by the ranks of this host
-        if not _is_int(threads) or not 1 <= threads <= 1024:
-            raise EngineInputError(f"threads must be an int in [1, 1024] or None, got {threads!r}")
-        if dot not in ("canonical", "sequential"):
-            raise EngineInputError(f"dot must be 'canonical' or 'sequential', got {dot!r}")
-        if expf not in ("canonical", "native"):
-            raise EngineInputError(f"expf must be 'canonical' or 'native', got {expf!r}")
-        if parallel_work is not None and (not _is_int(parallel_work) or parallel_work < 0):
-            raise EngineInputError(f"parallel_work must be an int >= 0 or None, got {parallel_work!r}")
+        _check_switches(threads, dot, expf, parallel_work)
         core = _core()
         # with expert parallelism the checkpoint is opened without the up-front scan of every value:
         # a rank reads (and checks) only the tensors it loads, never another rank's experts
         self.checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path, verify=ep is None)
         self.config = cfg = self.checkpoint.config
-        limit = int(cfg.max_position_embeddings)
-        if max_context is not None:
-            if not _is_int(max_context) or not 1 <= max_context <= limit:
-                raise EngineInputError(f"max_context must be an int in [1, {limit}], got {max_context!r}")
-            limit = int(max_context)
-        self.max_context = limit
+        self.max_context = limit = _context_limit(cfg, max_context)
         self.options = {"dot": dot, "expf": expf, "threads": int(threads)}
         if ep is not None:
             ep.plan(self.checkpoint, limit, int(threads))  # prints the plan; refuses before allocating
@@ -244,19 +273,7 @@ class Engine:
                              -1 if parallel_work is None else int(parallel_work))
             if ep is not None:
                 c.set_expert_partition(ep.rank, ep.ranks, ep.bounds)
-            for entry in N.expected(cfg):
-                if ep is not None and not ep.owns(entry):
-                    continue  # another rank's routed expert: never read
-                role, layer, expert = entry.spec.role, entry.layer, entry.expert
-                raw = self.checkpoint.raw(role, layer, expert)
-                data = np.ascontiguousarray(raw.data)
-                scale = None if raw.scale is None else np.ascontiguousarray(raw.scale)
-                c.add_tensor(role, -1 if layer is None else layer, -1 if expert is None else expert,
-                             raw.release, data, scale, list(raw.shape))
-                self.release[raw.release] = self.release.get(raw.release, 0) + 1
-                self.loaded["tensors"] += 1
-                if expert is not None:
-                    self.loaded["experts"].add(int(expert))
+            _load_tensors(self, c, None if ep is None else ep.owns)
             c.finalize()
             return c
 
