@@ -94,6 +94,23 @@ __global__ void k_kda_prep(const float* __restrict__ act, const float* __restric
 // The recurrence. Group (seg, h, j) over the segment's tokens:
 //   S[:, j] *= eg; pred = cdot(kn, S[:, j]); u = (v_j - pred) * beta; S[i][j] = fma(kn_i, u, S[i][j]);
 //   o_j = cdot(qs, S[:, j]).
+// dot="sequential": sum over i of a[i] * S[i][j] left to right, the running sum passed from thread to
+// thread of the group (thread g holds rows 64c + 8g .. +7 of the column). Every lane calls it.
+template <int NC>
+GLM_DEV float seq_column_dot(const float* a, const float (&S)[NC][8], int g, int d, bool act) {
+    float sacc = 0.0f;
+    for (int c = 0; c < NC; ++c)
+        for (int gg = 0; gg < 8; ++gg) {
+            if (g == gg)
+                for (int l = 0; l < 8; ++l) {
+                    const int i = 64 * c + 8 * gg + l;
+                    if (act && i < d) sacc = fadd(sacc, fmul(a[i], S[c][l]));
+                }
+            sacc = __shfl_sync(kFull, sacc, gg, 8);
+        }
+    return sacc;
+}
+
 template <int NC>
 __global__ void __launch_bounds__(256) k_kda_rec(const float* __restrict__ qs, const float* __restrict__ kn,
                                                  const float* __restrict__ eg, const float* __restrict__ act,
@@ -139,22 +156,7 @@ __global__ void __launch_bounds__(256) k_kda_rec(const float* __restrict__ qs, c
                     if (!nm.seq) acc[l] = ffma(kr[i], S[c][l], acc[l]);
                 }
             }
-        float pred;
-        if (!nm.seq) {
-            pred = group_fold(acc);
-        } else {
-            float sacc = 0.0f;
-            for (int c = 0; c < NC; ++c)
-                for (int gg = 0; gg < 8; ++gg) {
-                    if (g == gg)
-                        for (int l = 0; l < 8; ++l) {
-                            const int i = 64 * c + 8 * gg + l;
-                            if (act_t && i < d) sacc = fadd(sacc, fmul(kr[i], S[c][l]));
-                        }
-                    sacc = __shfl_sync(kFull, sacc, gg, 8);
-                }
-            pred = sacc;
-        }
+        const float pred = nm.seq ? seq_column_dot<NC>(kr, S, g, d, act_t) : group_fold(acc);
         const float vj = act_t ? act[static_cast<int64_t>(t) * 3 * P + 2 * P + static_cast<int64_t>(h) * d + j] : 0.0f;
         const float bt = act_t ? beta[static_cast<int64_t>(t) * H + h] : 0.0f;
         const float u = fmul(fsub(vj, pred), bt);
@@ -169,22 +171,7 @@ __global__ void __launch_bounds__(256) k_kda_rec(const float* __restrict__ qs, c
                     if (!nm.seq) acc[l] = ffma(qr[i], S[c][l], acc[l]);
                 }
             }
-        float oj;
-        if (!nm.seq) {
-            oj = group_fold(acc);
-        } else {
-            float sacc = 0.0f;
-            for (int c = 0; c < NC; ++c)
-                for (int gg = 0; gg < 8; ++gg) {
-                    if (g == gg)
-                        for (int l = 0; l < 8; ++l) {
-                            const int i = 64 * c + 8 * gg + l;
-                            if (act_t && i < d) sacc = fadd(sacc, fmul(qr[i], S[c][l]));
-                        }
-                    sacc = __shfl_sync(kFull, sacc, gg, 8);
-                }
-            oj = sacc;
-        }
+        const float oj = nm.seq ? seq_column_dot<NC>(qr, S, g, d, act_t) : group_fold(acc);
         if (act_t && g == 0) o[rowo + j] = oj;
         // kda.state, as the oracle: injected after o (it shows from the next token on), then captured
         if (act_t && t == inj_t && inj_el / (static_cast<int64_t>(d) * d) == h) {
