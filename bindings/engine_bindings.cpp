@@ -193,28 +193,8 @@ void register_engine(py::module_& m) {
             "add_tensor",
             [](PyEngine& pe, const std::string& role, int layer, int expert, const std::string& release,
                const py::object& data_o, const py::object& scale_o, const std::vector<int64_t>& shape) {
-                const char* what = role.c_str();
-                size_t isz = release == "bf16" ? 2 : release == "f32" ? 4 : 1;
-                const char* kinds = release == "f32" ? "f" : "uf";
-                if (release != "bf16" && release != "f32" && release != "fp8" && release != "mxfp4")
-                    bad(role + ": unknown release '" + release + "'");
-                py::array data = checked(data_o, what, kinds, isz);
-                py::array scale;
-                const void* sp = nullptr;
-                std::vector<int64_t> sshape;
-                if (!scale_o.is_none()) {
-                    scale = checked(scale_o, (role + " scale").c_str(), release == "fp8" ? "f" : "u",
-                                    release == "fp8" ? 4 : 1);
-                    sp = scale.data();
-                    sshape = shape_of(scale);
-                }
-                try {
-                    pe.eng->add_tensor(role, layer, expert, release, data.data(), sp, shape, shape_of(data), sshape);
-                } catch (const std::invalid_argument& e) {
-                    bad(e.what());
-                }
-                pe.keep.push_back(data);
-                if (sp) pe.keep.push_back(scale);
+                for (py::array& a : glm::pyglue::add_tensor(*pe.eng, role, layer, expert, release, data_o, scale_o, shape))
+                    pe.keep.push_back(a);
             },
             py::arg("role"), py::arg("layer"), py::arg("expert"), py::arg("release"), py::arg("data"),
             py::arg("scale"), py::arg("shape"))

@@ -89,6 +89,33 @@ inline py::array checked(const py::object& o, const char* what, const char* kind
     return a;
 }
 
+// One checkpoint tensor into an engine (its add_tensor has the shared signature): the arrays checked
+// for the release's dtypes, then handed over. Returns the arrays whose bytes the engine may keep
+// reading (the CPU engine's zero-copy views keep them alive).
+template <class Engine>
+std::vector<py::array> add_tensor(Engine& E, const std::string& role, int layer, int expert, const std::string& release,
+                                  const py::object& data_o, const py::object& scale_o,
+                                  const std::vector<int64_t>& shape) {
+    const size_t isz = release == "bf16" ? 2 : release == "f32" ? 4 : 1;
+    const char* kinds = release == "f32" ? "f" : "uf";
+    if (release != "bf16" && release != "f32" && release != "fp8" && release != "mxfp4")
+        bad(role + ": unknown release '" + release + "'");
+    std::vector<py::array> keep{checked(data_o, role.c_str(), kinds, isz)};
+    const void* sp = nullptr;
+    std::vector<int64_t> sshape;
+    if (!scale_o.is_none()) {
+        keep.push_back(checked(scale_o, (role + " scale").c_str(), release == "fp8" ? "f" : "u", release == "fp8" ? 4 : 1));
+        sp = keep.back().data();
+        sshape = shape_of(keep.back());
+    }
+    try {
+        E.add_tensor(role, layer, expert, release, keep[0].data(), sp, shape, shape_of(keep[0]), sshape);
+    } catch (const std::invalid_argument& e) {
+        bad(e.what());
+    }
+    return keep;
+}
+
 // The module attribute ENGINE_STAGES: [(stage name, dtype name)] in the engines' stage order.
 inline py::list stage_list() {
     py::list names;

@@ -16,10 +16,40 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "engine_types.hpp"
 
 namespace glm {
+
+// A linear weight's arrays against its logical shape [rows, cols] and release: the logical shape, the
+// stored data array (and scale, which fp8 and mxfp4 need) in the release's layout. bad(why) on the first
+// mismatch.
+template <class Bad>
+void check_stored_lin(const std::vector<int64_t>& shape, size_t rows, size_t cols, const std::string& release,
+                      const std::vector<int64_t>& data_shape, bool has_scale, const std::vector<int64_t>& scale_shape,
+                      const Bad& bad) {
+    const int64_t R = static_cast<int64_t>(rows), C = static_cast<int64_t>(cols);
+    if (shape.size() != 2 || shape[0] != R || shape[1] != C)
+        bad("shape " + shape_str(shape) + ", expected " + shape_str({R, C}));
+    auto expect = [&](const std::vector<int64_t>& got, const std::vector<int64_t>& want, const char* which) {
+        if (got != want) bad(std::string(which) + " has shape " + shape_str(got) + ", expected " + shape_str(want));
+    };
+    if (release == "bf16" || release == "f32") {
+        expect(data_shape, {R, C}, "data");
+    } else if (release == "fp8") {
+        expect(data_shape, {R, C}, "data");
+        if (!has_scale) bad("fp8 weight without weight_scale_inv");
+        expect(scale_shape, {(R + 127) / 128, (C + 127) / 128}, "weight_scale_inv");
+    } else if (release == "mxfp4") {
+        if (C % 32 != 0) bad("mxfp4 needs in_features % 32 == 0");
+        expect(data_shape, {R, C / 2}, "data");
+        if (!has_scale) bad("mxfp4 weight without weight_scale");
+        expect(scale_shape, {R, C / 32}, "weight_scale");
+    } else {
+        bad("unknown release '" + release + "'");
+    }
+}
 
 template <class Ops>
 void assign_role(const std::string& role, int expert, const EngineConfig& c, Ops& o) {

@@ -231,40 +231,23 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
         if (d < 0) bad("negative dimension");
     const size_t n = numel(shape);
 
-    // the stored arrays must match the logical shape in their release format
-    auto expect = [&](const std::vector<int64_t>& got, const std::vector<int64_t>& want, const char* which) {
-        if (got != want) bad(std::string(which) + " has shape " + shape_str(got) + ", expected " + shape_str(want));
-    };
+    // the stored arrays must match the logical shape in their release format (check_stored_lin)
     auto make_lin = [&](size_t rows, size_t cols) -> Lin {
-        if (shape.size() != 2 || static_cast<size_t>(shape[0]) != rows || static_cast<size_t>(shape[1]) != cols)
-            bad("shape " + shape_str(shape) + ", expected " +
-                shape_str({static_cast<int64_t>(rows), static_cast<int64_t>(cols)}));
+        check_stored_lin(shape, rows, cols, release, data_shape, scale != nullptr, scale_shape, bad);
         Lin w;
         w.R = rows;
         w.C = cols;
         w.data = data;
         w.scale = scale;
-        const int64_t R = static_cast<int64_t>(rows), C = static_cast<int64_t>(cols);
         if (release == "bf16") {
             w.fmt = WFmt::BF16;
-            expect(data_shape, {R, C}, "data");
         } else if (release == "f32") {
             w.fmt = WFmt::F32;
-            expect(data_shape, {R, C}, "data");
         } else if (release == "fp8") {
             w.fmt = WFmt::FP8;
-            expect(data_shape, {R, C}, "data");
-            if (!scale) bad("fp8 weight without weight_scale_inv");
-            expect(scale_shape, {(R + 127) / 128, (C + 127) / 128}, "weight_scale_inv");
             w.fp8_nan_free = !has_e4m3_nan(static_cast<const uint8_t*>(data), rows * cols);
-        } else if (release == "mxfp4") {
-            w.fmt = WFmt::MXFP4;
-            if (C % 32 != 0) bad("mxfp4 needs in_features % 32 == 0");
-            expect(data_shape, {R, C / 2}, "data");
-            if (!scale) bad("mxfp4 weight without weight_scale");
-            expect(scale_shape, {R, C / 32}, "weight_scale");
         } else {
-            bad("unknown release '" + release + "'");
+            w.fmt = WFmt::MXFP4;
         }
         return w;
     };

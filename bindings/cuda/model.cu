@@ -379,48 +379,32 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
     for (int64_t d : shape)
         if (d < 0) bad("negative dimension");
     const size_t n = numel(shape);
-    auto expect = [&](const std::vector<int64_t>& got, const std::vector<int64_t>& want, const char* which) {
-        if (got != want) bad(std::string(which) + " has shape " + shape_str(got) + ", expected " + shape_str(want));
-    };
     auto upload = [&](const void* src, size_t bytes) -> void* {
         void* d = E_.arena.alloc(bytes);
         if (bytes) check(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice), "weight upload");
         return d;
     };
     auto make_lin = [&](size_t rows, size_t cols) -> Lin {
-        if (shape.size() != 2 || static_cast<size_t>(shape[0]) != rows || static_cast<size_t>(shape[1]) != cols)
-            bad("shape " + shape_str(shape) + ", expected " +
-                shape_str({static_cast<int64_t>(rows), static_cast<int64_t>(cols)}));
+        check_stored_lin(shape, rows, cols, release, data_shape, scale != nullptr, scale_shape, bad);
         Lin w;
         w.R = static_cast<int64_t>(rows);
         w.C = static_cast<int64_t>(cols);
         const int64_t R = w.R, C = w.C;
         if (release == "bf16") {
             w.fmt = W_BF16;
-            expect(data_shape, {R, C}, "data");
             w.data = upload(data, static_cast<size_t>(R * C) * 2);
         } else if (release == "f32") {
             w.fmt = W_F32;
-            expect(data_shape, {R, C}, "data");
             w.data = upload(data, static_cast<size_t>(R * C) * 4);
         } else if (release == "fp8") {
             w.fmt = W_FP8;
-            expect(data_shape, {R, C}, "data");
-            if (!scale) bad("fp8 weight without weight_scale_inv");
-            expect(scale_shape, {(R + 127) / 128, (C + 127) / 128}, "weight_scale_inv");
             w.data = upload(data, static_cast<size_t>(R * C));
             w.scale = upload(scale, static_cast<size_t>(((R + 127) / 128) * ((C + 127) / 128)) * 4);
             w.nan_free = e4m3_nan_free_device(w.data, static_cast<size_t>(R * C));  // selects the integer decode
-        } else if (release == "mxfp4") {
+        } else {
             w.fmt = W_MXFP4;
-            if (C % 32 != 0) bad("mxfp4 needs in_features % 32 == 0");
-            expect(data_shape, {R, C / 2}, "data");
-            if (!scale) bad("mxfp4 weight without weight_scale");
-            expect(scale_shape, {R, C / 32}, "weight_scale");
             w.data = upload(data, static_cast<size_t>(R * (C / 2)));
             w.scale = upload(scale, static_cast<size_t>(R * (C / 32)));
-        } else {
-            bad("unknown release '" + release + "'");
         }
         return w;
     };
