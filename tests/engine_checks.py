@@ -21,6 +21,16 @@ def case_id(case) -> str:
     return f"{case[0]}-T{case[1]}-s{case[2]}-n{case[3]}"
 
 
+def greedy_case(model, case):
+    """(ids, tokens, logits, capture) of model.generate on the case's prompt, every stage captured;
+    case = (checkpoint, prompt length, prompt seed, new tokens). model: the oracle or an engine."""
+    _, n, seed, new = case
+    ids = prompt(model.config.vocab_size, n, seed)
+    cap = Capture()
+    toks, logits = model.generate(ids, new, capture=cap, return_logits=True)
+    return ids, toks, logits, cap
+
+
 def first_divergence(config, a: Capture, b: Capture, positions, names=("reference", "engine")) -> str | None:
     """The first (position, layer, stage) in causal order whose rows differ, with its first element."""
     if set(a.hashes) != set(b.hashes):

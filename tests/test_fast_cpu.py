@@ -14,7 +14,7 @@ import fast
 import oracle
 from oracle.capture import Capture
 from oracle.inject import Injection
-from tests.engine_checks import assert_same_capture, bits, case_id, first_divergence, prompt
+from tests.engine_checks import assert_same_capture, bits, case_id, first_divergence, greedy_case, prompt
 
 TINY = ("tiny-bf16", "tiny-fp8", "tiny-mxfp4")
 SMALL = ("small-bf16", "small-fp8", "small-mxfp4")
@@ -66,12 +66,7 @@ def oracle_runs(models):
 
     def get(case):
         if case not in cache:
-            name, n, seed, new = case
-            m = models(name)
-            ids = prompt(m.config.vocab_size, n, seed)
-            cap = Capture()
-            toks, logits = m.generate(ids, new, capture=cap, return_logits=True)
-            cache[case] = (ids, toks, logits, cap)
+            cache[case] = greedy_case(models(case[0]), case)
         return cache[case]
     return get
 

@@ -23,7 +23,7 @@ import fast
 from fast.cuda import CudaEngine, cuda_available, cuda_module
 from oracle.capture import Capture
 from oracle.golden import canonical_prompts, hash12
-from tests.engine_checks import assert_same_capture, bits, case_id, prompt
+from tests.engine_checks import assert_same_capture, bits, case_id, greedy_case, prompt
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="no CUDA device, or fast._cuda is not built")]
@@ -84,12 +84,7 @@ def reference(cpu_engines):
 
     def get(case):
         if case not in cache:
-            name, n, seed, new = case
-            eng = cpu_engines(name)
-            ids = prompt(eng.config.vocab_size, n, seed)
-            cap = Capture()
-            toks, logits = eng.generate(ids, new, capture=cap, return_logits=True)
-            cache[case] = (ids, toks, logits, cap)
+            cache[case] = greedy_case(cpu_engines(case[0]), case)
         return cache[case]
     return get
 
