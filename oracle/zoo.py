@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import struct
 import sys
@@ -684,6 +685,28 @@ def _produce(cfg: Config, job: _Job, seed: int, fds: dict[int, int]) -> None:
             os.pwrite(fds[o.shard], b, o.offset + rr0 * row_bytes)
 
 
+_WORKER_PLANS: dict[str, tuple] = {}
+
+
+def _produce_in_worker(args) -> tuple[str, int]:
+    (name, release, overrides, bf16_layers, seed, paths), k, places = args
+    key = json.dumps([name, release, overrides, bf16_layers], sort_keys=True)
+    if key not in _WORKER_PLANS:  # one plan per worker process, not per job
+        cfg = zoo_config(name, **overrides)
+        _WORKER_PLANS[key] = (cfg, plan(cfg, release, bf16_layers))
+    cfg, jobs = _WORKER_PLANS[key]
+    job = jobs[k]
+    for o, (shard, offset) in zip(job.outs, places):  # placed by the parent (_shards, _header)
+        o.shard, o.offset = shard, offset
+    fds = {i: os.open(paths[i], os.O_RDWR) for i in {o.shard for o in job.outs}}
+    try:
+        _produce(cfg, job, seed, fds)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return job.entry.key, sum(o.nbytes for o in job.outs)
+
+
 def _shards(jobs: list[_Job], shard_bytes: int) -> int:
     n = 0
     acc = 0
@@ -708,13 +731,14 @@ def make_checkpoint(
     mxfp4_bf16_expert_layers: Iterable[int] | None = None,
     tokenizer: bool | None = None,
     progress: Callable[[str, float], None] | None = None,
+    workers: int = 1,
     **overrides: Any,
 ) -> str:
     """Write zoo checkpoint `name` in `release` ('bf16' | 'fp8' | 'mxfp4') into `out_dir`.
 
     Any Config field may be overridden (e.g. n_routed_experts=16, num_hidden_layers=2 for `slice`).
     Tensors are generated and written one row-chunk at a time: memory stays small at any size.
-    Returns out_dir.
+    workers > 1 produces the tensors in that many processes (the same bytes). Returns out_dir.
     """
     cfg = zoo_config(name, **overrides)
     opts = zoo_options(name, cfg, mxfp4_bf16_expert_layers)
@@ -757,11 +781,26 @@ def make_checkpoint(
             os.pwrite(fd, head, 0)
             os.ftruncate(fd, total)
         done, todo = 0, sum(o.nbytes for o in all_outs)
-        for j in jobs:
-            _produce(cfg, j, seed, fds)
-            done += sum(o.nbytes for o in j.outs)
-            if progress is not None:
-                progress(j.entry.key, done / max(todo, 1))
+        if workers > 1:
+            # every job writes its own byte ranges of the preallocated shards: the files are the same
+            # whichever process writes which job, in whatever order
+            # (the jobs hold lambdas, which do not pickle, and fork is unsafe once Numba's OpenMP runs:
+            # each spawned worker plans the same jobs again from the same arguments)
+            paths = {i: os.path.join(out_dir, fn) for i, fn in enumerate(fnames)}
+            spec = (name, release, overrides, list(opts["mxfp4_bf16_expert_layers"]), seed, paths)
+            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+                for key, nbytes in pool.imap_unordered(
+                    _produce_in_worker, [(spec, k, [(o.shard, o.offset) for o in j.outs]) for k, j in enumerate(jobs)]
+                ):
+                    done += nbytes
+                    if progress is not None:
+                        progress(key, done / max(todo, 1))
+        else:
+            for j in jobs:
+                _produce(cfg, j, seed, fds)
+                done += sum(o.nbytes for o in j.outs)
+                if progress is not None:
+                    progress(j.entry.key, done / max(todo, 1))
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -43,13 +43,13 @@ def slice_overrides(layers: int, experts: int) -> dict:
                 indexer_types=["full"] * layers, n_routed_experts=experts)
 
 
-def make_slices(root: str, layers: int, experts: int, releases) -> dict:
+def make_slices(root: str, layers: int, experts: int, releases, workers: int = 1) -> dict:
     from oracle.zoo import make_checkpoint
     out = {}
     for rel in releases:
         d = os.path.join(root, f"slice-{rel}")
         t0 = time.perf_counter()
-        make_checkpoint("slice", rel, d, **slice_overrides(layers, experts))
+        make_checkpoint("slice", rel, d, workers=workers, **slice_overrides(layers, experts))
         size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
         out[rel] = {"dir": d, "seconds": round(time.perf_counter() - t0, 1), "bytes": size}
         log(f"made {d}: {size / 1e9:.2f} GB in {out[rel]['seconds']} s")
@@ -272,6 +272,7 @@ def main(argv=None) -> int:
     p.add_argument("--slice-dir", default="/tmp/slice")
     p.add_argument("--make", action="store_true", help="generate the slice checkpoints first")
     p.add_argument("--make-only", action="store_true", help="generate the slice checkpoints and stop")
+    p.add_argument("--workers", type=int, default=1, help="processes generating each checkpoint")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=288)
     p.add_argument("--releases", default="fp8,mxfp4")
@@ -285,7 +286,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in a.batches.split(",") if b]
     doc = {"slice": slice_overrides(a.layers, a.experts)}
     if a.make or a.make_only:
-        doc["made"] = make_slices(a.slice_dir, a.layers, a.experts, releases)
+        doc["made"] = make_slices(a.slice_dir, a.layers, a.experts, releases, a.workers)
         if a.make_only:
             return 0
     bw = copy_bandwidth()
