@@ -434,6 +434,7 @@ LINEAR_CASES = [
     ("lm_head-part", "bf16", 40000, 4096, 1, False, False, False),
     ("f32", "f32", 256, 1024, 1, False, True, False),
     ("batch4", "fp8", 2048, 4096, 4, False, False, True),
+    ("fp8-bigscale", "fp8", 1024, 4096, 1, False, True, True),
 ]
 LINEAR_EMU_CASES = [
     ("emu-fp8", "fp8", 130, 192, 1, False, True, True),
@@ -441,6 +442,7 @@ LINEAR_EMU_CASES = [
     ("emu-mxfp4-experts", "mxfp4", 48, 256, 3, True, True, True),
     ("emu-f32", "f32", 24, 128, 1, False, True, False),
     ("emu-width-96", "bf16", 20, 96, 1, False, False, True),
+    ("emu-fp8-bigscale", "fp8", 260, 256, 1, False, True, True),
 ]
 
 
@@ -479,6 +481,8 @@ def test_linear_kernels_match_cpu(case):
     name, release, R, C, T, expert, staged, rnd = case
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     data, scale = random_weights(release, R, C, rng)
+    if "bigscale" in name:  # every other block's scale >= 2^8: the integer decode's two-multiply branch
+        scale[::2] *= np.float32(2.0 ** 16)
     X = rng.standard_normal((T, C), dtype=np.float32)
     want = cpu_linear(release, data, scale, X, rnd)
     cu = cuda_module()

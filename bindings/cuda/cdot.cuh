@@ -104,6 +104,21 @@ GLM_DEV T group_dot(int n, bool seq, Get get) {
     return s;
 }
 
+// The 8x8 fold of 64 partial sums held by one warp, lane q holding P[q] (a) and P[q + 32] (b): the
+// accumulator tree (P[k] += P[k + 8w] for k < 8w, w = 4, 2, 1) and the lane tree (P[l] += P[l + w],
+// l < w), each addition the fold's own. Every lane of the warp calls it; the result is on lane 0.
+template <class T>
+GLM_DEV T warp_fold64(T a, T b) {
+    const int q = static_cast<int>(threadIdx.x & 31u);
+    a = add(a, b);  // w = 4
+#pragma unroll
+    for (int d = 16; d >= 1; d >>= 1) {  // w = 2, 1 (d = 16, 8), then the lanes (d = 4, 2, 1)
+        const T o = __shfl_down_sync(kFull, a, d);
+        if (q < d) a = add(a, o);
+    }
+    return a;
+}
+
 // cdot over the first 64 threads of a block (threadIdx.x < 64 take part; the block has >= 64
 // threads and every thread of the block calls it). red: 64 elements of shared memory of type T.
 // The result on every thread of the block.
@@ -123,15 +138,9 @@ GLM_DEV T block64_dot(int n, bool seq, T* red, Get get) {
             red[tid] = p;
         }
         __syncthreads();
-        if (tid == 0) {
-            T P[64];
-            for (int k = 0; k < 64; ++k) P[k] = red[k];
-            for (int w = 4; w >= 1; w >>= 1)
-                for (int g = 0; g < w; ++g)
-                    for (int l = 0; l < 8; ++l) P[8 * g + l] = add(P[8 * g + l], P[8 * (g + w) + l]);
-            for (int w = 4; w >= 1; w >>= 1)
-                for (int l = 0; l < w; ++l) P[l] = add(P[l], P[l + w]);
-            red[0] = P[0];
+        if (tid < 32) {
+            const T f = warp_fold64(red[tid], red[tid + 32]);
+            if (tid == 0) red[0] = f;
         }
     } else if (tid == 0) {
         T s = T(0);

@@ -120,15 +120,35 @@ GLM_DEV float e4m3_int(uint32_t word) {  // byte K of word, a non-NaN E4M3 code,
     const uint32_t mag = (sh_m >= 0 ? (word << sh_m) : (word >> -sh_m)) & 0x07F00000u;
     return f32_from_bits(sign | mag);
 }
+// Eight codes decoded: exact values, or with kDecInt the values times 2^-120 (scale_fp8 applies both).
 template <int DEC>
 GLM_DEV void e4m3_words(uint32_t lo, uint32_t hi, float (&w)[8]) {
     if constexpr (DEC == kDecInt) {
         w[0] = e4m3_int<0>(lo); w[1] = e4m3_int<1>(lo); w[2] = e4m3_int<2>(lo); w[3] = e4m3_int<3>(lo);
         w[4] = e4m3_int<0>(hi); w[5] = e4m3_int<1>(hi); w[6] = e4m3_int<2>(hi); w[7] = e4m3_int<3>(hi);
-#pragma unroll
-        for (int l = 0; l < 8; ++l) w[l] = fmul(w[l], 0x1p120f);
     } else {
         e4m3x8<DEC == kDecHw>(lo, hi, w);
+    }
+}
+
+// w = fl32(e4m3 * s) from what e4m3_words gave. kDecInt: v = e4m3 * 2^-120 exactly, and when
+// s2 = s * 2^120 is finite (it is exact then: a power-of-two multiply that did not overflow) the real
+// product v * s2 is e4m3 * s, so fl(v * s2) is the one rounding the definition asks for, one multiply
+// per weight; a scale >= 2^8 takes the two multiplies fl(fl(v * 2^120) * s).
+template <int DEC, int N>
+GLM_DEV void scale_fp8(float (&w)[N], float s) {
+    if constexpr (DEC == kDecInt) {
+        const float s2 = fmul(s, 0x1p120f);
+        if ((f32_bits(s2) & 0x7F800000u) != 0x7F800000u) {  // finite
+#pragma unroll
+            for (int l = 0; l < N; ++l) w[l] = fmul(w[l], s2);
+        } else {
+#pragma unroll
+            for (int l = 0; l < N; ++l) w[l] = fmul(fmul(w[l], 0x1p120f), s);
+        }
+    } else {
+#pragma unroll
+        for (int l = 0; l < N; ++l) w[l] = fmul(w[l], s);
     }
 }
 
@@ -146,9 +166,7 @@ GLM_DEV void decode_raw(const Raw<FMT>& r, float (&w)[8]) {
         w[4] = r.b.x; w[5] = r.b.y; w[6] = r.b.z; w[7] = r.b.w;
     } else if constexpr (FMT == W_FP8) {
         e4m3_words<DEC>(r.v.x, r.v.y, w);
-        // w = fl32(e4m3 * scale_inv[r/128][c/128]): one f32 multiply
-#pragma unroll
-        for (int l = 0; l < 8; ++l) w[l] = fmul(w[l], r.s);
+        scale_fp8<DEC>(w, r.s);  // w = fl32(e4m3 * scale_inv[r/128][c/128])
     } else {
         const float s = e8m0(r.e);
 #pragma unroll
@@ -451,8 +469,6 @@ GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
                 w[2] = e4m3_int<2>(v);
                 w[3] = e4m3_int<3>(v);
             }
-#pragma unroll
-            for (int l = 0; l < LPT; ++l) w[l] = fmul(w[l], 0x1p120f);
         } else if constexpr (LPT == 4) {
             const uint32_t v = *reinterpret_cast<const uint32_t*>(p);
             e4m3x2<DEC == kDecHw>(v & 0xFFFFu, w[0], w[1]);
@@ -461,8 +477,7 @@ GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
             const uint32_t v = *reinterpret_cast<const uint16_t*>(p);
             e4m3x2<DEC == kDecHw>(v, w[0], w[1]);
         }
-#pragma unroll
-        for (int l = 0; l < LPT; ++l) w[l] = fmul(w[l], s);
+        scale_fp8<DEC>(w, s);
     } else {
         uint32_t v;
         if constexpr (LPT == 8) v = *reinterpret_cast<const uint32_t*>(p);
@@ -606,12 +621,20 @@ __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, in
                     float w[LPT], xv[LPT];
                     decode_smem<FMT, DEC, LPT>(row + u * CB + (off * CB) / 64, sc, w);
                     const float* xp = XS ? xsm + 64 * u + off : x + col;
+                    if constexpr (LPT >= 4) {  // 16-byte aligned: off is a multiple of 4
 #pragma unroll
-                    for (int k = 0; k < LPT; k += 2) {
-                        const float2 v = XS ? *reinterpret_cast<const float2*>(xp + k)
-                                            : __ldg(reinterpret_cast<const float2*>(xp + k));
-                        xv[k] = v.x;
-                        xv[k + 1] = v.y;
+                        for (int k = 0; k < LPT; k += 4) {
+                            const float4 v = XS ? *reinterpret_cast<const float4*>(xp + k)
+                                                : __ldg(reinterpret_cast<const float4*>(xp + k));
+                            xv[k] = v.x;
+                            xv[k + 1] = v.y;
+                            xv[k + 2] = v.z;
+                            xv[k + 3] = v.w;
+                        }
+                    } else {
+                        const float2 v = XS ? *reinterpret_cast<const float2*>(xp) : __ldg(reinterpret_cast<const float2*>(xp));
+                        xv[0] = v.x;
+                        xv[1] = v.y;
                     }
 #pragma unroll
                     for (int l = 0; l < LPT; ++l) acc[l] = ffma(w[l], xv[l], acc[l]);
