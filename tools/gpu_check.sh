@@ -54,10 +54,10 @@ for r in ${RELEASES//,/ }; do [ -f "$SLICE/slice-$r/config.json" ] || HAVE=0; do
 if [ "$HAVE" = 1 ]; then
   echo "present"
 else
-  (  # one process per release, in parallel
+  (  # one process per release, in parallel, each with a few workers (the GPU tests need cores meanwhile)
     for r in ${RELEASES//,/ }; do
       python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers "$LAYERS" --experts "$EXPERTS" --releases "$r" \
-        --workers $(( $(nproc) / $(echo "$RELEASES" | tr ',' '\n' | wc -l) )) \
+        --workers $(( $(nproc) / 6 + 1 )) \
         > "$OUT/slice_make_$r.log" 2>&1 &
     done
     wait; cat "$OUT"/slice_make_*.log > "$OUT/slice_make.log"; echo "exit $?" >> "$OUT/slice_make.log" ) &

@@ -17,10 +17,14 @@
 #include "emu/emu.hpp"
 #define GLM_LAUNCH(kernel, grid, block, smem, ...) \
     ::glm_emu::launch(dim3(grid), dim3(block), (smem), [&] { kernel(__VA_ARGS__); })
+// (the emulation runs every launch to completion in program order: a stream changes nothing)
+#define GLM_LAUNCH_ON(stream, kernel, grid, block, smem, ...) \
+    ((void)(stream), ::glm_emu::launch(dim3(grid), dim3(block), (smem), [&] { kernel(__VA_ARGS__); }))
 #define GLM_DYN_SMEM(type, name) type* name = reinterpret_cast<type*>(::glm_emu::dyn_smem())
 #else
 #include <cuda_runtime.h>
 #define GLM_LAUNCH(kernel, grid, block, smem, ...) kernel<<<(grid), (block), (smem), 0>>>(__VA_ARGS__)
+#define GLM_LAUNCH_ON(stream, kernel, grid, block, smem, ...) kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #define GLM_DYN_SMEM(type, name)                              \
     extern __shared__ __align__(16) unsigned char glm_smem_[]; \
     type* name = reinterpret_cast<type*>(glm_smem_)

@@ -93,6 +93,8 @@ struct HcW {
 
 struct KdaW {
     Lin q_proj, k_proj, v_proj, f_a, f_b, b_proj, g_a, g_b, o_proj;
+    Lin qkv;  // q | k | v rows as one matrix (joint placement; empty when not placed so)
+    Lin fbg;  // f_a | b_proj | g_a rows as one matrix (likewise)
     float* conv = nullptr;     // [3P][K]: q | k | v channels
     float* dt_bias = nullptr;  // [P]
     float* A_log = nullptr;    // [H]
@@ -107,6 +109,7 @@ struct MlaW {
     float* w_uk_t = nullptr;  // [nh][r][dn] W_UK_h transposed, decoded exactly (finalize)
     bool has_indexer = false;
     Lin wq_b, wk, weights_proj, kpool_gate;
+    Lin kgw;  // wk | kpool_gate | weights_proj rows as one matrix (joint placement; empty when not)
     float* k_norm_w = nullptr;
     float* k_norm_b = nullptr;
     float* ape = nullptr;  // [kp][d_i]
@@ -178,8 +181,10 @@ struct Step;
 void rms_norm_rows(Step& s, const float* X, int64_t ldx, int rows, int n, const float* w, float eps, float* Y,
                    int64_t ldy);                                                                        // norm.cu
 void layer_norm_rows(Step& s, const float* X, int rows, int n, const float* w, const float* b, float eps, float* Y);
-void hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double* pre, double* post, double* comb,
-             float* collapsed);                                                                         // mhc.cu
+// The site: pre, post, comb, collapsed; with norm_w, also xn = RMSNorm(collapsed) when the fast path
+// ran (returns true; otherwise the caller normalizes).
+bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double* pre, double* post, double* comb,
+             float* collapsed, const float* norm_w, float norm_eps, float* xn);                          // mhc.cu
 void hc_expand(Step& s, int layer, bool ffn, float* X, const float* u, const double* post, const double* comb);
 void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out);                       // kda.cu
 void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out);                       // mla.cu
@@ -230,6 +235,7 @@ struct Step {
 
     bool wants(int layer, int stage) const { return cap_mask[static_cast<size_t>(layer) * S_COUNT + stage] != 0; }
     bool wants_any(int layer, int stage) const;  // some row of the step is captured at (layer, stage)
+    bool injects(int layer, int stage) const { return inj.active && inj.layer == layer && inj.stage == stage; }
     // Row t is hit by the injection at (layer, stage): the element index, or -1.
     int64_t inject_element(int layer, int stage, int t) const {
         return (inj.active && inj.layer == layer && inj.stage == stage && inj.pos == pos[static_cast<size_t>(t)])
@@ -258,6 +264,25 @@ struct Step {
 
 // ---- the engine core --------------------------------------------------------------------------------
 
+// A second stream for work off the critical path (the mHC Sinkhorn): fork() orders it after the main
+// stream's work so far and returns it; join_later() marks its work so far; join() makes the main
+// stream wait for that (once). The main stream is the legacy default stream; this one is non-blocking.
+class SideStream {
+   public:
+    SideStream() = default;
+    SideStream(const SideStream&) = delete;
+    SideStream& operator=(const SideStream&) = delete;
+    ~SideStream();
+    cudaStream_t fork();
+    void join_later();
+    void join();
+
+   private:
+    cudaStream_t s_ = nullptr;
+    cudaEvent_t fork_ = nullptr, join_ = nullptr;
+    bool pending_ = false;
+};
+
 struct EngineCore {
     Config cfg;
     Nm nm;
@@ -272,6 +297,20 @@ struct EngineCore {
     bool finalized = false;
     std::map<std::string, int> have;
     std::vector<DBuf> tables;  // expert pointer tables
+    SideStream side;
+    // Weights that read the same x, placed as consecutive rows of one matrix (data, and scales in the
+    // same order) so that one launch computes them all: the slot of each (layer, group) (model.cu).
+    struct JointSlot {
+        int fmt = -1;
+        int64_t C = 0, total = 0;
+        std::vector<int64_t> off, rows;
+        std::vector<uint8_t> have, nan_free;
+        char* data = nullptr;
+        char* scale = nullptr;
+    };
+    std::map<std::pair<int, std::string>, JointSlot> joints;
+    DBuf tickets;              // per-token counters of the mHC fast path (zero between launches)
+    unsigned* hc_tickets(int T);
     Scratch scratch;
     // timing
     bool timing = false;

@@ -143,16 +143,27 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
     // indexer.k = LayerNorm(lin(wk, x)), eps 1e-6
     float* kraw = s.scratch.d<float>(static_cast<size_t>(T) * di);
     float* k = s.scratch.d<float>(static_cast<size_t>(T) * di);
-    linear(w.wk, x, D, kraw, di, T, true, nm, s.hw8);
+    float* gate = s.scratch.d<float>(static_cast<size_t>(T) * di);
+    float* wts = s.scratch.d<float>(static_cast<size_t>(T) * ni);
+    // one token: wk, kpool_gate and weights_proj (all of x) in one launch when they are one matrix
+    // (the row of outputs is k | gate | weights; several tokens would interleave them)
+    const bool kgw = T == 1 && !w.kgw.empty();
+    if (kgw) {
+        float* row = s.scratch.d<float>(static_cast<size_t>(2 * di + ni));
+        linear(w.kgw, x, D, row, 2 * di + ni, 1, true, nm, s.hw8);
+        kraw = row;
+        gate = row + di;
+        wts = row + 2 * di;
+    } else {
+        linear(w.wk, x, D, kraw, di, T, true, nm, s.hw8);
+    }
     layer_norm_rows(s, kraw, T, di, w.k_norm_w, w.k_norm_b, 1e-6f, k);
     s.emit(layer, S_IDX_K, k, di, {di});
     // indexer.gate = lin(index_kpool_compress_gate, x)
-    float* gate = s.scratch.d<float>(static_cast<size_t>(T) * di);
-    linear(w.kpool_gate, x, D, gate, di, T, true, nm, s.hw8);
+    if (!kgw) linear(w.kpool_gate, x, D, gate, di, T, true, nm, s.hw8);
     s.emit(layer, S_IDX_GATE, gate, di, {di});
     // indexer.weights = lin(weights_proj, x) * (float)(n_i^-1/2), f32
-    float* wts = s.scratch.d<float>(static_cast<size_t>(T) * ni);
-    linear(w.weights_proj, x, D, wts, ni, T, true, nm, s.hw8);
+    if (!kgw) linear(w.weights_proj, x, D, wts, ni, T, true, nm, s.hw8);
     {
         auto kk = k_scale;
         const int64_t n = static_cast<int64_t>(T) * ni;

@@ -244,9 +244,13 @@ void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out) 
     s.mark("kda.proj");
     // kda.q_proj, kda.k_proj, kda.v_proj: qkv [T][3P] (q | k | v)
     float* qkv = s.scratch.d<float>(static_cast<size_t>(T) * 3 * P);
-    linear(w.q_proj, x, D, qkv, 3 * P, T, true, nm, s.hw8);
-    linear(w.k_proj, x, D, qkv + P, 3 * P, T, true, nm, s.hw8);
-    linear(w.v_proj, x, D, qkv + 2 * P, 3 * P, T, true, nm, s.hw8);
+    if (!w.qkv.empty()) {  // the three as one matrix: its rows are q | k | v, the layout of qkv
+        linear(w.qkv, x, D, qkv, 3 * P, T, true, nm, s.hw8);
+    } else {
+        linear(w.q_proj, x, D, qkv, 3 * P, T, true, nm, s.hw8);
+        linear(w.k_proj, x, D, qkv + P, 3 * P, T, true, nm, s.hw8);
+        linear(w.v_proj, x, D, qkv + 2 * P, 3 * P, T, true, nm, s.hw8);
+    }
     s.emit(layer, S_KDA_Q_PROJ, qkv, 3 * P, {P});
     s.emit(layer, S_KDA_K_PROJ, qkv + P, 3 * P, {P});
     s.emit(layer, S_KDA_V_PROJ, qkv + 2 * P, 3 * P, {P});
@@ -275,7 +279,19 @@ void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out) 
     float* fa = s.scratch.d<float>(static_cast<size_t>(T) * d);
     float* g = s.scratch.d<float>(static_cast<size_t>(T) * P);
     float* beta = s.scratch.d<float>(static_cast<size_t>(T) * H);
-    linear(w.f_a, x, D, fa, d, T, true, nm, s.hw8);
+    // one token: f_a, b_proj and g_a (all of x) in one launch when they are one matrix; the row of
+    // outputs is f_a | b | g_a (several tokens would interleave them: separate launches then)
+    const bool fbg = T == 1 && !w.fbg.empty();
+    float* ga = s.scratch.d<float>(static_cast<size_t>(T) * d);
+    if (fbg) {
+        float* row = s.scratch.d<float>(static_cast<size_t>(2 * d + H));
+        linear(w.fbg, x, D, row, 2 * d + H, 1, true, nm, s.hw8);
+        fa = row;
+        beta = row + d;
+        ga = row + d + H;
+    } else {
+        linear(w.f_a, x, D, fa, d, T, true, nm, s.hw8);
+    }
     linear(w.f_b, fa, d, g, P, T, true, nm, s.hw8);
     {
         auto k = k_kda_gate;
@@ -285,7 +301,7 @@ void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out) 
     }
     s.emit(layer, S_KDA_G, g, P, {P});
     // kda.beta = sigmoid(lin(b_proj, x)), kept f32
-    linear(w.b_proj, x, D, beta, H, T, true, nm, s.hw8);
+    if (!fbg) linear(w.b_proj, x, D, beta, H, T, true, nm, s.hw8);
     {
         auto k = k_sigmoid;
         GLM_LAUNCH(k, blocks(static_cast<int64_t>(T) * H, 256), 256, 0, beta, static_cast<int64_t>(T) * H, nm);
@@ -337,9 +353,8 @@ void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out) 
 
     s.mark("kda.out");
     // kda.gate = lin(g_b, lin(g_a, x))
-    float* ga = s.scratch.d<float>(static_cast<size_t>(T) * d);
     float* gate = s.scratch.d<float>(static_cast<size_t>(T) * P);
-    linear(w.g_a, x, D, ga, d, T, true, nm, s.hw8);
+    if (!fbg) linear(w.g_a, x, D, ga, d, T, true, nm, s.hw8);
     linear(w.g_b, ga, d, gate, P, T, true, nm, s.hw8);
     s.emit(layer, S_KDA_GATE, gate, P, {P});
     // kda.o_norm

@@ -69,6 +69,41 @@ void* Arena::alloc(size_t bytes) {
     return p;
 }
 
+SideStream::~SideStream() {
+    if (fork_) cudaEventDestroy(fork_);
+    if (join_) cudaEventDestroy(join_);
+    if (s_) cudaStreamDestroy(s_);
+}
+cudaStream_t SideStream::fork() {
+    if (!s_) {
+        check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "side stream");
+        check(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "side stream event");
+        check(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "side stream event");
+    }
+    check(cudaEventRecord(fork_, 0), "fork");
+    check(cudaStreamWaitEvent(s_, fork_, 0), "fork");
+    return s_;
+}
+void SideStream::join_later() {
+    check(cudaEventRecord(join_, s_), "join");
+    pending_ = true;
+}
+void SideStream::join() {
+    if (!pending_) return;
+    check(cudaStreamWaitEvent(0, join_, 0), "join");
+    pending_ = false;
+}
+
+unsigned* EngineCore::hc_tickets(int T) {
+    const size_t need = static_cast<size_t>(T) * sizeof(unsigned);
+    if (tickets.n < need) {
+        check(cudaDeviceSynchronize(), "tickets");  // the old counters may still be in use
+        tickets = DBuf(std::max(need, size_t{4096}));
+        check(cudaMemset(tickets.p, 0, tickets.n), "tickets");
+    }
+    return tickets.as<unsigned>();
+}
+
 Scratch::~Scratch() {
     if (pinned_) cudaFreeHost(pinned_);
     for (void* p : pinned_extra_) cudaFreeHost(p);
@@ -364,6 +399,96 @@ Engine::~Engine() {
     }
 }
 
+namespace {
+// The joint groups: roles that read the same x, in their row order within the group.
+struct JointRole {
+    const char* role;
+    const char* group;
+    int index;
+};
+constexpr JointRole kJointRoles[] = {
+    {"kda.q_proj", "kda.qkv", 0},          {"kda.k_proj", "kda.qkv", 1},     {"kda.v_proj", "kda.qkv", 2},
+    {"kda.f_a_proj", "kda.fbg", 0},        {"kda.b_proj", "kda.fbg", 1},     {"kda.g_a_proj", "kda.fbg", 2},
+    {"indexer.wk", "idx.kgw", 0},          {"indexer.kpool_gate", "idx.kgw", 1},
+    {"indexer.weights_proj", "idx.kgw", 2},
+};
+const JointRole* joint_role(const std::string& role) {
+    for (const JointRole& j : kJointRoles)
+        if (role == j.role) return &j;
+    return nullptr;
+}
+int joint_index(const std::string& role) { return joint_role(role)->index; }
+int64_t stored_row_bytes(int fmt, int64_t C) {
+    return fmt == W_BF16 ? 2 * C : fmt == W_F32 ? 4 * C : fmt == W_FP8 ? C : C / 2;
+}
+
+// The members' rows of a group under this config.
+std::vector<int64_t> joint_rows(const std::string& group, const Config& c) {
+    const int64_t P = c.kda_dim(), d = c.linear_head_dim, H = c.linear_num_heads;
+    const int64_t di = c.index_head_dim, ni = c.index_n_heads;
+    if (group == "kda.qkv") return {P, P, P};
+    if (group == "kda.fbg") return {d, H, d};
+    return {di, di, ni};
+}
+
+// The slot a joint-group member goes into, allocated with its first member; nullptr when the role is
+// not in a group or the member does not fit it (another format or width than the first member, or
+// FP8 rows that would share a scale block with a neighbour): then it is placed on its own.
+EngineCore::JointSlot* joint_slot(EngineCore& E, const std::string& role, int layer, const std::string& release,
+                                  int64_t R, int64_t C) {
+    const JointRole* j = joint_role(role);
+    if (!j || layer < 0) return nullptr;
+    const int fmt = release == "bf16" ? W_BF16 : release == "f32" ? W_F32 : release == "fp8" ? W_FP8 : W_MXFP4;
+    EngineCore::JointSlot& s = E.joints[{layer, j->group}];
+    if (s.fmt < 0) {
+        s.rows = joint_rows(j->group, E.cfg);
+        int64_t o = 0;
+        for (int64_t r : s.rows) {
+            s.off.push_back(o);
+            o += r;
+        }
+        s.total = o;
+        s.have.assign(s.rows.size(), 0);
+        s.nan_free.assign(s.rows.size(), 0);
+        s.fmt = fmt;
+        s.C = C;
+        bool ok = true;
+        if (fmt == W_FP8)
+            for (size_t i = 0; i < s.rows.size(); ++i) ok = ok && s.off[i] % 128 == 0 && s.rows[i] % 128 == 0;
+        if (!ok) s.fmt = -2;  // never joint
+        else {
+            s.data = static_cast<char*>(E.arena.alloc(static_cast<size_t>(s.total * stored_row_bytes(fmt, C))));
+            if (fmt == W_FP8)
+                s.scale = static_cast<char*>(E.arena.alloc(static_cast<size_t>((s.total / 128) * ((C + 127) / 128) * 4)));
+            else if (fmt == W_MXFP4)
+                s.scale = static_cast<char*>(E.arena.alloc(static_cast<size_t>(s.total * (C / 32))));
+        }
+    }
+    const size_t i = static_cast<size_t>(j->index);
+    if (s.fmt != fmt || s.C != C || s.rows[i] != R || s.have[i]) return nullptr;
+    return &s;
+}
+
+// The group's matrix when every member was placed in its slot, else an empty Lin.
+Lin joint_lin(const EngineCore& E, int layer, const char* group) {
+    auto it = E.joints.find({layer, group});
+    if (it == E.joints.end() || it->second.fmt < 0) return Lin{};
+    const EngineCore::JointSlot& s = it->second;
+    Lin w;
+    w.fmt = s.fmt;
+    w.R = s.total;
+    w.C = s.C;
+    w.data = s.data;
+    w.scale = s.scale;
+    w.nan_free = true;
+    for (size_t i = 0; i < s.rows.size(); ++i) {
+        if (!s.have[i]) return Lin{};
+        w.nan_free = w.nan_free && s.nan_free[i];
+    }
+    return w;
+}
+}  // namespace
+
 void Engine::add_tensor(const std::string& role, int layer, int expert, const std::string& release, const void* data,
                         const void* scale, const std::vector<int64_t>& shape, const std::vector<int64_t>& data_shape,
                         const std::vector<int64_t>& scale_shape) {
@@ -390,6 +515,30 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
         w.R = static_cast<int64_t>(rows);
         w.C = static_cast<int64_t>(cols);
         const int64_t R = w.R, C = w.C;
+        if (EngineCore::JointSlot* slot = joint_slot(E_, role, layer, release, R, C)) {
+            const int i = joint_index(role);
+            const int64_t off = slot->off[static_cast<size_t>(i)], rb = stored_row_bytes(slot->fmt, C);
+            check(cudaMemcpy(slot->data + off * rb, data, static_cast<size_t>(R * rb), cudaMemcpyHostToDevice),
+                  "weight upload");
+            if (slot->fmt == W_FP8) {
+                const int64_t sc = (C + 127) / 128;
+                check(cudaMemcpy(slot->scale + (off / 128) * sc * 4, scale, static_cast<size_t>(((R + 127) / 128) * sc * 4),
+                                 cudaMemcpyHostToDevice),
+                      "weight upload");
+            } else if (slot->fmt == W_MXFP4) {
+                check(cudaMemcpy(slot->scale + off * (C / 32), scale, static_cast<size_t>(R * (C / 32)),
+                                 cudaMemcpyHostToDevice),
+                      "weight upload");
+            }
+            w.fmt = slot->fmt;
+            w.data = slot->data;
+            w.scale = slot->scale;
+            w.row0 = off;
+            if (w.fmt == W_FP8) w.nan_free = e4m3_nan_free_device(slot->data + off * rb, static_cast<size_t>(R * C));
+            slot->have[static_cast<size_t>(i)] = 1;
+            slot->nan_free[static_cast<size_t>(i)] = w.nan_free ? 1 : 0;
+            return w;
+        }
         if (release == "bf16") {
             w.fmt = W_BF16;
             w.data = upload(data, static_cast<size_t>(R * C) * 2);
@@ -524,6 +673,8 @@ void Engine::finalize() {
             need(k.dt_bias != nullptr, "kda.dt_bias", l);
             need(k.A_log != nullptr, "kda.A_log", l);
             need(k.o_norm != nullptr, "kda.o_norm", l);
+            k.qkv = joint_lin(E_, l, "kda.qkv");
+            k.fbg = joint_lin(E_, l, "kda.fbg");
         } else {
             MlaW& m = w.m;
             for (auto [lin, name] : {std::pair<Lin*, const char*>{&m.q_a, "mla.q_a_proj"}, {&m.q_b, "mla.q_b_proj"},
@@ -539,6 +690,7 @@ void Engine::finalize() {
                 need(m.k_norm_w != nullptr, "indexer.k_norm", l);
                 need(m.k_norm_b != nullptr, "indexer.k_norm_bias", l);
                 need(m.ape != nullptr, "indexer.kpool_ape", l);
+                m.kgw = joint_lin(E_, l, "idx.kgw");
             }
         }
         FfnW& f = w.f;
@@ -830,8 +982,8 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         const LayerW& w = E_.layers[static_cast<size_t>(l)];
         // attention sublayer
         s.mark("mhc");
-        hc_site(s, l, false, w.attn_hc, X, pre, post, comb, xin);
-        rms_norm_rows(s, xin, D, Ti, D, w.attn_norm, eps, xn, D);
+        if (!hc_site(s, l, false, w.attn_hc, X, pre, post, comb, xin, w.attn_norm, eps, xn))
+            rms_norm_rows(s, xin, D, Ti, D, w.attn_norm, eps, xn, D);
         s.emit(l, S_ATTN_NORM, xn, D, {D});
         if (w.kda) {
             kda_forward(s, l, w.k, xn, u);
@@ -842,8 +994,8 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         s.mark("mhc");
         hc_expand(s, l, false, X, u, post, comb);
         // feed-forward sublayer
-        hc_site(s, l, true, w.ffn_hc, X, pre, post, comb, xin);
-        rms_norm_rows(s, xin, D, Ti, D, w.ffn_norm, eps, xn, D);
+        if (!hc_site(s, l, true, w.ffn_hc, X, pre, post, comb, xin, w.ffn_norm, eps, xn))
+            rms_norm_rows(s, xin, D, Ti, D, w.ffn_norm, eps, xn, D);
         s.emit(l, S_FFN_NORM, xn, D, {D});
         if (w.f.moe) {
             moe_forward(s, l, w.f, xn, u);

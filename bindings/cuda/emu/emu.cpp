@@ -268,6 +268,15 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
     p->sharedMemPerBlockOptin = 227 * 1024;
     return cudaSuccess;
 }
+// (one thread runs every launch to completion in order: streams and their events order nothing more)
+static int emu_stream_tag;
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+    *s = &emu_stream_tag;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) { return cudaSuccess; }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return cudaEventCreate(e); }
 cudaError_t cudaEventCreate(cudaEvent_t* e) {
     *e = new EmuEvent();
     return cudaSuccess;
