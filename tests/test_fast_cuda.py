@@ -203,6 +203,7 @@ INJECTIONS = [
     "2,5,attn_hc.collapsed,17,1",   # the mHC site's output, read by the norm that follows
     "4,8,ffn_hc.pre,2,1000",
     "1,13,moe.experts,100,2",
+    "3,9,moe.shared,7,3",           # the shared expert's rows of the routed launches, read by moe.out
 ]
 
 
@@ -262,6 +263,9 @@ CONFIG_VARIANTS = [
     ("conv-1-hc-2", "fp8", dict(linear_conv_kernel_dim=1, hc_mult=2, hc_sinkhorn_iters=3)),
     ("groups-4-top-2", "bf16", dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3)),
     ("hc-8", "fp8", dict(hc_mult=8)),
+    ("shared-2", "fp8", dict(n_shared_experts=2)),  # shared expert wider than the routed: its own launches
+    # whole 64-column chunks: the experts' decode steps (and the shared expert's) take the staged kernel
+    ("width-128-experts-64", "fp8", dict(hidden_size=128, moe_intermediate_size=64)),
     ("width-90-fp8", "fp8", dict(hidden_size=90, linear_head_dim=13, index_head_dim=11, kv_lora_rank=37)),
     ("hc-7-shared-chain", "bf16", dict(hc_mult=7, layer_types=["linear_attention", "indexed_attention",
                                                                "indexed_attention", "indexed_attention",

@@ -123,6 +123,9 @@ struct FfnW {
     std::vector<Lin> e_gate, e_up, e_down;  // per expert (host view)
     ExpertTable t_gate, t_up, t_down;       // device pointer tables (finalize)
     Lin s_gate, s_up, s_down;
+    // The shared expert is entry E of the tables (same format and shape as the routed experts): it runs
+    // as more work items of the routed launches instead of three launches of its own (moe.cu).
+    bool shared_in_tables = false;
 };
 
 struct LayerW {

@@ -736,9 +736,19 @@ void Engine::finalize() {
             check_launch("w_uk");
         }
         if (w.f.moe) {
-            w.f.t_gate = make_table(E_, w.f.e_gate, "moe.expert.gate_proj", static_cast<int>(li));
-            w.f.t_up = make_table(E_, w.f.e_up, "moe.expert.up_proj", static_cast<int>(li));
-            w.f.t_down = make_table(E_, w.f.e_down, "moe.expert.down_proj", static_cast<int>(li));
+            FfnW& f = w.f;
+            auto fits = [](const Lin& s, const std::vector<Lin>& es) {
+                return !es.empty() && s.row0 == 0 && s.fmt == es[0].fmt && s.R == es[0].R && s.C == es[0].C;
+            };
+            f.shared_in_tables = fits(f.s_gate, f.e_gate) && fits(f.s_up, f.e_up) && fits(f.s_down, f.e_down);
+            auto with_shared = [&](std::vector<Lin> es, const Lin& s) {
+                if (f.shared_in_tables) es.push_back(s);
+                return es;
+            };
+            const int l = static_cast<int>(li);
+            f.t_gate = make_table(E_, with_shared(f.e_gate, f.s_gate), "moe.expert.gate_proj", l);
+            f.t_up = make_table(E_, with_shared(f.e_up, f.s_up), "moe.expert.up_proj", l);
+            f.t_down = make_table(E_, with_shared(f.e_down, f.s_down), "moe.expert.down_proj", l);
         }
     }
     check(cudaDeviceSynchronize(), "finalize");

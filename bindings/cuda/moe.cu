@@ -180,16 +180,20 @@ __global__ void k_moe_weights(const float* __restrict__ scores, const int* __res
 // expert (warp scans by shuffles, then the warp totals), each expert's items written by its thread;
 // the scatter by warp 0 over the pairs in increasing order, 32 at a time (rank among the equal experts
 // of lower lanes, then the cursor advanced by the last of them), so the result is the one-thread one.
+// nshared > 0: pairs nrouted .. nrouted + nshared - 1 (one per row) are the shared expert's, entry E0
+// of the tables: its items come last and run in the same launches as the routed ones.
 constexpr int kPlanThreads = 1024;
-__global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict__ sel, int npairs, int E, int tile,
-                                                           int* pairs, int* items, int* n_items) {
+__global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict__ sel, int nrouted, int nshared,
+                                                           int E0, int tile, int* pairs, int* items, int* n_items) {
     GLM_DYN_SMEM(int, cnt);  // [E]: count, then the fill cursor
     __shared__ int wc[32], wi[32];
     const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
     const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+    const int E = nshared > 0 ? E0 + 1 : E0, npairs = nrouted + nshared;
+    auto expert_of = [&](int p) { return p < nrouted ? sel[p] : E0; };
     for (int e = tid; e < E; e += nt) cnt[e] = 0;
     __syncthreads();
-    for (int p = tid; p < npairs; p += nt) atomicAdd(&cnt[sel[p]], 1);
+    for (int p = tid; p < npairs; p += nt) atomicAdd(&cnt[expert_of(p)], 1);
     __syncthreads();
     int carry_c = 0, carry_i = 0;
     for (int base = 0; base < E; base += nt) {
@@ -236,7 +240,7 @@ __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict
     if (warp != 0) return;
     for (int base = 0; base < npairs; base += 32) {
         const int p = base + lane;
-        const int e = p < npairs ? sel[p] : -1;
+        const int e = p < npairs ? expert_of(p) : -1;
         int r = 0;
         bool last = true;
         for (int j = 0; j < 32; ++j) {
@@ -336,30 +340,32 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     }
     s.emit(layer, S_MOE_WEIGHTS, wts, k, {k});
 
-    // moe.experts: each selected expert's weights once for all the pairs that chose it
+    // moe.experts: each selected expert's weights once for all the pairs that chose it; with the shared
+    // expert in the tables, T more pairs (rows T*k + t of the buffers) for it, in the same launches
     s.mark("moe.experts");
-    const int npairs = T * k;
+    const int npairs = T * k, nsh = w.shared_in_tables ? T : 0, nall = npairs + nsh;
     const int tile = T == 1 ? 1 : (T <= 16 ? 4 : 8);
-    int* pairs = s.scratch.d<int>(static_cast<size_t>(npairs));
-    int* items = s.scratch.d<int>(static_cast<size_t>(npairs) * 3);
+    int* pairs = s.scratch.d<int>(static_cast<size_t>(nall));
+    int* items = s.scratch.d<int>(static_cast<size_t>(nall) * 3);
     int* n_items = s.scratch.d<int>(1);
     {
         auto kk = k_moe_plan;
-        GLM_LAUNCH(kk, 1, kPlanThreads, static_cast<size_t>(E) * 4, sel, npairs, E, tile, pairs, items, n_items);
+        GLM_LAUNCH(kk, 1, kPlanThreads, static_cast<size_t>(E + 1) * 4, sel, npairs, nsh, E, tile, pairs, items,
+                   n_items);
         check_launch("moe_plan");
     }
-    float* gbuf = s.scratch.d<float>(static_cast<size_t>(npairs) * Im);
-    float* ubuf = s.scratch.d<float>(static_cast<size_t>(npairs) * Im);
-    float* ys = s.scratch.d<float>(static_cast<size_t>(npairs) * D);
-    linear_experts(w.t_gate, items, n_items, npairs, pairs, x, D, k, gbuf, Im, tile, nm, s.hw8);
-    linear_experts(w.t_up, items, n_items, npairs, pairs, x, D, k, ubuf, Im, tile, nm, s.hw8);
+    float* gbuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
+    float* ubuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
+    float* ys = s.scratch.d<float>(static_cast<size_t>(nall) * D);
+    linear_experts(w.t_gate, items, n_items, nall, pairs, x, D, k, npairs, gbuf, Im, tile, nm, s.hw8);
+    linear_experts(w.t_up, items, n_items, nall, pairs, x, D, k, npairs, ubuf, Im, tile, nm, s.hw8);
     {
-        const int64_t n = static_cast<int64_t>(npairs) * Im;
+        const int64_t n = static_cast<int64_t>(nall) * Im;
         auto kk = k_swiglu_act;
         GLM_LAUNCH(kk, blocks(n, 256), 256, 0, gbuf, ubuf, gbuf, n, static_cast<float>(c.swiglu_limit), nm);
         check_launch("moe_act");
     }
-    linear_experts(w.t_down, items, n_items, npairs, pairs, gbuf, Im, 1, ys, D, tile, nm, s.hw8);
+    linear_experts(w.t_down, items, n_items, nall, pairs, gbuf, Im, 1, nall, ys, D, tile, nm, s.hw8);  // h row p
     s.emit(layer, S_MOE_EXPERTS, ys, static_cast<int64_t>(k) * D, {k, D});
 
     s.mark("moe.combine");
@@ -372,10 +378,13 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
         check_launch("moe_routed");
     }
     s.emit(layer, S_MOE_ROUTED, routed, D, {D});
-    // moe.shared
-    s.mark("moe.shared");
-    float* shared = s.scratch.d<float>(static_cast<size_t>(T) * D);
-    swiglu(s, w.s_gate, w.s_up, w.s_down, x, T, shared, -1);
+    // moe.shared (emitted in place: moe.out reads the emitted rows, injection included)
+    float* shared = ys + static_cast<int64_t>(npairs) * D;
+    if (!w.shared_in_tables) {
+        s.mark("moe.shared");
+        shared = s.scratch.d<float>(static_cast<size_t>(T) * D);
+        swiglu(s, w.s_gate, w.s_up, w.s_down, x, T, shared, -1);
+    }
     s.emit(layer, S_MOE_SHARED, shared, D, {D});
     // moe.out = bf16(routed + shared)
     {

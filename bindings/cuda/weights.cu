@@ -187,6 +187,10 @@ GLM_DEV void load_x8(const float* __restrict__ x, int64_t col, bool vec, float (
     }
 }
 
+// The x row of expert pair p: routed pair t*k + j reads token row t; the shared expert's pairs, which
+// follow the T*k routed ones, read row p - p_split.
+GLM_DEV int64_t pair_xrow(const LinArgs& a, int p) { return p < a.p_split ? p / a.xdiv : p - a.p_split; }
+
 // One block's work: rows [blockIdx.x * RPB, +RPB) for the token tile `tile` (or expert work item).
 template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP>
 GLM_DEV void linear_block(const LinArgs& a, int tile) {
@@ -210,7 +214,7 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
             const int p = a.pairs[start + (j < cnt ? j : cnt - 1)];
-            xr[j] = a.X + static_cast<int64_t>(p / a.xdiv) * a.ldx;
+            xr[j] = a.X + pair_xrow(a, p) * a.ldx;
             yr[j] = a.Y + static_cast<int64_t>(p) * a.ldy;
         }
     } else {
@@ -353,7 +357,7 @@ __global__ void k_linear_seq(LinArgs a, int tile) {
         float* y;
         if constexpr (EXPERT) {
             const int p = a.pairs[base + j];
-            x = a.X + static_cast<int64_t>(p / a.xdiv) * a.ldx;
+            x = a.X + pair_xrow(a, p) * a.ldx;
             y = a.Y + static_cast<int64_t>(p) * a.ldy;
         } else {
             x = a.X + static_cast<int64_t>(base + j) * a.ldx;
@@ -557,7 +561,7 @@ __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, in
             const int e = a.items[3 * item], p = a.pairs[a.items[3 * item + 1]];
             data = a.dtab[e];
             scale = a.stab[e];
-            xr = a.X + static_cast<int64_t>(p / a.xdiv) * a.ldx;
+            xr = a.X + pair_xrow(a, p) * a.ldx;
             yr = a.Y + static_cast<int64_t>(p) * a.ldy;
         } else {
             xr = a.X;
@@ -650,16 +654,17 @@ __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, in
 
 // The staged kernel takes one token row (or expert items of one pair each), whole chunks, 16-byte
 // aligned rows (and x rows), and matrices of at most 16 waves of 16-row blocks (lm_head streams at
-// 85-90 % of the copy bandwidth through the register kernel already).
-bool staged_applies(const LinArgs& a, unsigned gy, bool expert) {
+// 85-90 % of the copy bandwidth through the register kernel already). The bound is per matrix, not per
+// launch: a batch-1 expert launch holds k routed items and the shared expert's (k = 8: 9 items of
+// 4096-row down matrices, past 16 waves together), the case the staged kernel was measured fastest on.
+bool staged_applies(const LinArgs& a, bool expert) {
     const int64_t rb = row_bytes(a.fmt, a.C);
     if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
     // expert weights are separate allocations of the arena (256-byte aligned); a dense view is checked here
     if (!expert && reinterpret_cast<uintptr_t>(a.data) % 16 != 0) return false;
     if (reinterpret_cast<uintptr_t>(a.X) % 16 != 0 || a.ldx % 4 != 0 || a.xhs % 4 != 0) return false;
     if (expert ? a.tile_pairs != 1 : a.T != 1) return false;
-    const int64_t b16 = (a.R + 15) / 16 * static_cast<int64_t>(gy);
-    return b16 <= 16 * static_cast<int64_t>(sm_count());
+    return (a.R + 15) / 16 <= 16 * static_cast<int64_t>(sm_count());
 }
 
 template <int FMT, bool EXPERT, int LPT, bool XS, int DEC>
@@ -687,7 +692,7 @@ void launch_st(const LinArgs& a, dim3 grid, int rpb, int cps, size_t smem) {
 template <int FMT, bool EXPERT>
 bool launch_staged(const LinArgs& a, unsigned gy, const StChoice& c) {
     constexpr int CB = chunk_bytes<FMT>();
-    if (!staged_applies(a, gy, EXPERT)) return false;
+    if (!staged_applies(a, EXPERT)) return false;
     const int64_t nsm = sm_count();
     const bool heads = a.rh < a.R && a.xhs != 0;
     const int lpt = c.lpt > 0 ? c.lpt : 8;
@@ -835,7 +840,7 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
 template <int FMT, int TT, bool EXPERT>
 void launch_fmt(const LinArgs& a, dim3 grid) {
     if constexpr (TT == 1) {
-        if (!a.no_staged && staged_applies(a, grid.y, EXPERT)) {
+        if (!a.no_staged && staged_applies(a, EXPERT)) {
             StChoice c = a.st;  // a variant forced by a test or benchmark, else the measured choice
             if (c.lpt == 0 && tuning_on()) c = tuned_choice<FMT, EXPERT>(a, grid);
             if (c.lpt >= 0 && launch_staged<FMT, EXPERT>(a, grid.y, c)) return;
@@ -933,7 +938,8 @@ void linear_heads(const Lin& W, int R, int rh, int64_t hstride, int64_t woff, co
 }
 
 void linear_experts(const ExpertTable& W, const int* items, const int* n_items, int max_items, const int* pairs,
-                    const float* X, int64_t ldx, int xdiv, float* Y, int64_t ldy, int tile, const Nm& nm, bool hw8) {
+                    const float* X, int64_t ldx, int xdiv, int p_split, float* Y, int64_t ldy, int tile,
+                    const Nm& nm, bool hw8) {
     LinArgs a;
     a.fmt = W.fmt;
     a.C = W.C;
@@ -951,6 +957,7 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
     a.max_items = max_items;
     a.pairs = pairs;
     a.xdiv = xdiv;
+    a.p_split = p_split;
     a.tile_pairs = tile;
     a.dec = dec_for(W.fmt, W.nan_free, hw8);
     run(a, true, tile, nm);
@@ -1153,13 +1160,13 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         const std::vector<int> it = expert_items(T, 1);
         check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "linear: items");
         set_expert_args(a, dtab, ditems, T, 1);
-        if (require_staged && !staged_applies(a, static_cast<unsigned>(std::min(T, 65535)), true))
+        if (require_staged && !staged_applies(a, true))
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
         run(a, true, 1, Nm{});
     } else {
         a.data = dd;
         a.scale = ds;
-        if (require_staged && !staged_applies(a, 1, false))
+        if (require_staged && !staged_applies(a, false))
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
         run(a, false, tile_for(T), Nm{});
     }
@@ -1206,12 +1213,12 @@ double linear_bench_device(const std::string& release, int64_t R, int64_t C, int
         void* ditems = B.alloc(it.size() * 4);
         check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "bench: items");
         set_expert_args(a, dtab, ditems, T, nmat);
-        if (require_staged && !staged_applies(a, static_cast<unsigned>(T), true))
+        if (require_staged && !staged_applies(a, true))
             throw std::invalid_argument("linear_bench: the staged kernel does not apply to this shape");
     } else {
         a.data = tab[0];
         a.scale = tab[1];
-        if (require_staged && !staged_applies(a, 1, false))
+        if (require_staged && !staged_applies(a, false))
             throw std::invalid_argument("linear_bench: the staged kernel does not apply to this shape");
     }
     auto once = [&] {

@@ -76,6 +76,7 @@ struct LinArgs {
     const int* n_items = nullptr;              // device scalar
     const int* pairs = nullptr;                // pair ids (t*k + j)
     int xdiv = 1;                              // x row of pair p: X + (p / xdiv) * ldx; y row: Y + p*ldy
+    int p_split = 1 << 30;                     // pairs p >= p_split (the shared expert's) read x row p - p_split
     int max_items = 0;
     int tile_pairs = 1;                        // pairs per work item (at most)
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
@@ -92,9 +93,11 @@ void linear(const Lin& W, const float* X, int64_t ldx, float* Y, int64_t ldy, in
 // Head-blocked: output r uses weight row row0 + (r/rh)*hstride + woff + r%rh and x offset (r/rh)*xhs.
 void linear_heads(const Lin& W, int R, int rh, int64_t hstride, int64_t woff, const float* X, int64_t ldx,
                   int64_t xhs, float* Y, int64_t ldy, int T, bool round, const Nm& nm, bool hw8);
-// Routed experts: for each work item, rows [0, R) of expert e applied to its pairs.
+// Routed experts: for each work item, rows [0, R) of expert e applied to its pairs. Pair p reads x row
+// p / xdiv below p_split and p - p_split from there on.
 void linear_experts(const ExpertTable& W, const int* items, const int* n_items, int max_items, const int* pairs,
-                    const float* X, int64_t ldx, int xdiv, float* Y, int64_t ldy, int tile, const Nm& nm, bool hw8);
+                    const float* X, int64_t ldx, int xdiv, int p_split, float* Y, int64_t ldy, int tile,
+                    const Nm& nm, bool hw8);
 
 // One element decoded exactly (any format).
 GLM_DEV float decode_elem(int fmt, const void* data, const void* scale, int64_t ar, int64_t col, int64_t C) {
