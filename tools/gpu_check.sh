@@ -9,7 +9,7 @@
 # SLICE_LAYERS (2), SLICE_EXPERTS (288), SKIP_PEER=1 (no transformers peer), RELEASES (fp8,mxfp4),
 # TESTS=0 (skip the GPU tests: a performance iteration) or quick (skip the exhaustive expf and the slowest),
 # TESTS_K (a pytest -k expression instead),, PROFILE=1 (kernel timeline of decode steps,
-# tools/profile_cuda.py, after the benchmarks), LINEAR_BENCH=1 (tools/bench_linear.py at the end),
+# tools/profile_cuda.py, after the benchmarks), LINEAR_BENCH=1 (tools/bench_linear.py at the end; LINEAR_ONLY, LINEAR_VARIANTS narrow it),
 # NCU=1 (ncu counters of the routed-expert kernels), PREBUILT=1 (use fast/_core and fast/_cuda carried in).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
@@ -54,9 +54,10 @@ for r in ${RELEASES//,/ }; do [ -f "$SLICE/slice-$r/config.json" ] || HAVE=0; do
 if [ "$HAVE" = 1 ]; then
   echo "present"
 else
-  (  # one process per release, in parallel, each with a few workers (the GPU tests need cores meanwhile)
+  (  # one process per release, in parallel, each with a few workers of two threads: the GPU tests'
+     # oracle references (Numba, OpenMP) crawl when the machine's cores are oversubscribed
     for r in ${RELEASES//,/ }; do
-      python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers "$LAYERS" --experts "$EXPERTS" --releases "$r" \
+      NUMBA_NUM_THREADS=2 OMP_NUM_THREADS=2 python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers "$LAYERS" --experts "$EXPERTS" --releases "$r" \
         --workers $(( $(nproc) / 6 + 1 )) \
         > "$OUT/slice_make_$r.log" 2>&1 &
     done
@@ -194,6 +195,7 @@ if [ "${NCU:-0}" = "1" ] && command -v ncu > /dev/null; then
 fi
 if [ "${LINEAR_BENCH:-0}" = "1" ]; then
   phase "the linear kernels one by one, timed (tools/bench_linear.py)"
-  timeout 120 python3 tools/bench_linear.py --reps 15 --json "$OUT/bench_linear.json" 2>&1 | tail -22
+  timeout 120 python3 tools/bench_linear.py --reps 15 --json "$OUT/bench_linear.json" \
+    ${LINEAR_ONLY:+--only "$LINEAR_ONLY"} ${LINEAR_VARIANTS:+--variants "$LINEAR_VARIANTS"} 2>&1 | tail -22
 fi
 phase "done"

@@ -307,7 +307,7 @@ struct EngineCore {
         int fmt = -1;
         int64_t C = 0, total = 0;
         std::vector<int64_t> off, rows;
-        std::vector<uint8_t> have, nan_free;
+        std::vector<uint8_t> have, int_decode;
         char* data = nullptr;
         char* scale = nullptr;
     };

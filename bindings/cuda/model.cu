@@ -449,7 +449,7 @@ EngineCore::JointSlot* joint_slot(EngineCore& E, const std::string& role, int la
         }
         s.total = o;
         s.have.assign(s.rows.size(), 0);
-        s.nan_free.assign(s.rows.size(), 0);
+        s.int_decode.assign(s.rows.size(), 0);
         s.fmt = fmt;
         s.C = C;
         bool ok = true;
@@ -480,10 +480,10 @@ Lin joint_lin(const EngineCore& E, int layer, const char* group) {
     w.C = s.C;
     w.data = s.data;
     w.scale = s.scale;
-    w.nan_free = true;
+    w.int_decode = true;
     for (size_t i = 0; i < s.rows.size(); ++i) {
         if (!s.have[i]) return Lin{};
-        w.nan_free = w.nan_free && s.nan_free[i];
+        w.int_decode = w.int_decode && s.int_decode[i];
     }
     return w;
 }
@@ -534,9 +534,12 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
             w.data = slot->data;
             w.scale = slot->scale;
             w.row0 = off;
-            if (w.fmt == W_FP8) w.nan_free = e4m3_nan_free_device(slot->data + off * rb, static_cast<size_t>(R * C));
+            if (w.fmt == W_FP8)
+                w.int_decode = e4m3_nan_free_device(slot->data + off * rb, static_cast<size_t>(R * C)) &&
+                               fp8_scales_foldable(static_cast<const float*>(scale),
+                                                   static_cast<size_t>(((R + 127) / 128) * ((C + 127) / 128)));
             slot->have[static_cast<size_t>(i)] = 1;
-            slot->nan_free[static_cast<size_t>(i)] = w.nan_free ? 1 : 0;
+            slot->int_decode[static_cast<size_t>(i)] = w.int_decode ? 1 : 0;
             return w;
         }
         if (release == "bf16") {
@@ -549,7 +552,9 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
             w.fmt = W_FP8;
             w.data = upload(data, static_cast<size_t>(R * C));
             w.scale = upload(scale, static_cast<size_t>(((R + 127) / 128) * ((C + 127) / 128)) * 4);
-            w.nan_free = e4m3_nan_free_device(w.data, static_cast<size_t>(R * C));  // selects the integer decode
+            w.int_decode = e4m3_nan_free_device(w.data, static_cast<size_t>(R * C)) &&  // selects the integer decode
+                           fp8_scales_foldable(static_cast<const float*>(scale),
+                                               static_cast<size_t>(((R + 127) / 128) * ((C + 127) / 128)));
         } else {
             w.fmt = W_MXFP4;
             w.data = upload(data, static_cast<size_t>(R * (C / 2)));
@@ -619,8 +624,8 @@ ExpertTable make_table(EngineCore& E_, const std::vector<Lin>& ls, const std::st
     t.fmt = ls[0].fmt;
     t.R = ls[0].R;
     t.C = ls[0].C;
-    t.nan_free = true;
-    for (const Lin& l : ls) t.nan_free = t.nan_free && l.nan_free;
+    t.int_decode = true;
+    for (const Lin& l : ls) t.int_decode = t.int_decode && l.int_decode;
     std::vector<const void*> d(ls.size()), s(ls.size());
     for (size_t e = 0; e < ls.size(); ++e) {
         if (ls[e].fmt != t.fmt || ls[e].R != t.R || ls[e].C != t.C)

@@ -131,25 +131,15 @@ GLM_DEV void e4m3_words(uint32_t lo, uint32_t hi, float (&w)[8]) {
     }
 }
 
-// w = fl32(e4m3 * s) from what e4m3_words gave. kDecInt: v = e4m3 * 2^-120 exactly, and when
-// s2 = s * 2^120 is finite (it is exact then: a power-of-two multiply that did not overflow) the real
-// product v * s2 is e4m3 * s, so fl(v * s2) is the one rounding the definition asks for, one multiply
-// per weight; a scale >= 2^8 takes the two multiplies fl(fl(v * 2^120) * s).
+// w = fl32(e4m3 * s) from what e4m3_words gave. kDecInt: v = e4m3 * 2^-120 exactly and s2 = s * 2^120
+// is exact (the tensor's scales are all below 2^8, checked at load: fp8_scales_foldable), so the real
+// product v * s2 is e4m3 * s and fl(v * s2) is the one rounding the definition asks for: one multiply
+// per weight (a branch per chunk on the scale instead cost the register kernel a third of its speed).
 template <int DEC, int N>
 GLM_DEV void scale_fp8(float (&w)[N], float s) {
-    if constexpr (DEC == kDecInt) {
-        const float s2 = fmul(s, 0x1p120f);
-        if ((f32_bits(s2) & 0x7F800000u) != 0x7F800000u) {  // finite
+    const float s2 = DEC == kDecInt ? fmul(s, 0x1p120f) : s;
 #pragma unroll
-            for (int l = 0; l < N; ++l) w[l] = fmul(w[l], s2);
-        } else {
-#pragma unroll
-            for (int l = 0; l < N; ++l) w[l] = fmul(fmul(w[l], 0x1p120f), s);
-        }
-    } else {
-#pragma unroll
-        for (int l = 0; l < N; ++l) w[l] = fmul(w[l], s);
-    }
+    for (int l = 0; l < N; ++l) w[l] = fmul(w[l], s2);
 }
 
 template <int FMT, int DEC>
@@ -896,9 +886,9 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm) {
 
 int tile_for(int T) { return T <= 1 ? 1 : (T <= 4 ? 4 : 8); }
 
-int dec_for(int fmt, bool nan_free, bool hw8) {
+int dec_for(int fmt, bool int_decode, bool hw8) {
     if (fmt != W_FP8) return kDecSw;
-    return nan_free ? kDecInt : (hw8 ? kDecHw : kDecSw);
+    return int_decode ? kDecInt : (hw8 ? kDecHw : kDecSw);
 }
 
 __global__ void k_e4m3_nan_scan(const uint8_t* p, size_t n, int* found) {
@@ -933,7 +923,7 @@ void linear_heads(const Lin& W, int R, int rh, int64_t hstride, int64_t woff, co
     a.ldy = ldy;
     a.T = T;
     a.round = round;
-    a.dec = dec_for(W.fmt, W.nan_free, hw8);
+    a.dec = dec_for(W.fmt, W.int_decode, hw8);
     run(a, false, tile_for(T), nm);
 }
 
@@ -959,7 +949,7 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
     a.xdiv = xdiv;
     a.p_split = p_split;
     a.tile_pairs = tile;
-    a.dec = dec_for(W.fmt, W.nan_free, hw8);
+    a.dec = dec_for(W.fmt, W.int_decode, hw8);
     run(a, true, tile, nm);
 }
 
@@ -978,6 +968,14 @@ std::vector<TunedShape> tuned_shapes() {
         out.push_back(t);
     }
     return out;
+}
+
+bool fp8_scales_foldable(const float* scale, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+        const float s2 = scale[i] * 0x1p120f;  // (exact or overflowing: a power-of-two multiply)
+        if (!(s2 - s2 == 0.0f)) return false;  // inf or NaN
+    }
+    return true;
 }
 
 bool e4m3_nan_free_device(const void* data, size_t n) {
@@ -1045,14 +1043,15 @@ void parse_decode(const std::string& d) {
     if (d != "auto" && d != "sw" && d != "hw" && d != "int")
         throw std::invalid_argument("linear: decode must be 'auto', 'sw', 'hw' or 'int', not '" + d + "'");
 }
-// FP8 decode path: auto = the engine's choice (integer placement for NaN-free weights, else hardware);
-// 'int' on weights with NaN codes is refused.
-int dec_of(const std::string& d, int fmt, bool nan_free) {
+// FP8 decode path: auto = the engine's choice (integer placement for NaN-free weights whose scales
+// are below 2^8, else hardware); 'int' on other weights is refused.
+int dec_of(const std::string& d, int fmt, bool int_decode) {
     if (fmt != W_FP8) return kDecSw;
     if (d == "sw") return kDecSw;
     if (d == "hw") return kDecHw;
-    if (d == "int" && !nan_free) throw std::invalid_argument("linear: decode 'int' needs weights without NaN codes");
-    return nan_free ? kDecInt : kDecHw;
+    if (d == "int" && !int_decode)
+        throw std::invalid_argument("linear: decode 'int' needs weights without NaN codes and scales below 2^8");
+    return int_decode ? kDecInt : kDecHw;
 }
 
 // Y[t][r] over all R rows of one matrix (no head blocking), x rows ldx apart, y rows R apart.
@@ -1151,7 +1150,8 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     if (scale_bytes) check(cudaMemcpy(ds, scale, scale_bytes, cudaMemcpyHostToDevice), "linear: scales");
     check(cudaMemcpy(dx, X, static_cast<size_t>(T) * C * 4, cudaMemcpyHostToDevice), "linear: X");
     LinArgs a = whole_matrix_args(fmt, R, C, dx, C, dy, T, round, no_staged);
-    a.dec = dec_of(decode, fmt, fmt == W_FP8 && e4m3_nan_free_device(dd, data_bytes));
+    a.dec = dec_of(decode, fmt, fmt == W_FP8 && e4m3_nan_free_device(dd, data_bytes) &&
+                                    fp8_scales_foldable(static_cast<const float*>(scale), scale_bytes / 4));
     a.st = choice;
     if (expert) {
         // one expert (the matrix), each token row its own work item of one pair

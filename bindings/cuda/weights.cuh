@@ -24,7 +24,7 @@ struct Lin {
     int64_t row0 = 0;
     const void* data = nullptr;   // device
     const void* scale = nullptr;  // device
-    bool nan_free = false;        // fp8: no NaN code in the tensor (checked on the device at load)
+    bool int_decode = false;      // fp8: the integer decode applies (no NaN code, every scale below 2^8)
     bool empty() const { return data == nullptr; }
     Lin rows(int64_t r0, int64_t n) const {
         Lin v = *this;
@@ -41,7 +41,7 @@ struct ExpertTable {
     int64_t R = 0, C = 0;
     const void* const* data = nullptr;   // device array [E]
     const void* const* scale = nullptr;  // device array [E]
-    bool nan_free = false;               // fp8: no expert holds a NaN code
+    bool int_decode = false;             // fp8: the integer decode applies to every expert
 };
 
 // Which variant of the staged one-token kernel a launch uses (weights.cu): 0 / -1 fields take the
@@ -86,6 +86,9 @@ struct LinArgs {
 
 // True when no byte of the n at `data` (device) is an E4M3 NaN code (0x7F, 0xFF).
 bool e4m3_nan_free_device(const void* data, size_t n);
+// True when every one of the n scales (host) times 2^120 is finite: the integer FP8 decode folds 2^120
+// into the scale (weights.cu, scale_fp8).
+bool fp8_scales_foldable(const float* scale, size_t n);
 
 // Y = W X for T token rows. hw8: decode E4M3 with the hardware conversion.
 void linear(const Lin& W, const float* X, int64_t ldx, float* Y, int64_t ldy, int T, bool round, const Nm& nm,
