@@ -198,14 +198,16 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
     if constexpr (EXPERT) {
         const int item = tile;
         const int e = a.items[3 * item], start = a.items[3 * item + 1];
+        const bool second = blockIdx.z != 0;
         cnt = a.items[3 * item + 2];
-        data = a.dtab[e];
-        scale = a.stab[e];
+        data = (second ? a.dtab2 : a.dtab)[e];
+        scale = (second ? a.stab2 : a.stab)[e];
+        float* const Y = second ? a.Y2 : a.Y;
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
             const int p = a.pairs[start + (j < cnt ? j : cnt - 1)];
             xr[j] = a.X + pair_xrow(a, p) * a.ldx;
-            yr[j] = a.Y + static_cast<int64_t>(p) * a.ldy;
+            yr[j] = Y + static_cast<int64_t>(p) * a.ldy;
         }
     } else {
         const int t0 = tile * TT;
@@ -328,12 +330,15 @@ __global__ void k_linear_seq(LinArgs a, int tile) {
     if (r >= a.R) return;
     const void* data = a.data;
     const void* scale = a.scale;
+    float* Y = a.Y;
     int cnt, base = 0;
     if constexpr (EXPERT) {
         const int item = static_cast<int>(blockIdx.y);
         if (item >= *a.n_items) return;  // (the sequential path caps no grid: a demonstration mode)
-        data = a.dtab[a.items[3 * item]];
-        scale = a.stab[a.items[3 * item]];
+        const bool second = blockIdx.z != 0;
+        data = (second ? a.dtab2 : a.dtab)[a.items[3 * item]];
+        scale = (second ? a.stab2 : a.stab)[a.items[3 * item]];
+        Y = second ? a.Y2 : a.Y;
         base = a.items[3 * item + 1];
         cnt = a.items[3 * item + 2];
     } else {
@@ -348,10 +353,10 @@ __global__ void k_linear_seq(LinArgs a, int tile) {
         if constexpr (EXPERT) {
             const int p = a.pairs[base + j];
             x = a.X + pair_xrow(a, p) * a.ldx;
-            y = a.Y + static_cast<int64_t>(p) * a.ldy;
+            y = Y + static_cast<int64_t>(p) * a.ldy;
         } else {
             x = a.X + static_cast<int64_t>(base + j) * a.ldx;
-            y = a.Y + static_cast<int64_t>(base + j) * a.ldy;
+            y = Y + static_cast<int64_t>(base + j) * a.ldy;
         }
         x += static_cast<int64_t>(head) * a.xhs;
         float s = 0.0f;
@@ -549,10 +554,11 @@ __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, in
         float* yr;
         if constexpr (EXPERT) {
             const int e = a.items[3 * item], p = a.pairs[a.items[3 * item + 1]];
-            data = a.dtab[e];
-            scale = a.stab[e];
+            const bool second = blockIdx.z != 0;
+            data = (second ? a.dtab2 : a.dtab)[e];
+            scale = (second ? a.stab2 : a.stab)[e];
             xr = a.X + pair_xrow(a, p) * a.ldx;
-            yr = a.Y + static_cast<int64_t>(p) * a.ldy;
+            yr = (second ? a.Y2 : a.Y) + static_cast<int64_t>(p) * a.ldy;
         } else {
             xr = a.X;
             yr = a.Y;
@@ -680,7 +686,7 @@ void launch_st(const LinArgs& a, dim3 grid, int rpb, int cps, size_t smem) {
 
 // The staged kernel with variant c (fields 0 / -1: the defaults); false when it does not apply.
 template <int FMT, bool EXPERT>
-bool launch_staged(const LinArgs& a, unsigned gy, const StChoice& c) {
+bool launch_staged(const LinArgs& a, dim3 g, const StChoice& c) {
     constexpr int CB = chunk_bytes<FMT>();
     if (!staged_applies(a, EXPERT)) return false;
     const int64_t nsm = sm_count();
@@ -690,13 +696,13 @@ bool launch_staged(const LinArgs& a, unsigned gy, const StChoice& c) {
     const int maxr = kStThreads / (64 / lpt);
     int rpb = c.rpb ? std::min(c.rpb, maxr) : std::min(16, maxr);
     if (!c.rpb)
-        while (rpb > 1 && (a.R + rpb - 1) / rpb * static_cast<int64_t>(gy) < 2 * nsm) rpb /= 2;
+        while (rpb > 1 && (a.R + rpb - 1) / rpb * static_cast<int64_t>(g.y) * g.z < 2 * nsm) rpb /= 2;
     const int nchunks = static_cast<int>(a.C / 64);
     int cps = c.cps ? c.cps : std::max(1, kStStageBytes / (rpb * CB));
     cps = std::min(cps, nchunks);
     const size_t smem = static_cast<size_t>(kStStages) * (rpb * (cps * CB + CB) + (xs ? cps * 256 : 0));
     if (smem > 200 * 1024) return false;
-    const dim3 grid(static_cast<unsigned>((a.R + rpb - 1) / rpb), gy);
+    const dim3 grid(static_cast<unsigned>((a.R + rpb - 1) / rpb), g.y, g.z);
     if (lpt == 8) {
         if (xs) launch_st<FMT, EXPERT, 8, true>(a, grid, rpb, cps, smem);
         else launch_st<FMT, EXPERT, 8, false>(a, grid, rpb, cps, smem);
@@ -745,9 +751,10 @@ struct TuneKey {
     int fmt, R, rh, dec;
     int64_t C;
     bool expert;
-    unsigned gy;
+    unsigned gy, gz;  // gz 2: gate and up in one launch, twice the blocks of one matrix
     bool operator<(const TuneKey& o) const {
-        return std::tie(fmt, R, rh, dec, C, expert, gy) < std::tie(o.fmt, o.R, o.rh, o.dec, o.C, o.expert, o.gy);
+        return std::tie(fmt, R, rh, dec, C, expert, gy, gz) <
+               std::tie(o.fmt, o.R, o.rh, o.dec, o.C, o.expert, o.gy, o.gz);
     }
 };
 struct TuneResult {
@@ -786,7 +793,7 @@ void flush_l2() {
 // leaves their common result in Y), looked up after.
 template <int FMT, bool EXPERT>
 StChoice tuned_choice(const LinArgs& a, dim3 grid) {
-    const TuneKey key{a.fmt, a.R, a.rh < a.R ? a.rh : 0, a.dec, a.C, EXPERT, grid.y};
+    const TuneKey key{a.fmt, a.R, a.rh < a.R ? a.rh : 0, a.dec, a.C, EXPERT, grid.y, grid.z};
     auto it = tuned().find(key);
     if (it != tuned().end()) return it->second.choice;
     const bool heads = a.rh < a.R && a.xhs != 0;
@@ -809,7 +816,7 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
             flush_l2();
             check(cudaEventRecord(e0, 0), "event");
             if (c.lpt < 0) launch_register<FMT, 1, EXPERT>(a, grid);
-            else launch_staged<FMT, EXPERT>(a, grid.y, c);
+            else launch_staged<FMT, EXPERT>(a, grid, c);
             check(cudaEventRecord(e1, 0), "event");
             check(cudaEventSynchronize(e1), "tuning");
             float ms = 0;
@@ -833,7 +840,7 @@ void launch_fmt(const LinArgs& a, dim3 grid) {
         if (!a.no_staged && staged_applies(a, EXPERT)) {
             StChoice c = a.st;  // a variant forced by a test or benchmark, else the measured choice
             if (c.lpt == 0 && tuning_on()) c = tuned_choice<FMT, EXPERT>(a, grid);
-            if (c.lpt >= 0 && launch_staged<FMT, EXPERT>(a, grid.y, c)) return;
+            if (c.lpt >= 0 && launch_staged<FMT, EXPERT>(a, grid, c)) return;
         }
     }
     launch_register<FMT, TT, EXPERT>(a, grid);
@@ -856,7 +863,7 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm) {
     if (nm.seq) {
         const int ty = expert ? a.max_items : (a.T + tile - 1) / tile;
         if (ty > 65535) throw std::invalid_argument("dot='sequential': at most 65535 expert work items per step");
-        dim3 grid((a.R + 127) / 128, ty);
+        dim3 grid((a.R + 127) / 128, ty, expert && a.dtab2 ? 2 : 1);
         if (expert) {
             auto k = k_linear_seq<true>;
             GLM_LAUNCH(k, grid, 128, 0, a, tile);
@@ -871,7 +878,7 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm) {
     const unsigned gx = 1;  // set per instantiation (rows per block)
     const unsigned gy = static_cast<unsigned>(expert ? std::min(a.max_items, 65535) : (a.T + TT - 1) / TT);
     if (gy == 0) return;
-    dim3 grid(gx, gy);
+    dim3 grid(gx, gy, expert && a.dtab2 ? 2 : 1);
     if (expert) {
         if (TT == 1) launch_tt<1, true>(a, grid);
         else if (TT == 4) launch_tt<4, true>(a, grid);
@@ -927,9 +934,9 @@ void linear_heads(const Lin& W, int R, int rh, int64_t hstride, int64_t woff, co
     run(a, false, tile_for(T), nm);
 }
 
-void linear_experts(const ExpertTable& W, const int* items, const int* n_items, int max_items, const int* pairs,
-                    const float* X, int64_t ldx, int xdiv, int p_split, float* Y, int64_t ldy, int tile,
-                    const Nm& nm, bool hw8) {
+namespace {
+LinArgs expert_args(const ExpertTable& W, const int* items, const int* n_items, int max_items, const int* pairs,
+                    const float* X, int64_t ldx, int xdiv, int p_split, float* Y, int64_t ldy, int tile) {
     LinArgs a;
     a.fmt = W.fmt;
     a.C = W.C;
@@ -949,7 +956,28 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
     a.xdiv = xdiv;
     a.p_split = p_split;
     a.tile_pairs = tile;
+    return a;
+}
+}  // namespace
+
+void linear_experts(const ExpertTable& W, const int* items, const int* n_items, int max_items, const int* pairs,
+                    const float* X, int64_t ldx, int xdiv, int p_split, float* Y, int64_t ldy, int tile,
+                    const Nm& nm, bool hw8) {
+    LinArgs a = expert_args(W, items, n_items, max_items, pairs, X, ldx, xdiv, p_split, Y, ldy, tile);
     a.dec = dec_for(W.fmt, W.int_decode, hw8);
+    run(a, true, tile, nm);
+}
+
+void linear_experts2(const ExpertTable& W, const ExpertTable& W2, const int* items, const int* n_items, int max_items,
+                     const int* pairs, const float* X, int64_t ldx, int xdiv, int p_split, float* Y, float* Y2,
+                     int64_t ldy, int tile, const Nm& nm, bool hw8) {
+    if (W2.fmt != W.fmt || W2.R != W.R || W2.C != W.C) throw std::logic_error("linear_experts2: tables differ");
+    LinArgs a = expert_args(W, items, n_items, max_items, pairs, X, ldx, xdiv, p_split, Y, ldy, tile);
+    a.dtab2 = W2.data;
+    a.stab2 = W2.scale;
+    a.Y2 = Y2;
+    // one decode path for both (the template's): every path decodes exactly, the integer one only NaN-free codes
+    a.dec = dec_for(W.fmt, W.int_decode && W2.int_decode, hw8);
     run(a, true, tile, nm);
 }
 

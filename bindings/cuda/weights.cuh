@@ -77,6 +77,11 @@ struct LinArgs {
     const int* pairs = nullptr;                // pair ids (t*k + j)
     int xdiv = 1;                              // x row of pair p: X + (p / xdiv) * ldx; y row: Y + p*ldy
     int p_split = 1 << 30;                     // pairs p >= p_split (the shared expert's) read x row p - p_split
+    // a second matrix over the same x and work list (gate and up in one launch): the blocks of
+    // blockIdx.z == 1 take its tables and write Y2 (same ldy)
+    const void* const* dtab2 = nullptr;
+    const void* const* stab2 = nullptr;
+    float* Y2 = nullptr;
     int max_items = 0;
     int tile_pairs = 1;                        // pairs per work item (at most)
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
@@ -101,6 +106,11 @@ void linear_heads(const Lin& W, int R, int rh, int64_t hstride, int64_t woff, co
 void linear_experts(const ExpertTable& W, const int* items, const int* n_items, int max_items, const int* pairs,
                     const float* X, int64_t ldx, int xdiv, int p_split, float* Y, int64_t ldy, int tile,
                     const Nm& nm, bool hw8);
+// Two tables of one format and shape over the same pairs (a layer's gate and up) in one launch: W into
+// Y, W2 into Y2; each row the same operations as linear_experts.
+void linear_experts2(const ExpertTable& W, const ExpertTable& W2, const int* items, const int* n_items, int max_items,
+                     const int* pairs, const float* X, int64_t ldx, int xdiv, int p_split, float* Y, float* Y2,
+                     int64_t ldy, int tile, const Nm& nm, bool hw8);
 
 // One element decoded exactly (any format).
 GLM_DEV float decode_elem(int fmt, const void* data, const void* scale, int64_t ar, int64_t col, int64_t C) {
