@@ -155,11 +155,9 @@ __global__ void __launch_bounds__(256) k_moe_route(const float* __restrict__ log
     }
 }
 
-// moe.weights per row: w_j = s[sel_j] [/ (csum + 1e-20f)] * rsf.
-__global__ void k_moe_weights(const float* __restrict__ scores, const int* __restrict__ sel, int T, int E, int k,
-                              bool norm, float rsf, float* wts, Nm nm) {
-    const int t = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-    if (t >= T) return;
+// moe.weights of row t: w_j = s[sel_j] [/ (csum + 1e-20f)] * rsf.
+GLM_DEV void moe_weights_row(const float* __restrict__ scores, const int* __restrict__ sel, int t, int E, int k,
+                             bool norm, float rsf, float* wts, const Nm& nm) {
     float* w = wts + static_cast<int64_t>(t) * k;
     for (int j = 0; j < k; ++j) w[j] = scores[static_cast<int64_t>(t) * E + sel[static_cast<int64_t>(t) * k + j]];
     if (norm) {
@@ -181,14 +179,25 @@ __global__ void k_moe_weights(const float* __restrict__ scores, const int* __res
 // the scatter by warp 0 over the pairs in increasing order, 32 at a time (rank among the equal experts
 // of lower lanes, then the cursor advanced by the last of them), so the result is the one-thread one.
 // nshared > 0: pairs nrouted .. nrouted + nshared - 1 (one per row) are the shared expert's, entry E0
-// of the tables: its items come last and run in the same launches as the routed ones.
+// of the tables: its items come last and run in the same launches as the routed ones. The T rows'
+// moe.weights (thread t % kPlanThreads, each row whole) are made here too: one launch fewer, and they
+// read the same selection (after moe.selected's injection).
 constexpr int kPlanThreads = 1024;
+struct WeightArgs {
+    const float* scores;
+    int T, k;
+    bool norm;
+    float rsf;
+    float* wts;
+};
 __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict__ sel, int nrouted, int nshared,
-                                                           int E0, int tile, int* pairs, int* items, int* n_items) {
+                                                           int E0, int tile, int* pairs, int* items, int* n_items,
+                                                           WeightArgs wa, Nm nm) {
     GLM_DYN_SMEM(int, cnt);  // [E]: count, then the fill cursor
     __shared__ int wc[32], wi[32];
     const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
     const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+    for (int t = tid; t < wa.T; t += nt) moe_weights_row(wa.scores, sel, t, E0, wa.k, wa.norm, wa.rsf, wa.wts, nm);
     const int E = nshared > 0 ? E0 + 1 : E0, npairs = nrouted + nshared;
     auto expert_of = [&](int p) { return p < nrouted ? sel[p] : E0; };
     for (int e = tid; e < E; e += nt) cnt[e] = 0;
@@ -330,16 +339,6 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
                 throw std::invalid_argument("inject: moe.selected now holds expert " + std::to_string(e) +
                                             ", outside [0, " + std::to_string(E) + ")");
     }
-    // moe.weights
-    float* wts = s.scratch.d<float>(static_cast<size_t>(T) * k);
-    {
-        auto kk = k_moe_weights;
-        GLM_LAUNCH(kk, blocks(T, 64), 64, 0, scores, sel, T, E, k, c.norm_topk_prob,
-                   static_cast<float>(c.routed_scaling_factor), wts, nm);
-        check_launch("moe_weights");
-    }
-    s.emit(layer, S_MOE_WEIGHTS, wts, k, {k});
-
     // moe.experts: each selected expert's weights once for all the pairs that chose it; with the shared
     // expert in the tables, T more pairs (rows T*k + t of the buffers) for it, in the same launches
     s.mark("moe.experts");
@@ -348,12 +347,16 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     int* pairs = s.scratch.d<int>(static_cast<size_t>(nall));
     int* items = s.scratch.d<int>(static_cast<size_t>(nall) * 3);
     int* n_items = s.scratch.d<int>(1);
+    // moe.weights (made by the plan)
+    float* wts = s.scratch.d<float>(static_cast<size_t>(T) * k);
     {
+        const WeightArgs wa{scores, T, k, c.norm_topk_prob, static_cast<float>(c.routed_scaling_factor), wts};
         auto kk = k_moe_plan;
         GLM_LAUNCH(kk, 1, kPlanThreads, static_cast<size_t>(E + 1) * 4, sel, npairs, nsh, E, tile, pairs, items,
-                   n_items);
+                   n_items, wa, nm);
         check_launch("moe_plan");
     }
+    s.emit(layer, S_MOE_WEIGHTS, wts, k, {k});
     float* gbuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
     float* ubuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
     float* ys = s.scratch.d<float>(static_cast<size_t>(nall) * D);
