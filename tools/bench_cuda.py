@@ -142,6 +142,15 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
         dt = (time.perf_counter() - t0) / n
         res["decode_batch"][B] = {"ms_per_step": round(dt * 1e3, 3), "tokens_per_s": round(B / dt, 1)}
         log(f"  decode b{B}: {dt * 1e3:.3f} ms/step, {B / dt:.1f} tok/s")
+        # where a batched step's device time goes (two timed steps)
+        eng.set_timing(True)
+        eng.reset_stage_times()
+        for _ in range(2):
+            toks = [int(t) for t in np.argmax(eng.decode(caches, toks), axis=1)]
+        st = {k: round(v / 2, 3) for k, v in eng.stage_times().items()}
+        eng.set_timing(False)
+        res["decode_batch"][B]["stage_ms"] = st
+        log(f"  per-module device ms per b{B} step: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
         for c in caches:
             c.close()
 
