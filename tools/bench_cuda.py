@@ -114,6 +114,7 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
     for t in tuned:
         cands = ", ".join(f"{k} {v:.1f}" for k, v in t["us"].items())
         log(f"  one-token kernel for {t['fmt']} {t['R']}x{t['C']}" + (f" x{t['expert_items']} experts" if t["expert_items"] else "")
+            + (" (gate and up)" if t.get("tables", 1) == 2 else "")
             + (" (heads)" if t["heads"] else "") + f" [{t['decode']}]: {t['choice']}  (us: {cands})")
     # per-module device time of decode steps
     eng.set_timing(True)

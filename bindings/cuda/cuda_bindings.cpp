@@ -242,6 +242,7 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
                 d["R"] = t.R;
                 d["C"] = t.C;
                 d["expert_items"] = t.expert_items;
+                d["tables"] = t.tables;
                 d["heads"] = t.heads;
                 d["decode"] = t.decode;
                 d["choice"] = t.choice;

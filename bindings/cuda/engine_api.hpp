@@ -107,6 +107,7 @@ struct TunedShape {
     std::string fmt, decode, choice;
     int64_t R = 0, C = 0;
     int expert_items = 0;
+    int tables = 1;  // 2: two matrices in one launch (the experts' gate and up)
     bool heads = false;
     std::vector<std::pair<std::string, float>> us;
 };

@@ -989,6 +989,7 @@ std::vector<TunedShape> tuned_shapes() {
         t.R = kv.first.R;
         t.C = kv.first.C;
         t.expert_items = kv.first.expert ? static_cast<int>(kv.first.gy) : 0;
+        t.tables = std::max(1, static_cast<int>(kv.first.gz));
         t.heads = kv.first.rh != 0;
         t.decode = kv.first.dec == kDecInt ? "int" : (kv.first.dec == kDecHw ? "hw" : "sw");
         t.choice = choice_name(kv.second.choice);
