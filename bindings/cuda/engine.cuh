@@ -181,6 +181,11 @@ struct Step;
 
 // ---- modules --------------------------------------------------------------------------------------
 
+// RMSNorm's formulas (docs/numerics.md): inv = 1/sqrtf(ss/n + eps), y = bf16(bf16(x*inv) * w). Used by
+// k_rmsnorm and by the mHC fast path, which normalizes the collapsed row it just formed.
+GLM_DEV float rms_inv(float ss, int n, float eps) { return fdiv(1.0f, fsqrt(fadd(fdiv(ss, static_cast<float>(n)), eps))); }
+GLM_DEV float rms_out(float x, float inv, float w) { return bf16r(fmul(bf16r(fmul(x, inv)), w)); }
+
 void rms_norm_rows(Step& s, const float* X, int64_t ldx, int rows, int n, const float* w, float eps, float* Y,
                    int64_t ldy);                                                                        // norm.cu
 void layer_norm_rows(Step& s, const float* X, int rows, int n, const float* w, const float* b, float eps, float* Y);

@@ -140,30 +140,29 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
     float* q = s.scratch.d<float>(static_cast<size_t>(T) * ni * di);
     linear(w.wq_b, q_lat, rq, q, static_cast<int64_t>(ni) * di, T, true, nm, s.hw8);
     s.emit(layer, S_IDX_Q, q, static_cast<int64_t>(ni) * di, {static_cast<int64_t>(ni) * di});
-    // indexer.k = LayerNorm(lin(wk, x)), eps 1e-6
-    float* kraw = s.scratch.d<float>(static_cast<size_t>(T) * di);
-    float* k = s.scratch.d<float>(static_cast<size_t>(T) * di);
-    float* gate = s.scratch.d<float>(static_cast<size_t>(T) * di);
-    float* wts = s.scratch.d<float>(static_cast<size_t>(T) * ni);
-    // one token: wk, kpool_gate and weights_proj (all of x) in one launch when they are one matrix
-    // (the row of outputs is k | gate | weights; several tokens would interleave them)
-    const bool kgw = T == 1 && !w.kgw.empty();
-    if (kgw) {
-        float* row = s.scratch.d<float>(static_cast<size_t>(2 * di + ni));
-        linear(w.kgw, x, D, row, 2 * di + ni, 1, true, nm, s.hw8);
-        kraw = row;
-        gate = row + di;
-        wts = row + 2 * di;
+    // wk, kpool_gate and weights_proj of x: for one token one launch when they are one matrix (its row
+    // of outputs is k | gate | weights; several tokens would interleave them, so separate launches then)
+    float *kraw, *gate, *wts;
+    if (T == 1 && !w.kgw.empty()) {
+        kraw = s.scratch.d<float>(static_cast<size_t>(2 * di + ni));
+        gate = kraw + di;
+        wts = gate + di;
+        linear(w.kgw, x, D, kraw, 2 * di + ni, 1, true, nm, s.hw8);
     } else {
+        kraw = s.scratch.d<float>(static_cast<size_t>(T) * di);
+        gate = s.scratch.d<float>(static_cast<size_t>(T) * di);
+        wts = s.scratch.d<float>(static_cast<size_t>(T) * ni);
         linear(w.wk, x, D, kraw, di, T, true, nm, s.hw8);
+        linear(w.kpool_gate, x, D, gate, di, T, true, nm, s.hw8);
+        linear(w.weights_proj, x, D, wts, ni, T, true, nm, s.hw8);
     }
+    // indexer.k = LayerNorm(lin(wk, x)), eps 1e-6
+    float* k = s.scratch.d<float>(static_cast<size_t>(T) * di);
     layer_norm_rows(s, kraw, T, di, w.k_norm_w, w.k_norm_b, 1e-6f, k);
     s.emit(layer, S_IDX_K, k, di, {di});
     // indexer.gate = lin(index_kpool_compress_gate, x)
-    if (!kgw) linear(w.kpool_gate, x, D, gate, di, T, true, nm, s.hw8);
     s.emit(layer, S_IDX_GATE, gate, di, {di});
     // indexer.weights = lin(weights_proj, x) * (float)(n_i^-1/2), f32
-    if (!kgw) linear(w.weights_proj, x, D, wts, ni, T, true, nm, s.hw8);
     {
         auto kk = k_scale;
         const int64_t n = static_cast<int64_t>(T) * ni;

@@ -225,7 +225,7 @@ __global__ void k_kda_onorm(const float* __restrict__ o, const float* __restrict
                                                          }),
                                  0);
     if (!live) return;
-    const float inv = fdiv(1.0f, fsqrt(fadd(fdiv(ss, static_cast<float>(d)), eps)));
+    const float inv = rms_inv(ss, d, eps);
     for (int e = lane; e < d; e += 32)
         y[off + e] = bf16r(fmul(fmul(fmul(oh[e], inv), w[e]), nm.sigmoid(gate[off + e])));
 }
@@ -276,22 +276,23 @@ void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out) 
 
     s.mark("kda.gates");
     // kda.g = lb * sigmoid(expf(A_log[h]) * (f + dt_bias)), f = lin(f_b, lin(f_a, x))
-    float* fa = s.scratch.d<float>(static_cast<size_t>(T) * d);
-    float* g = s.scratch.d<float>(static_cast<size_t>(T) * P);
-    float* beta = s.scratch.d<float>(static_cast<size_t>(T) * H);
-    // one token: f_a, b_proj and g_a (all of x) in one launch when they are one matrix; the row of
-    // outputs is f_a | b | g_a (several tokens would interleave them: separate launches then)
-    const bool fbg = T == 1 && !w.fbg.empty();
-    float* ga = s.scratch.d<float>(static_cast<size_t>(T) * d);
-    if (fbg) {
-        float* row = s.scratch.d<float>(static_cast<size_t>(2 * d + H));
-        linear(w.fbg, x, D, row, 2 * d + H, 1, true, nm, s.hw8);
-        fa = row;
-        beta = row + d;
-        ga = row + d + H;
+    // f_a, b_proj and g_a of x: for one token one launch when they are one matrix (its row of outputs
+    // is f_a | b | g_a; several tokens would interleave them, so separate launches then)
+    float *fa, *beta, *ga;
+    if (T == 1 && !w.fbg.empty()) {
+        fa = s.scratch.d<float>(static_cast<size_t>(2 * d + H));
+        beta = fa + d;
+        ga = beta + H;
+        linear(w.fbg, x, D, fa, 2 * d + H, 1, true, nm, s.hw8);
     } else {
+        fa = s.scratch.d<float>(static_cast<size_t>(T) * d);
+        beta = s.scratch.d<float>(static_cast<size_t>(T) * H);
+        ga = s.scratch.d<float>(static_cast<size_t>(T) * d);
         linear(w.f_a, x, D, fa, d, T, true, nm, s.hw8);
+        linear(w.b_proj, x, D, beta, H, T, true, nm, s.hw8);
+        linear(w.g_a, x, D, ga, d, T, true, nm, s.hw8);
     }
+    float* g = s.scratch.d<float>(static_cast<size_t>(T) * P);
     linear(w.f_b, fa, d, g, P, T, true, nm, s.hw8);
     {
         auto k = k_kda_gate;
@@ -301,7 +302,6 @@ void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out) 
     }
     s.emit(layer, S_KDA_G, g, P, {P});
     // kda.beta = sigmoid(lin(b_proj, x)), kept f32
-    if (!fbg) linear(w.b_proj, x, D, beta, H, T, true, nm, s.hw8);
     {
         auto k = k_sigmoid;
         GLM_LAUNCH(k, blocks(static_cast<int64_t>(T) * H, 256), 256, 0, beta, static_cast<int64_t>(T) * H, nm);
@@ -354,7 +354,6 @@ void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out) 
     s.mark("kda.out");
     // kda.gate = lin(g_b, lin(g_a, x))
     float* gate = s.scratch.d<float>(static_cast<size_t>(T) * P);
-    if (!fbg) linear(w.g_a, x, D, ga, d, T, true, nm, s.hw8);
     linear(w.g_b, ga, d, gate, P, T, true, nm, s.hw8);
     s.emit(layer, S_KDA_GATE, gate, P, {P});
     // kda.o_norm

@@ -29,6 +29,23 @@ namespace {
 
 constexpr int kHcMax = 16;
 
+// The site's formulas, one definition for both paths (and the one-thread definition's order).
+GLM_DEV double hc_m(double dot, double ss, int n, double eps) {  // m_r from cdot64(fn_r, v), cdot64(v, v)
+    return dmul(dot, ddiv(1.0, dsqrt(dadd(ddiv(ss, static_cast<double>(n)), eps))));
+}
+GLM_DEV double hc_pre(double m, double s0, double base, double hc_eps) {
+    return dadd(sigmoid64(dadd(dmul(m, s0), base)), hc_eps);
+}
+GLM_DEV double hc_post(double m, double s1, double base) { return dmul(2.0, sigmoid64(dadd(dmul(m, s1), base))); }
+// collapsed = bf16(cdot64(pre, [x_0, ..., x_{hc-1}])), x_i = stream i's value
+template <class X>
+GLM_DEV float hc_collapse(const double* pre, int hc, bool seq, X x_of) {
+    return bf16r64(cdot_serial<double>(hc, seq, [&](int i, double& a, double& b) {
+        a = static_cast<double>(x_of(i));
+        b = pre[i];
+    }));
+}
+
 // 64 threads per (token, row r): thread k owns partial sums P[k/8][k%8] of both dots (cdot64(v, v) and
 // cdot64(fn_r, v)), loads issued kU chunks ahead; the two 8x8 folds in thread 0.
 constexpr int kU = 16;
@@ -66,21 +83,14 @@ __global__ void __launch_bounds__(64) k_hc_m(const float* __restrict__ X, int n,
         red[0][tid] = ss;
         red[1][tid] = dot;
         __syncthreads();
-        if (tid == 0) {
-            double out[2];
-            for (int q = 0; q < 2; ++q) {
-                double P[64];
-                for (int k = 0; k < 64; ++k) P[k] = red[q][k];
-                for (int w = 4; w >= 1; w >>= 1)
-                    for (int g = 0; g < w; ++g)
-                        for (int l = 0; l < 8; ++l) P[8 * g + l] = dadd(P[8 * g + l], P[8 * (g + w) + l]);
-                for (int w = 4; w >= 1; w >>= 1)
-                    for (int l = 0; l < w; ++l) P[l] = dadd(P[l], P[l + w]);
-                out[q] = P[0];
-            }
-            ss = out[0];
-            dot = out[1];
-        }
+        // the 8x8 folds: warp 0 of the sum of squares, warp 1 of the dot
+        const int q = tid >> 5, lane = tid & 31;
+        const double f = warp_fold64(red[q][lane], red[q][lane + 32]);
+        __syncthreads();
+        if (lane == 0) red[q][0] = f;
+        __syncthreads();
+        ss = red[0][0];
+        dot = red[1][0];
     } else if (tid == 0) {
         for (int i = 0; i < n; ++i) {
             const double v = static_cast<double>(x[i]);
@@ -88,10 +98,7 @@ __global__ void __launch_bounds__(64) k_hc_m(const float* __restrict__ X, int n,
             dot = dadd(dot, dmul(f[i], v));
         }
     }
-    if (tid == 0) {
-        const double inv = ddiv(1.0, dsqrt(dadd(ddiv(ss, static_cast<double>(n)), eps)));
-        m[static_cast<int64_t>(t) * R + r] = dmul(dot, inv);
-    }
+    if (tid == 0) m[static_cast<int64_t>(t) * R + r] = hc_m(dot, ss, n, eps);
 }
 
 GLM_DEV double csum64(const double* x, int n, int stride, bool seq) {
@@ -118,9 +125,8 @@ __global__ void __launch_bounds__(256) k_hc_coef(const double* __restrict__ m, i
     const int i = own ? tid / hc : 0, j = own ? tid % hc : 0;
     const double* mt = m + static_cast<int64_t>(t) * R;
     if (tid < hc && !comb_only) {
-        pre[static_cast<int64_t>(t) * hc + tid] = dadd(sigmoid64(dadd(dmul(mt[tid], s0), base[tid])), eps);
-        post[static_cast<int64_t>(t) * hc + tid] =
-            dmul(2.0, sigmoid64(dadd(dmul(mt[hc + tid], s1), base[hc + tid])));
+        pre[static_cast<int64_t>(t) * hc + tid] = hc_pre(mt[tid], s0, base[tid], eps);
+        post[static_cast<int64_t>(t) * hc + tid] = hc_post(mt[hc + tid], s1, base[hc + tid]);
     }
     // z_ij, then e_ij = exp64(z_ij - max_j z_ij)
     if (own) {
@@ -160,28 +166,6 @@ __global__ void __launch_bounds__(256) k_hc_coef(const double* __restrict__ m, i
         normalize_cols();
     }
     if (own) comb[static_cast<int64_t>(t) * hc * hc + tid] = v;
-}
-
-// The 8x8 fold of cdot (P[g] += P[g+w] lane-wise for w = 4, 2, 1, then P[0][l] += P[0][l+w]) of
-// `rows` sets of 64 partial sums in shared memory, every level by all threads of the block (the same
-// additions as the one-thread fold: each is the same operation on the same operands). Result P[64 r].
-template <class T>
-GLM_DEV void fold64_rows(T* P, int rows) {
-    const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
-    for (int w = 4; w >= 1; w >>= 1) {
-        for (int q = tid; q < rows * 8 * w; q += nt) {
-            const int r = q / (8 * w), k = q % (8 * w);  // k = 8g + l, g < w
-            P[64 * r + k] = add(P[64 * r + k], P[64 * r + k + 8 * w]);
-        }
-        __syncthreads();
-    }
-    for (int w = 4; w >= 1; w >>= 1) {
-        for (int q = tid; q < rows * w; q += nt) {
-            const int r = q / w, l = q % w;
-            P[64 * r + l] = add(P[64 * r + l], P[64 * r + l + w]);
-        }
-        __syncthreads();
-    }
 }
 
 constexpr int kMixThreads = 256;
@@ -269,29 +253,28 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
         for (int q = tid; q < (R + 1) * 64; q += kMixThreads) P[q] = __ldcg(pt + q);
     }
     __syncthreads();
-    fold64_rows(P, R + 1);
+    {  // each row's 8x8 fold by one warp; the result in P[64 r]
+        const int lane = tid & 31;
+        for (int q = tid >> 5; q <= R; q += kMixThreads / 32) {
+            const double f = warp_fold64(P[64 * q + lane], P[64 * q + lane + 32]);
+            if (lane == 0) P[64 * q] = f;
+        }
+    }
+    __syncthreads();
     for (int q = tid; q < R; q += kMixThreads) {
-        const double inv = ddiv(1.0, dsqrt(dadd(ddiv(P[64 * R], static_cast<double>(n)), a.rms_eps)));
-        mt[q] = dmul(P[64 * q], inv);
+        mt[q] = hc_m(P[64 * q], P[64 * R], n, a.rms_eps);
         a.m[static_cast<int64_t>(t) * R + q] = mt[q];
     }
     __syncthreads();
     if (tid < hc) {
-        const double p = dadd(sigmoid64(dadd(dmul(mt[tid], a.s0), a.base[tid])), a.hc_eps);
-        pre_s[tid] = p;
-        a.pre[static_cast<int64_t>(t) * hc + tid] = p;
-        a.post[static_cast<int64_t>(t) * hc + tid] = dmul(2.0, sigmoid64(dadd(dmul(mt[hc + tid], a.s1), a.base[hc + tid])));
+        pre_s[tid] = hc_pre(mt[tid], a.s0, a.base[tid], a.hc_eps);
+        a.pre[static_cast<int64_t>(t) * hc + tid] = pre_s[tid];
+        a.post[static_cast<int64_t>(t) * hc + tid] = hc_post(mt[hc + tid], a.s1, a.base[hc + tid]);
     }
     __syncthreads();
     // collapsed[d] = bf16(cdot64(pre, X[:, d])): four consecutive d per thread, the streams' values
     // loaded (16 bytes each) before any is used
     float* __restrict__ col = a.collapsed + static_cast<int64_t>(t) * D;
-    auto collapse1 = [&](int d) {
-        return bf16r64(cdot_serial<double>(hc, false, [&](int i, double& u, double& b) {
-            u = static_cast<double>(x[static_cast<int64_t>(i) * D + d]);
-            b = pre_s[i];
-        }));
-    };
     if (vec && D % 4 == 0 && hc <= 8) {
         for (int d0 = 4 * tid; d0 < D; d0 += 4 * kMixThreads) {
             float4 v[8] = {};
@@ -301,17 +284,16 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
             float o[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k)
-                o[k] = bf16r64(cdot_serial<double>(hc, false, [&](int i, double& u, double& b) {
+                o[k] = hc_collapse(pre_s, hc, false, [&](int i) {
                     const float4 w4 = v[i & 7];
-                    u = static_cast<double>(k == 0 ? w4.x : k == 1 ? w4.y : k == 2 ? w4.z : w4.w);
-                    b = pre_s[i];
-                }));
+                    return k == 0 ? w4.x : k == 1 ? w4.y : k == 2 ? w4.z : w4.w;
+                });
             *reinterpret_cast<float4*>(cs + d0) = make_float4(o[0], o[1], o[2], o[3]);
             *reinterpret_cast<float4*>(col + d0) = make_float4(o[0], o[1], o[2], o[3]);
         }
     } else {
         for (int d = tid; d < D; d += kMixThreads) {
-            cs[d] = collapse1(d);
+            cs[d] = hc_collapse(pre_s, hc, false, [&](int i) { return x[static_cast<int64_t>(i) * D + d]; });
             col[d] = cs[d];
         }
     }
@@ -330,11 +312,11 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
         if (tid == 0) Q[0] = f;
     }
     __syncthreads();
-    const float inv = fdiv(1.0f, fsqrt(fadd(fdiv(Q[0], static_cast<float>(D)), a.norm_eps)));
+    const float inv = rms_inv(Q[0], D, a.norm_eps);
     const float* __restrict__ nw = a.norm_w;
     float* __restrict__ y = a.xn + static_cast<int64_t>(t) * D;
 #pragma unroll 4
-    for (int d = tid; d < D; d += kMixThreads) y[d] = bf16r(fmul(bf16r(fmul(cs[d], inv)), __ldg(nw + d)));
+    for (int d = tid; d < D; d += kMixThreads) y[d] = rms_out(cs[d], inv, __ldg(nw + d));
 }
 
 __global__ void k_hc_collapse(const float* __restrict__ X, const double* __restrict__ pre, int T, int hc, int D,
@@ -344,10 +326,7 @@ __global__ void k_hc_collapse(const float* __restrict__ X, const double* __restr
     const int64_t t = k / D, d = k % D;
     const float* xt = X + t * hc * D;
     const double* p = pre + t * hc;
-    collapsed[k] = bf16r64(cdot_serial<double>(hc, nm.seq, [&](int i, double& a, double& b) {
-        a = static_cast<double>(xt[i * D + d]);
-        b = p[i];
-    }));
+    collapsed[k] = hc_collapse(p, hc, nm.seq, [&](int i) { return xt[i * D + d]; });
 }
 
 __global__ void k_hc_expand(float* X, const float* __restrict__ u, const double* __restrict__ post,
@@ -396,7 +375,7 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
     double* m = s.scratch.d<double>(static_cast<size_t>(T) * R);
     size_t smem = 0;
     const bool mix = mix_applies(s, layer, S_PRE, hc, n, R, smem);
-    const bool norm = mix && norm_w != nullptr && !s.wants_any(layer, S_PRE + 3);
+    const bool norm = mix && norm_w != nullptr;
     if (mix) {
         MixArgs a{};
         a.X = X;

@@ -20,9 +20,8 @@ __global__ void k_rmsnorm(const float* __restrict__ X, int64_t ldx, int n, const
         a = x[i];
         b = x[i];
     });
-    const float inv = fdiv(1.0f, fsqrt(fadd(fdiv(ss, static_cast<float>(n)), eps)));
-    for (int i = static_cast<int>(threadIdx.x); i < n; i += static_cast<int>(blockDim.x))
-        y[i] = bf16r(fmul(bf16r(fmul(x[i], inv)), w[i]));
+    const float inv = rms_inv(ss, n, eps);
+    for (int i = static_cast<int>(threadIdx.x); i < n; i += static_cast<int>(blockDim.x)) y[i] = rms_out(x[i], inv, w[i]);
 }
 
 __global__ void k_layernorm(const float* __restrict__ X, int n, const float* __restrict__ w,
