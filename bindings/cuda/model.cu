@@ -418,9 +418,6 @@ const JointRole* joint_role(const std::string& role) {
     return nullptr;
 }
 int joint_index(const std::string& role) { return joint_role(role)->index; }
-int64_t stored_row_bytes(int fmt, int64_t C) {
-    return fmt == W_BF16 ? 2 * C : fmt == W_F32 ? 4 * C : fmt == W_FP8 ? C : C / 2;
-}
 
 // The members' rows of a group under this config.
 std::vector<int64_t> joint_rows(const std::string& group, const Config& c) {
@@ -434,11 +431,9 @@ std::vector<int64_t> joint_rows(const std::string& group, const Config& c) {
 // The slot a joint-group member goes into, allocated with its first member; nullptr when the role is
 // not in a group or the member does not fit it (another format or width than the first member, or
 // FP8 rows that would share a scale block with a neighbour): then it is placed on its own.
-EngineCore::JointSlot* joint_slot(EngineCore& E, const std::string& role, int layer, const std::string& release,
-                                  int64_t R, int64_t C) {
+EngineCore::JointSlot* joint_slot(EngineCore& E, const std::string& role, int layer, int fmt, int64_t R, int64_t C) {
     const JointRole* j = joint_role(role);
     if (!j || layer < 0) return nullptr;
-    const int fmt = release == "bf16" ? W_BF16 : release == "f32" ? W_F32 : release == "fp8" ? W_FP8 : W_MXFP4;
     EngineCore::JointSlot& s = E.joints[{layer, j->group}];
     if (s.fmt < 0) {
         s.rows = joint_rows(j->group, E.cfg);
@@ -457,11 +452,9 @@ EngineCore::JointSlot* joint_slot(EngineCore& E, const std::string& role, int la
             for (size_t i = 0; i < s.rows.size(); ++i) ok = ok && s.off[i] % 128 == 0 && s.rows[i] % 128 == 0;
         if (!ok) s.fmt = -2;  // never joint
         else {
-            s.data = static_cast<char*>(E.arena.alloc(static_cast<size_t>(s.total * stored_row_bytes(fmt, C))));
-            if (fmt == W_FP8)
-                s.scale = static_cast<char*>(E.arena.alloc(static_cast<size_t>((s.total / 128) * ((C + 127) / 128) * 4)));
-            else if (fmt == W_MXFP4)
-                s.scale = static_cast<char*>(E.arena.alloc(static_cast<size_t>(s.total * (C / 32))));
+            s.data = static_cast<char*>(E.arena.alloc(static_cast<size_t>(s.total * row_bytes(fmt, C))));
+            const int64_t sb = scale_bytes(fmt, s.total, C);
+            if (sb) s.scale = static_cast<char*>(E.arena.alloc(static_cast<size_t>(sb)));
         }
     }
     const size_t i = static_cast<size_t>(j->index);
@@ -515,50 +508,27 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
         w.R = static_cast<int64_t>(rows);
         w.C = static_cast<int64_t>(cols);
         const int64_t R = w.R, C = w.C;
-        if (EngineCore::JointSlot* slot = joint_slot(E_, role, layer, release, R, C)) {
-            const int i = joint_index(role);
-            const int64_t off = slot->off[static_cast<size_t>(i)], rb = stored_row_bytes(slot->fmt, C);
-            check(cudaMemcpy(slot->data + off * rb, data, static_cast<size_t>(R * rb), cudaMemcpyHostToDevice),
+        w.fmt = parse_release(release);
+        const int64_t rb = row_bytes(w.fmt, C), sb = scale_bytes(w.fmt, R, C);
+        // a member of a joint group goes to its rows of the group's matrix, anything else on its own
+        EngineCore::JointSlot* slot = joint_slot(E_, role, layer, w.fmt, R, C);
+        const int i = slot ? joint_index(role) : 0;
+        w.row0 = slot ? slot->off[static_cast<size_t>(i)] : 0;
+        char* dbase = slot ? slot->data : static_cast<char*>(E_.arena.alloc(static_cast<size_t>(R * rb)));
+        char* sbase = !sb ? nullptr : slot ? slot->scale : static_cast<char*>(E_.arena.alloc(static_cast<size_t>(sb)));
+        w.data = dbase;
+        w.scale = sbase;
+        char* d = dbase + w.row0 * rb;
+        check(cudaMemcpy(d, data, static_cast<size_t>(R * rb), cudaMemcpyHostToDevice), "weight upload");
+        if (sb)  // (a member's first row starts a scale block: joint_slot checks it)
+            check(cudaMemcpy(sbase + scale_bytes(w.fmt, w.row0, C), scale, static_cast<size_t>(sb), cudaMemcpyHostToDevice),
                   "weight upload");
-            if (slot->fmt == W_FP8) {
-                const int64_t sc = (C + 127) / 128;
-                check(cudaMemcpy(slot->scale + (off / 128) * sc * 4, scale, static_cast<size_t>(((R + 127) / 128) * sc * 4),
-                                 cudaMemcpyHostToDevice),
-                      "weight upload");
-            } else if (slot->fmt == W_MXFP4) {
-                check(cudaMemcpy(slot->scale + off * (C / 32), scale, static_cast<size_t>(R * (C / 32)),
-                                 cudaMemcpyHostToDevice),
-                      "weight upload");
-            }
-            w.fmt = slot->fmt;
-            w.data = slot->data;
-            w.scale = slot->scale;
-            w.row0 = off;
-            if (w.fmt == W_FP8)
-                w.int_decode = e4m3_nan_free_device(slot->data + off * rb, static_cast<size_t>(R * C)) &&
-                               fp8_scales_foldable(static_cast<const float*>(scale),
-                                                   static_cast<size_t>(((R + 127) / 128) * ((C + 127) / 128)));
+        if (w.fmt == W_FP8)  // selects the integer decode
+            w.int_decode = e4m3_nan_free_device(d, static_cast<size_t>(R * C)) &&
+                           fp8_scales_foldable(static_cast<const float*>(scale), static_cast<size_t>(sb / 4));
+        if (slot) {
             slot->have[static_cast<size_t>(i)] = 1;
             slot->int_decode[static_cast<size_t>(i)] = w.int_decode ? 1 : 0;
-            return w;
-        }
-        if (release == "bf16") {
-            w.fmt = W_BF16;
-            w.data = upload(data, static_cast<size_t>(R * C) * 2);
-        } else if (release == "f32") {
-            w.fmt = W_F32;
-            w.data = upload(data, static_cast<size_t>(R * C) * 4);
-        } else if (release == "fp8") {
-            w.fmt = W_FP8;
-            w.data = upload(data, static_cast<size_t>(R * C));
-            w.scale = upload(scale, static_cast<size_t>(((R + 127) / 128) * ((C + 127) / 128)) * 4);
-            w.int_decode = e4m3_nan_free_device(w.data, static_cast<size_t>(R * C)) &&  // selects the integer decode
-                           fp8_scales_foldable(static_cast<const float*>(scale),
-                                               static_cast<size_t>(((R + 127) / 128) * ((C + 127) / 128)));
-        } else {
-            w.fmt = W_MXFP4;
-            w.data = upload(data, static_cast<size_t>(R * (C / 2)));
-            w.scale = upload(scale, static_cast<size_t>(R * (C / 32)));
         }
         return w;
     };

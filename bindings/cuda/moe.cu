@@ -360,14 +360,8 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     float* gbuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
     float* ubuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
     float* ys = s.scratch.d<float>(static_cast<size_t>(nall) * D);
-    // gate and up read the same x rows for the same work list: one launch when their tables match
-    const ExpertTable &tg = w.t_gate, &tu = w.t_up;
-    if (tg.fmt == tu.fmt && tg.R == tu.R && tg.C == tu.C) {
-        linear_experts2(tg, tu, items, n_items, nall, pairs, x, D, k, npairs, gbuf, ubuf, Im, tile, nm, s.hw8);
-    } else {
-        linear_experts(tg, items, n_items, nall, pairs, x, D, k, npairs, gbuf, Im, tile, nm, s.hw8);
-        linear_experts(tu, items, n_items, nall, pairs, x, D, k, npairs, ubuf, Im, tile, nm, s.hw8);
-    }
+    // gate and up read the same x rows for the same work list (one launch when their tables match)
+    linear_experts2(w.t_gate, w.t_up, items, n_items, nall, pairs, x, D, k, npairs, gbuf, ubuf, Im, tile, nm, s.hw8);
     {
         const int64_t n = static_cast<int64_t>(nall) * Im;
         auto kk = k_swiglu_act;

@@ -25,16 +25,15 @@ const char* wfmt_name(int f) {
     return "?";
 }
 
-size_t Lin::bytes() const {
-    const size_t r = static_cast<size_t>(R), c = static_cast<size_t>(C);
-    switch (fmt) {
-        case W_BF16: return r * c * 2;
-        case W_F32: return r * c * 4;
-        case W_FP8: return r * c + ((r + 127) / 128) * ((c + 127) / 128) * 4;
-        case W_MXFP4: return r * (c / 2) + r * (c / 32);
-    }
-    return 0;
+int parse_release(const std::string& release) {
+    if (release == "bf16") return W_BF16;
+    if (release == "f32") return W_F32;
+    if (release == "fp8") return W_FP8;
+    if (release == "mxfp4") return W_MXFP4;
+    throw std::invalid_argument("linear: release must be 'bf16', 'f32', 'fp8' or 'mxfp4', not '" + release + "'");
 }
+
+size_t Lin::bytes() const { return static_cast<size_t>(R * row_bytes(fmt, C) + scale_bytes(fmt, R, C)); }
 
 namespace {
 
@@ -404,9 +403,6 @@ GLM_DEV void cp_async_wait() {
 template <int FMT>
 constexpr int chunk_bytes() {
     return FMT == W_BF16 ? 128 : (FMT == W_F32 ? 256 : (FMT == W_FP8 ? 64 : 32));
-}
-__host__ __device__ inline int64_t row_bytes(int fmt, int64_t C) {
-    return fmt == W_BF16 ? 2 * C : (fmt == W_F32 ? 4 * C : (fmt == W_FP8 ? C : C / 2));
 }
 
 // Two E4M3 codes (low byte first) -> exact f32 values, by the path e4m3x8 takes.
@@ -971,7 +967,11 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
 void linear_experts2(const ExpertTable& W, const ExpertTable& W2, const int* items, const int* n_items, int max_items,
                      const int* pairs, const float* X, int64_t ldx, int xdiv, int p_split, float* Y, float* Y2,
                      int64_t ldy, int tile, const Nm& nm, bool hw8) {
-    if (W2.fmt != W.fmt || W2.R != W.R || W2.C != W.C) throw std::logic_error("linear_experts2: tables differ");
+    if (W2.fmt != W.fmt || W2.R != W.R || W2.C != W.C) {  // one launch needs one kernel for both tables
+        linear_experts(W, items, n_items, max_items, pairs, X, ldx, xdiv, p_split, Y, ldy, tile, nm, hw8);
+        linear_experts(W2, items, n_items, max_items, pairs, X, ldx, xdiv, p_split, Y2, ldy, tile, nm, hw8);
+        return;
+    }
     LinArgs a = expert_args(W, items, n_items, max_items, pairs, X, ldx, xdiv, p_split, Y, ldy, tile);
     a.dtab2 = W2.data;
     a.stab2 = W2.scale;
@@ -1026,13 +1026,6 @@ bool e4m3_nan_free_device(const void* data, size_t n) {
 // ---- test and benchmark entry points ------------------------------------------------------------
 
 namespace {
-int parse_release(const std::string& release) {
-    if (release == "bf16") return W_BF16;
-    if (release == "f32") return W_F32;
-    if (release == "fp8") return W_FP8;
-    if (release == "mxfp4") return W_MXFP4;
-    throw std::invalid_argument("linear: release must be 'bf16', 'f32', 'fp8' or 'mxfp4', not '" + release + "'");
-}
 
 // kernel: "auto" | "register" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged, forced choice)
 StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {

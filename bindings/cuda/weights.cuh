@@ -8,6 +8,8 @@
 // them into its eight lane accumulators for each of up to TT token rows; then group_fold.
 #pragma once
 
+#include <string>
+
 #include "cdot.cuh"
 #include "expf.cuh"
 #include "formats.cuh"
@@ -17,6 +19,15 @@ namespace glm::cuda {
 enum WFmt : int { W_BF16 = 0, W_F32 = 1, W_FP8 = 2, W_MXFP4 = 3 };
 
 const char* wfmt_name(int f);
+int parse_release(const std::string& release);  // "bf16" | "f32" | "fp8" | "mxfp4" -> WFmt
+
+// Stored bytes of one row, and of the scales of `rows` rows (FP8: the 128-row blocks they span).
+__host__ __device__ inline int64_t row_bytes(int fmt, int64_t C) {
+    return fmt == W_BF16 ? 2 * C : (fmt == W_F32 ? 4 * C : (fmt == W_FP8 ? C : C / 2));
+}
+inline int64_t scale_bytes(int fmt, int64_t rows, int64_t C) {
+    return fmt == W_FP8 ? ((rows + 127) / 128) * ((C + 127) / 128) * 4 : (fmt == W_MXFP4 ? rows * (C / 32) : 0);
+}
 
 struct Lin {
     int fmt = W_BF16;
@@ -106,8 +117,9 @@ void linear_heads(const Lin& W, int R, int rh, int64_t hstride, int64_t woff, co
 void linear_experts(const ExpertTable& W, const int* items, const int* n_items, int max_items, const int* pairs,
                     const float* X, int64_t ldx, int xdiv, int p_split, float* Y, int64_t ldy, int tile,
                     const Nm& nm, bool hw8);
-// Two tables of one format and shape over the same pairs (a layer's gate and up) in one launch: W into
-// Y, W2 into Y2; each row the same operations as linear_experts.
+
+// Two tables over the same pairs (a layer's gate and up): W into Y, W2 into Y2, each row the same
+// operations as linear_experts; one launch when the tables share format and shape, else two.
 void linear_experts2(const ExpertTable& W, const ExpertTable& W2, const int* items, const int* n_items, int max_items,
                      const int* pairs, const float* X, int64_t ldx, int xdiv, int p_split, float* Y, float* Y2,
                      int64_t ldy, int tile, const Nm& nm, bool hw8);
