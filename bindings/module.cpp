@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include <type_traits>
 #include <xmmintrin.h>
 
 #include "cpu/cdot.hpp"
@@ -24,6 +25,7 @@
 #include "cpu/matvec.hpp"
 #include "cpu/threadpool.hpp"
 #include "cpu/weights.hpp"
+#include "engine_types.hpp"
 
 namespace py = pybind11;
 using namespace glm::cpu;
@@ -36,14 +38,8 @@ namespace {
 
 [[noreturn]] void bad(const std::string& msg) { throw py::value_error(msg); }
 
-std::string shape_str(const std::vector<py::ssize_t>& s) {
-    std::ostringstream o;
-    o << "(";
-    for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-    if (s.size() == 1) o << ",";
-    o << ")";
-    return o.str();
-}
+using glm::shape_str;  // (py::ssize_t is int64_t here)
+static_assert(std::is_same_v<py::ssize_t, int64_t>, "shapes are passed as int64_t vectors");
 
 std::vector<py::ssize_t> shape_of(const py::array& a) {
     return std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim());
