@@ -78,6 +78,17 @@ def copy_bandwidth() -> float:
     return 2 * n / float(np.median(ts))
 
 
+def stage_ms(eng, step, n: int, digits: int) -> dict:
+    """Device ms per step by module over n timed calls of step()."""
+    eng.set_timing(True)
+    eng.reset_stage_times()
+    for _ in range(n):
+        step()
+    st = {k: round(v / n, digits) for k, v in eng.stage_times().items()}
+    eng.set_timing(False)
+    return st
+
+
 def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) -> dict:
     from fast.cuda import CudaEngine
     from oracle.checkpoint import open_checkpoint
@@ -117,13 +128,10 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
             + (" (gate and up)" if t.get("tables", 1) == 2 else "")
             + (" (heads)" if t["heads"] else "") + f" [{t['decode']}]: {t['choice']}  (us: {cands})")
     # per-module device time of decode steps
-    eng.set_timing(True)
-    eng.reset_stage_times()
-    n_t = 5
-    for _ in range(n_t):
+    def step1():
+        nonlocal tok
         tok = int(np.argmax(eng.decode([cache], [tok])[0]))
-    st = {k: round(v / n_t, 4) for k, v in eng.stage_times().items()}
-    eng.set_timing(False)
+    st = stage_ms(eng, step1, 5, 4)
     res["decode_b1_stage_ms"] = st
     log("  per-module device ms per decode step: " + ", ".join(f"{k} {v:.3f}" for k, v in st.items()))
     cache.close()
@@ -144,12 +152,10 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
         res["decode_batch"][B] = {"ms_per_step": round(dt * 1e3, 3), "tokens_per_s": round(B / dt, 1)}
         log(f"  decode b{B}: {dt * 1e3:.3f} ms/step, {B / dt:.1f} tok/s")
         # where a batched step's device time goes (two timed steps)
-        eng.set_timing(True)
-        eng.reset_stage_times()
-        for _ in range(2):
+        def stepB():
+            nonlocal toks
             toks = [int(t) for t in np.argmax(eng.decode(caches, toks), axis=1)]
-        st = {k: round(v / 2, 3) for k, v in eng.stage_times().items()}
-        eng.set_timing(False)
+        st = stage_ms(eng, stepB, 2, 3)
         res["decode_batch"][B]["stage_ms"] = st
         log(f"  per-module device ms per b{B} step: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
         for c in caches:
