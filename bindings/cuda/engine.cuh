@@ -9,6 +9,7 @@
 // the optional fault injection (a one-element kernel) and copies the rows asked for back to the host.
 #pragma once
 
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <memory>
@@ -208,6 +209,12 @@ void embed_rows(Step& s, const Lin& embed, int* d_tok, float* e, float* X);     
 // 2 = indexer.gate) (mla.cu).
 void append_rows(Step& s, int layer, const float* src, int64_t lds, int n, int which);
 void copy_rows(const float* src, int64_t lds, float* dst, int64_t ldd, int rows, int n);
+// Matrices that read the same x (rounded to BF16 like every projection): out[i] = lin(members[i], x),
+// [T][R_i] each. For one token, one launch when they are placed as one matrix (joint, rows in member
+// order; its row of outputs is then the members' outputs one after the other), else a launch each
+// (model.cu).
+void linear_same_x(Step& s, const Lin& joint, std::initializer_list<const Lin*> members, const float* x,
+                   int64_t ldx, float** out);
 void inject_value(void* p, int dtype, int64_t ulps);  // one element, bits + ulps in its dtype
 
 // ---- the step context -----------------------------------------------------------------------------

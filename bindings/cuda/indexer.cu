@@ -140,22 +140,10 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
     float* q = s.scratch.d<float>(static_cast<size_t>(T) * ni * di);
     linear(w.wq_b, q_lat, rq, q, static_cast<int64_t>(ni) * di, T, true, nm, s.hw8);
     s.emit(layer, S_IDX_Q, q, static_cast<int64_t>(ni) * di, {static_cast<int64_t>(ni) * di});
-    // wk, kpool_gate and weights_proj of x: for one token one launch when they are one matrix (its row
-    // of outputs is k | gate | weights; several tokens would interleave them, so separate launches then)
-    float *kraw, *gate, *wts;
-    if (T == 1 && !w.kgw.empty()) {
-        kraw = s.scratch.d<float>(static_cast<size_t>(2 * di + ni));
-        gate = kraw + di;
-        wts = gate + di;
-        linear(w.kgw, x, D, kraw, 2 * di + ni, 1, true, nm, s.hw8);
-    } else {
-        kraw = s.scratch.d<float>(static_cast<size_t>(T) * di);
-        gate = s.scratch.d<float>(static_cast<size_t>(T) * di);
-        wts = s.scratch.d<float>(static_cast<size_t>(T) * ni);
-        linear(w.wk, x, D, kraw, di, T, true, nm, s.hw8);
-        linear(w.kpool_gate, x, D, gate, di, T, true, nm, s.hw8);
-        linear(w.weights_proj, x, D, wts, ni, T, true, nm, s.hw8);
-    }
+    // wk, kpool_gate and weights_proj of x (one launch for one token when they are one matrix)
+    float* kgw[3];
+    linear_same_x(s, w.kgw, {&w.wk, &w.kpool_gate, &w.weights_proj}, x, D, kgw);
+    float *kraw = kgw[0], *gate = kgw[1], *wts = kgw[2];
     // indexer.k = LayerNorm(lin(wk, x)), eps 1e-6
     float* k = s.scratch.d<float>(static_cast<size_t>(T) * di);
     layer_norm_rows(s, kraw, T, di, w.k_norm_w, w.k_norm_b, 1e-6f, k);

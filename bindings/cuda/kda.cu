@@ -276,22 +276,10 @@ void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out) 
 
     s.mark("kda.gates");
     // kda.g = lb * sigmoid(expf(A_log[h]) * (f + dt_bias)), f = lin(f_b, lin(f_a, x))
-    // f_a, b_proj and g_a of x: for one token one launch when they are one matrix (its row of outputs
-    // is f_a | b | g_a; several tokens would interleave them, so separate launches then)
-    float *fa, *beta, *ga;
-    if (T == 1 && !w.fbg.empty()) {
-        fa = s.scratch.d<float>(static_cast<size_t>(2 * d + H));
-        beta = fa + d;
-        ga = beta + H;
-        linear(w.fbg, x, D, fa, 2 * d + H, 1, true, nm, s.hw8);
-    } else {
-        fa = s.scratch.d<float>(static_cast<size_t>(T) * d);
-        beta = s.scratch.d<float>(static_cast<size_t>(T) * H);
-        ga = s.scratch.d<float>(static_cast<size_t>(T) * d);
-        linear(w.f_a, x, D, fa, d, T, true, nm, s.hw8);
-        linear(w.b_proj, x, D, beta, H, T, true, nm, s.hw8);
-        linear(w.g_a, x, D, ga, d, T, true, nm, s.hw8);
-    }
+    // f_a, b_proj and g_a of x (one launch for one token when they are one matrix)
+    float* fbg[3];
+    linear_same_x(s, w.fbg, {&w.f_a, &w.b_proj, &w.g_a}, x, D, fbg);
+    float *fa = fbg[0], *beta = fbg[1], *ga = fbg[2];
     float* g = s.scratch.d<float>(static_cast<size_t>(T) * P);
     linear(w.f_b, fa, d, g, P, T, true, nm, s.hw8);
     {

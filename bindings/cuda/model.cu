@@ -94,6 +94,25 @@ void SideStream::join() {
     pending_ = false;
 }
 
+void linear_same_x(Step& s, const Lin& joint, std::initializer_list<const Lin*> members, const float* x,
+                   int64_t ldx, float** out) {
+    size_t i = 0;
+    if (s.T == 1 && !joint.empty()) {
+        float* row = s.scratch.d<float>(static_cast<size_t>(joint.R));
+        linear(joint, x, ldx, row, joint.R, 1, true, s.nm, s.hw8);
+        for (const Lin* m : members) {
+            out[i++] = row;
+            row += m->R;
+        }
+        return;
+    }
+    for (const Lin* m : members) {
+        out[i] = s.scratch.d<float>(static_cast<size_t>(s.T) * static_cast<size_t>(m->R));
+        linear(*m, x, ldx, out[i], m->R, s.T, true, s.nm, s.hw8);
+        ++i;
+    }
+}
+
 unsigned* EngineCore::hc_tickets(int T) {
     const size_t need = static_cast<size_t>(T) * sizeof(unsigned);
     if (tickets.n < need) {
