@@ -161,6 +161,10 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
         for c in caches:
             c.close()
 
+    if prefill_len <= 0:  # --prefill 0: decode only (an A/B run of a decode change)
+        del eng
+        gc.collect()
+        return res
     # prefill
     ids = [int(v) for v in rng.integers(0, V, prefill_len)]
     eng.prefill(ids[:64], eng.new_cache())  # warm-up
@@ -333,9 +337,10 @@ def main(argv=None) -> int:
                 f"{r['weight_bytes_per_token'] / 1e9:.2f} GB/token)")
         for B, x in r["decode_batch"].items():
             line += f" | b{B} {x['tokens_per_s']:.1f} tok/s"
-        line += f" | prefill {r['prefill']['tokens_per_s']:.1f} tok/s"
+        if "prefill" in r:
+            line += f" | prefill {r['prefill']['tokens_per_s']:.1f} tok/s"
         log(line)
-        if "decode_b1" in peer:
+        if "decode_b1" in peer and "prefill" in r:
             ratios = {"decode_b1": d1["tokens_per_s"] / peer["decode_b1"]["tokens_per_s"],
                       "prefill": r["prefill"]["tokens_per_s"] / peer["prefill"]["tokens_per_s"]}
             for B, x in r["decode_batch"].items():

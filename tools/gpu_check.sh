@@ -10,7 +10,9 @@
 # TESTS=0 (skip the GPU tests: a performance iteration) or quick (skip the exhaustive expf and the slowest),
 # TESTS_K (a pytest -k expression instead),, PROFILE=1 (kernel timeline of decode steps,
 # tools/profile_cuda.py, after the benchmarks), LINEAR_BENCH=1 (tools/bench_linear.py at the end; LINEAR_ONLY, LINEAR_VARIANTS narrow it),
-# NCU=1 (ncu counters of the routed-expert kernels), PREBUILT=1 (use fast/_core and fast/_cuda carried in).
+# NCU=1 (ncu counters of the routed-expert kernels), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
+# AB_PDL=1 (decode again with GLM_PDL=0). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
+# after the main build (VARIANT_PREFILL=0: decode only).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
 # Order, most important first: machine facts; build (fast._core + fast._cuda, GLM_FORCE_CUDA=ON);
@@ -171,6 +173,26 @@ T_BENCH=$(( $(left) - 60 )); [ "$T_BENCH" -lt 60 ] && T_BENCH=60
 timeout "$T_BENCH" python3 tools/bench_cuda.py --slice-dir "$SLICE" --layers "$LAYERS" --experts "$EXPERTS" \
   --json "$OUT/bench.json" --releases "$RELEASES" $PEER
 echo "bench exit $? (limit $T_BENCH s)"
+
+if [ "${AB_PDL:-0}" = "1" ]; then
+  # the same decode without programmatic dependent launch (plain stream order), in this run
+  phase "A/B: decode without programmatic dependent launch (GLM_PDL=0)"
+  GLM_PDL=0 timeout 150 python3 tools/bench_cuda.py --slice-dir "$SLICE" --layers "$LAYERS" --experts "$EXPERTS" \
+    --json "$OUT/bench_nopdl.json" --releases "${RELEASES%%,*}" --no-peer --prefill 0 2>&1 | grep -v "one-token kernel"
+fi
+if compgen -G ".variants/*.so" > /dev/null; then
+  # other builds of fast._cuda (branches built elsewhere, carried in .variants/NAME.so), same benchmark
+  MOD=$(ls fast/_cuda.cpython-*.so | head -1)
+  cp "$MOD" /tmp/_cuda_main.so
+  for v in .variants/*.so; do
+    phase "variant $(basename "$v" .so): tools/bench_cuda.py with $v as fast._cuda"
+    cp "$v" "$MOD"
+    timeout 150 python3 tools/bench_cuda.py --slice-dir "$SLICE" --layers "$LAYERS" --experts "$EXPERTS" \
+      --json "$OUT/bench_$(basename "$v" .so).json" --releases "${RELEASES%%,*}" --no-peer ${VARIANT_PREFILL:+--prefill "$VARIANT_PREFILL"} \
+      2>&1 | grep -v "one-token kernel"
+  done
+  cp /tmp/_cuda_main.so "$MOD"
+fi
 
 if [ "${PROFILE:-0}" = "1" ]; then
   phase "kernel timeline of decode steps (tools/profile_cuda.py)"

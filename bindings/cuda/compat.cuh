@@ -23,8 +23,15 @@
 #define GLM_DYN_SMEM(type, name) type* name = reinterpret_cast<type*>(::glm_emu::dyn_smem())
 #else
 #include <cuda_runtime.h>
-#define GLM_LAUNCH(kernel, grid, block, smem, ...) kernel<<<(grid), (block), (smem), 0>>>(__VA_ARGS__)
-#define GLM_LAUNCH_ON(stream, kernel, grid, block, smem, ...) kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#include <utility>
+// Every launch may overlap the tail of the kernel before it in its stream (programmatic dependent
+// launch, sm_90): the kernel's blocks start as the previous grid's blocks retire, and each kernel
+// waits for its predecessor's completion (pdl_enter) before it touches global memory, so results
+// are those of plain stream order. GLM_PDL=0 in the environment launches without the attribute.
+#define GLM_LAUNCH(kernel, grid, block, smem, ...) \
+    ::glm::cuda::launch_kernel(kernel, dim3(grid), dim3(block), (smem), cudaStream_t(0), __VA_ARGS__)
+#define GLM_LAUNCH_ON(stream, kernel, grid, block, smem, ...) \
+    ::glm::cuda::launch_kernel(kernel, dim3(grid), dim3(block), (smem), (stream), __VA_ARGS__)
 #define GLM_DYN_SMEM(type, name)                              \
     extern __shared__ __align__(16) unsigned char glm_smem_[]; \
     type* name = reinterpret_cast<type*>(glm_smem_)
@@ -33,6 +40,37 @@
 #define GLM_DEV __device__ __forceinline__
 
 namespace glm::cuda {
+
+#if !defined(GLM_CUDA_EMU)
+bool pdl_enabled();  // model.cu: GLM_PDL, read once
+
+template <typename... P, typename... A>
+inline void launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          A&&... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl_enabled() ? 1 : 0;
+    (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);  // an error surfaces in check_launch
+}
+#endif
+
+// The first statement of every kernel (tests/test_cuda_sources.py checks it): let the next kernel in
+// the stream be scheduled now, then wait until the previous one has completed and its writes are
+// visible. Nothing before it may read or write global memory. Without a programmatic launch both
+// instructions do nothing.
+GLM_DEV void pdl_enter() {
+#if !defined(GLM_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 inline void check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));

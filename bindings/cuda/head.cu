@@ -11,6 +11,7 @@ unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + thre
 
 __global__ void k_embed(int fmt, const void* data, const void* scale, int64_t C, const int* __restrict__ tok, int T,
                         float* e) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= static_cast<int64_t>(T) * C) return;
     const int64_t t = i / C, d = i % C;
@@ -18,6 +19,7 @@ __global__ void k_embed(int fmt, const void* data, const void* scale, int64_t C,
 }
 
 __global__ void k_streams(const float* __restrict__ e, int T, int hc, int D, float* X) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= static_cast<int64_t>(T) * hc * D) return;
     const int64_t d = i % D, t = i / (static_cast<int64_t>(hc) * D);
@@ -26,6 +28,7 @@ __global__ void k_streams(const float* __restrict__ e, int T, int hc, int D, flo
 
 __global__ void k_head_mean(const float* __restrict__ X, const int* __restrict__ rows, int n, int hc, int D,
                             float* mean, Nm nm) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= static_cast<int64_t>(n) * D) return;
     const int64_t r = i / D, d = i % D;

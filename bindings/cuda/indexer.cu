@@ -15,6 +15,7 @@ namespace {
 unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 __global__ void k_scale(float* x, int64_t n, float s) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) x[i] = fmul(x[i], s);
 }
@@ -22,6 +23,7 @@ __global__ void k_scale(float* x, int64_t n, float s) {
 // One thread per (new pool, channel). items: [n][2] = (segment, pool index).
 __global__ void k_pools(const int* __restrict__ items, int n_items, int kp, int di, const float* __restrict__ ape,
                         const SegDev* __restrict__ segs, Nm nm) {
+    pdl_enter();
     const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= static_cast<int64_t>(n_items) * di) return;
     const int it = static_cast<int>(idx / di), ch = static_cast<int>(idx % di);
@@ -56,6 +58,7 @@ __global__ void __launch_bounds__(kIdxThreads) k_idx_scores(const float* __restr
                                                             const SegDev* __restrict__ segs,
                                                             const int* __restrict__ seg_of, float qscale,
                                                             float* scores, Nm nm) {
+    pdl_enter();
     GLM_DYN_SMEM(float, sh);  // [PT][ni]
     const int t = static_cast<int>(blockIdx.y);
     const int grp = static_cast<int>(threadIdx.x >> 3), ngrp = kIdxThreads / 8;
@@ -98,6 +101,7 @@ __global__ void __launch_bounds__(kIdxThreads) k_idx_scores(const float* __restr
 __global__ void k_idx_select(const float* __restrict__ scores, const int64_t* __restrict__ off,
                              const int* __restrict__ pos, int kp, int budget, int* flags, int* sel,
                              const int64_t* __restrict__ sel_off) {
+    pdl_enter();
     const int t = static_cast<int>(blockIdx.x);
     const int ps = pos[t];
     const int npools = (ps + 1) / kp;

@@ -15,6 +15,7 @@ namespace {
 // conv: one thread per (row, channel); window = the K-1 cached pre-conv rows then the segment's rows.
 __global__ void k_kda_conv(const float* __restrict__ qkv, int T, int C3, int K, const float* __restrict__ taps,
                            const SegDev* __restrict__ segs, const int* __restrict__ seg_of, float* act, Nm nm) {
+    pdl_enter();
     const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= static_cast<int64_t>(T) * C3) return;
     const int t = static_cast<int>(idx / C3), ch = static_cast<int>(idx % C3);
@@ -33,6 +34,7 @@ __global__ void k_kda_conv(const float* __restrict__ qkv, int T, int C3, int K, 
 
 // The conv cache keeps the last K-1 pre-conv rows (after the conv kernel read the old ones).
 __global__ void k_kda_conv_tail(const float* __restrict__ qkv, int nseg, int C3, int K, const SegDev* segs) {
+    pdl_enter();
     const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= static_cast<int64_t>(nseg) * C3) return;
     const int sgi = static_cast<int>(idx / C3), ch = static_cast<int>(idx % C3);
@@ -49,6 +51,7 @@ __global__ void k_kda_conv_tail(const float* __restrict__ qkv, int nseg, int C3,
 
 __global__ void k_kda_gate(float* g, int T, int P, int d, const float* __restrict__ decay,
                            const float* __restrict__ dt_bias, float lb, Nm nm) {
+    pdl_enter();
     const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= static_cast<int64_t>(T) * P) return;
     const int ch = static_cast<int>(idx % P);
@@ -56,6 +59,7 @@ __global__ void k_kda_gate(float* g, int T, int P, int d, const float* __restric
 }
 
 __global__ void k_sigmoid(float* x, int64_t n, Nm nm) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) x[i] = nm.sigmoid(x[i]);
 }
@@ -63,6 +67,7 @@ __global__ void k_sigmoid(float* x, int64_t n, Nm nm) {
 // Per (row, head), one warp: the l2 norms (lanes 0-7 as one group), then qs, kn, eg elementwise.
 __global__ void k_kda_prep(const float* __restrict__ act, const float* __restrict__ g, int T, int H, int d,
                            float qscale, float* qs, float* kn, float* eg, Nm nm) {
+    pdl_enter();
     const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
     const int lane = static_cast<int>(threadIdx.x & 31);
     const bool live = warp < T * H;
@@ -117,6 +122,7 @@ __global__ void __launch_bounds__(256) k_kda_rec(const float* __restrict__ qs, c
                                                  const float* __restrict__ beta, const SegDev* __restrict__ segs,
                                                  int nseg, int H, int d, float* o, float* cap, int inj_t,
                                                  int64_t inj_el, int64_t inj_ulps, Nm nm) {
+    pdl_enter();
     const int g = lane8();
     const int grp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 3);
     const int total = nseg * H * d;
@@ -211,6 +217,7 @@ __global__ void __launch_bounds__(256) k_kda_rec(const float* __restrict__ qs, c
 // kda.o_norm per (row, head), one warp: inv = 1/sqrtf(cdot(o,o)/d + eps), y = bf16(((o*inv)*w)*sigmoid(gate)).
 __global__ void k_kda_onorm(const float* __restrict__ o, const float* __restrict__ gate, int T, int H, int d,
                             const float* __restrict__ w, float eps, float* y, Nm nm) {
+    pdl_enter();
     const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
     const int lane = static_cast<int>(threadIdx.x & 31);
     const bool live = warp < T * H;

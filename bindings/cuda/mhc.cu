@@ -52,6 +52,7 @@ constexpr int kU = 16;
 
 __global__ void __launch_bounds__(64) k_hc_m(const float* __restrict__ X, int n, const double* __restrict__ fn,
                                              double eps, double* m, int R, Nm nm) {
+    pdl_enter();
     __shared__ double red[2][64];
     const int r = static_cast<int>(blockIdx.x), t = static_cast<int>(blockIdx.y);
     const int tid = static_cast<int>(threadIdx.x);
@@ -117,6 +118,7 @@ __global__ void __launch_bounds__(256) k_hc_coef(const double* __restrict__ m, i
                                                  const double* __restrict__ base, double s0, double s1, double s2,
                                                  double eps, int iters, double* pre, double* post, double* comb,
                                                  Nm nm, bool comb_only) {
+    pdl_enter();
     __shared__ double C[kHcMax * kHcMax];
     const int t = static_cast<int>(blockIdx.x);
     if (t >= T) return;
@@ -188,6 +190,7 @@ struct MixArgs {
 };
 
 __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
+    pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
     const int g = static_cast<int>(blockIdx.x), r = static_cast<int>(blockIdx.y), t = static_cast<int>(blockIdx.z);
     const int tid = static_cast<int>(threadIdx.x);
@@ -321,6 +324,7 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
 
 __global__ void k_hc_collapse(const float* __restrict__ X, const double* __restrict__ pre, int T, int hc, int D,
                               float* collapsed, Nm nm) {
+    pdl_enter();
     const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (k >= static_cast<int64_t>(T) * D) return;
     const int64_t t = k / D, d = k % D;
@@ -331,6 +335,7 @@ __global__ void k_hc_collapse(const float* __restrict__ X, const double* __restr
 
 __global__ void k_hc_expand(float* X, const float* __restrict__ u, const double* __restrict__ post,
                             const double* __restrict__ comb, int T, int hc, int D, Nm nm) {
+    pdl_enter();
     const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (k >= static_cast<int64_t>(T) * D) return;
     const int64_t t = k / D, d = k % D;

@@ -20,6 +20,7 @@ unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + thre
 // which: 0 = c (MLA latent), 1 = k (indexer keys), 2 = gate (indexer gates).
 __global__ void k_append(const float* __restrict__ src, int64_t lds, int T, int n, const SegDev* __restrict__ segs,
                          const int* __restrict__ seg_of, const int* __restrict__ pos, int which) {
+    pdl_enter();
     const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= static_cast<int64_t>(T) * n) return;
     const int t = static_cast<int>(idx / n), k = static_cast<int>(idx % n);
@@ -38,6 +39,7 @@ __global__ void __launch_bounds__(256) k_mla_scores(const float* __restrict__ q_
                                                     const int* __restrict__ sel, const int64_t* __restrict__ sel_off,
                                                     const int* __restrict__ sel_n, const SegDev* __restrict__ segs,
                                                     const int* __restrict__ seg_of, float scale, float* scores, Nm nm) {
+    pdl_enter();
     const int lane = static_cast<int>(threadIdx.x & 31u);
     const int t = static_cast<int>(blockIdx.y);
     const int h = static_cast<int>(blockIdx.z) * 8 + static_cast<int>(threadIdx.x >> 5);
@@ -93,6 +95,7 @@ __global__ void __launch_bounds__(256) k_mla_scores(const float* __restrict__ q_
 // score wins, later NaNs are ignored), e = expf(s - m), p = bf16(e / csum(e)).
 __global__ void k_mla_softmax(const float* __restrict__ scores, int T, int nh, const int64_t* __restrict__ sel_off,
                               const int* __restrict__ sel_n, float* probs, Nm nm) {
+    pdl_enter();
     const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
     const int lane = static_cast<int>(threadIdx.x & 31);
     const bool live = warp < T * nh;
@@ -143,6 +146,7 @@ __global__ void __launch_bounds__(256) k_mla_olat_short(const float* __restrict_
                                                         const int64_t* __restrict__ sel_off,
                                                         const int* __restrict__ sel_n, const SegDev* __restrict__ segs,
                                                         const int* __restrict__ seg_of, float* o_lat, Nm nm) {
+    pdl_enter();
     const int k = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
     const int h = static_cast<int>(blockIdx.y), t = static_cast<int>(blockIdx.z);
     if (k >= r) return;
@@ -186,6 +190,7 @@ __global__ void __launch_bounds__(256) k_mla_olat(const float* __restrict__ prob
                                                   const int* __restrict__ sel, const int64_t* __restrict__ sel_off,
                                                   const int* __restrict__ sel_n, const SegDev* __restrict__ segs,
                                                   const int* __restrict__ seg_of, float* o_lat, Nm nm) {
+    pdl_enter();
     const int g = lane8();
     const int t = static_cast<int>(blockIdx.y);
     const int kk = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x >> 3);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 #include <sstream>
@@ -20,6 +21,16 @@ namespace {
 size_t elem_bytes(SDType t) { return t == SDType::F64 ? 8 : 4; }
 
 }  // namespace
+
+#if !defined(GLM_CUDA_EMU)
+bool pdl_enabled() {
+    static const bool on = [] {
+        const char* v = std::getenv("GLM_PDL");
+        return !(v && std::strcmp(v, "0") == 0);
+    }();
+    return on;
+}
+#endif
 
 
 // ---- config ---------------------------------------------------------------------------------------
@@ -319,6 +330,7 @@ struct Engine::Impl : EngineCore {};
 namespace {
 
 __global__ void k_decay(const float* a_log, int n, float* out, Nm nm) {
+    pdl_enter();
     const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
     if (i < n) out[i] = nm.exp(a_log[i]);
 }
@@ -326,6 +338,7 @@ __global__ void k_decay(const float* a_log, int n, float* out, Nm nm) {
 // w_uk_t[(h*r + k)*dn + i] = kv_b[h(dn+dv) + i][k], decoded exactly.
 __global__ void k_build_wuk(int fmt, const void* data, const void* scale, int64_t C, int nh, int dn, int dv, int r,
                             float* out) {
+    pdl_enter();
     const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= static_cast<int64_t>(nh) * r * dn) return;
     const int64_t i = idx % dn, k = (idx / dn) % r, h = idx / (static_cast<int64_t>(dn) * r);
@@ -334,6 +347,7 @@ __global__ void k_build_wuk(int fmt, const void* data, const void* scale, int64_
 
 // Every E4M3 code in every position of a group of eight, hardware path vs software path.
 __global__ void k_e4m3_selftest(int* mismatches) {
+    pdl_enter();
     const int test = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
     if (test >= 256) return;
     const int base = (test / 8) * 8, rot = test % 8;
@@ -1057,16 +1071,19 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
 namespace {
 
 __global__ void k_expf(const float* x, float* y, int64_t n, bool native) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) y[i] = native ? expf_native(x[i]) : expf_c(x[i]);
 }
 
 __global__ void k_expf_bits(uint64_t lo, int64_t n, float* y) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) y[i] = expf_c(f32_from_bits(static_cast<uint32_t>(lo + static_cast<uint64_t>(i))));
 }
 
 __global__ void k_exp64(const double* x, double* y, int64_t n) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) y[i] = exp64(x[i]);
 }
@@ -1081,6 +1098,7 @@ GLM_DEV int64_t ordered(uint32_t u) {
 
 // stats: [0] differ, [1] differ_bf16, [2] differ_nonpos, [3] nonpos inputs, [4] max ulps, [5] first
 __global__ void k_census(int kind, uint64_t lo, uint64_t n, unsigned long long* stats) {
+    pdl_enter();
     unsigned long long d = 0, db = 0, dn = 0, np = 0, mu = 0, first = ~0ull;
     const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
     for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -1114,6 +1132,7 @@ __global__ void k_census(int kind, uint64_t lo, uint64_t n, unsigned long long* 
 }
 
 __global__ void k_decode_tables(int which, float* out, bool hw) {
+    pdl_enter();
     const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
     if (which == 0 && i < 32) {  // e4m3: 256 codes through the eight-wide path
         uint32_t code[8];

@@ -20,6 +20,7 @@ unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + thre
 
 __global__ void k_swiglu_act(const float* __restrict__ g, const float* __restrict__ u, float* h, int64_t n, float L,
                              Nm nm) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const float gv = g[i] > L ? L : g[i];
@@ -56,6 +57,7 @@ GLM_DEV unsigned long long warp_max_u64(unsigned long long v) {
 template <int KR>
 __global__ void __launch_bounds__(256) k_moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
                                                    int E, int k, int G, int topk_group, float* scores, int* sel, Nm nm) {
+    pdl_enter();
     GLM_DYN_SMEM(float, sm);
     float* ch = sm;                                        // [E]
     float* gscore = sm + E;                                // [G]
@@ -193,6 +195,7 @@ struct WeightArgs {
 __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict__ sel, int nrouted, int nshared,
                                                            int E0, int tile, int* pairs, int* items, int* n_items,
                                                            WeightArgs wa, Nm nm) {
+    pdl_enter();
     GLM_DYN_SMEM(int, cnt);  // [E]: count, then the fill cursor
     __shared__ int wc[32], wi[32];
     const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
@@ -271,6 +274,7 @@ __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict
 
 __global__ void k_moe_routed(const float* __restrict__ ys, const float* __restrict__ wts, int T, int k, int D,
                              float* routed, Nm nm) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= static_cast<int64_t>(T) * D) return;
     const int64_t t = i / D, d = i % D;
@@ -281,6 +285,7 @@ __global__ void k_moe_routed(const float* __restrict__ ys, const float* __restri
 }
 
 __global__ void k_add_bf16(const float* __restrict__ a, const float* __restrict__ b, float* out, int64_t n) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) out[i] = bf16r(fadd(a[i], b[i]));
 }

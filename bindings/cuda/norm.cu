@@ -13,6 +13,7 @@ constexpr int kNormThreads = 128;
 
 __global__ void k_rmsnorm(const float* __restrict__ X, int64_t ldx, int n, const float* __restrict__ w, float eps,
                           float* Y, int64_t ldy, Nm nm) {
+    pdl_enter();
     __shared__ float red[64];
     const float* x = X + static_cast<int64_t>(blockIdx.x) * ldx;
     float* y = Y + static_cast<int64_t>(blockIdx.x) * ldy;
@@ -26,6 +27,7 @@ __global__ void k_rmsnorm(const float* __restrict__ X, int64_t ldx, int n, const
 
 __global__ void k_layernorm(const float* __restrict__ X, int n, const float* __restrict__ w,
                             const float* __restrict__ b, float eps, float* Y, Nm nm) {
+    pdl_enter();
     __shared__ float red[64];
     const float* x = X + static_cast<int64_t>(blockIdx.x) * n;
     float* y = Y + static_cast<int64_t>(blockIdx.x) * n;
@@ -49,6 +51,7 @@ __global__ void k_layernorm(const float* __restrict__ X, int n, const float* __r
 
 __global__ void k_copy_rows(const float* __restrict__ src, int64_t lds, float* __restrict__ dst, int64_t ldd,
                             int rows, int n) {
+    pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= static_cast<int64_t>(rows) * n) return;
     const int64_t r = i / n, k = i % n;
@@ -56,6 +59,7 @@ __global__ void k_copy_rows(const float* __restrict__ src, int64_t lds, float* _
 }
 
 __global__ void k_inject(void* p, int dtype, int64_t ulps) {
+    pdl_enter();
     switch (dtype) {
         case static_cast<int>(SDType::F32): {
             uint32_t* u = static_cast<uint32_t*>(p);

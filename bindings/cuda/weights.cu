@@ -302,6 +302,7 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
 // Expert work items beyond gridDim.y are taken in turn (the grid's y extent is capped at 65535).
 template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP>
 __global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) {
+    pdl_enter();
     if constexpr (EXPERT) {
         const int n = *a.n_items;
         for (int item = static_cast<int>(blockIdx.y); item < n; item += static_cast<int>(gridDim.y))
@@ -325,6 +326,7 @@ int sm_count() {
 // dot="sequential": one thread per (row, token), decoded element by element, s = s + w*x.
 template <bool EXPERT>
 __global__ void k_linear_seq(LinArgs a, int tile) {
+    pdl_enter();
     const int r = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
     if (r >= a.R) return;
     const void* data = a.data;
@@ -521,6 +523,7 @@ GLM_DEV float fold_lanes(float (&acc)[LPT], int g, int h) {
 // block: no head-blocked views).
 template <int FMT, bool EXPERT, int DEC, int LPT, bool XS>
 __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, int cps) {
+    pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
     constexpr int TPR = 64 / LPT;
     constexpr int MAXR = kStThreads / 8;
@@ -895,6 +898,7 @@ int dec_for(int fmt, bool int_decode, bool hw8) {
 }
 
 __global__ void k_e4m3_nan_scan(const uint8_t* p, size_t n, int* found) {
+    pdl_enter();
     for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
          i += static_cast<size_t>(gridDim.x) * blockDim.x)
         if ((p[i] & 0x7Fu) == 0x7Fu) *found = 1;
@@ -1132,6 +1136,7 @@ void set_expert_args(LinArgs& a, const void* tables, const void* items, int T, i
 }
 
 __global__ void k_fill_bytes(unsigned char* p, size_t n, uint32_t seed, int fmt) {
+    pdl_enter();
     for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
          i += static_cast<size_t>(gridDim.x) * blockDim.x) {
         uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
