@@ -149,6 +149,22 @@ def test_batched_generate(name, batch, cuda_engines, cpu_engines):
         assert cap.hashes == want.hashes
 
 
+@pytest.mark.parametrize("batch", [3, 8])
+def test_batched_few_pairs_per_expert(tmp_path, batch):
+    """Batches whose pairs are few against the experts (4 T k <= E) run one pair per expert item."""
+    from oracle.zoo import make_checkpoint
+    path = str(tmp_path / "experts-64")
+    make_checkpoint("tiny", "fp8", path, hidden_size=128, moe_intermediate_size=64, n_routed_experts=64)
+    ref, eng = fast.Engine(path, device="cpu"), CudaEngine(path)
+    V = eng.config.vocab_size
+    prompts = [prompt(V, 5 + 3 * i, 90 + i) for i in range(batch)]
+    outs, lgs = eng.generate(prompts, 3, chunk=4, max_batch=batch, return_logits=True)
+    for p, out, lg in zip(prompts, outs, lgs):
+        toks, logits = ref.generate(p, 3, return_logits=True)
+        assert out == toks
+        assert np.array_equal(bits(lg), bits(logits))
+
+
 def test_decode_batch_of_caches_and_fork(cuda_engines, cpu_engines):
     """One decode step over several caches at different positions; a forked cache continues alike."""
     eng, ref = cuda_engines("tiny-fp8"), cpu_engines("tiny-fp8")

@@ -348,7 +348,10 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     // expert in the tables, T more pairs (rows T*k + t of the buffers) for it, in the same launches
     s.mark("moe.experts");
     const int npairs = T * k, nsh = w.shared_in_tables ? T : 0, nall = npairs + nsh;
-    const int tile = T == 1 ? 1 : (T <= 16 ? 4 : 8);
+    // pairs per work item: when the pairs are few against the experts (b8: 64 pairs over 288 experts hit
+    // ~57), most experts get one, and a multi-pair item would compute its empty slots too; one pair per
+    // item takes the one-token kernels instead (an expert chosen twice is then read twice)
+    const int tile = (T == 1 || 4 * T * k <= E) ? 1 : (T <= 16 ? 4 : 8);
     int* pairs = s.scratch.d<int>(static_cast<size_t>(nall));
     int* items = s.scratch.d<int>(static_cast<size_t>(nall) * 3);
     int* n_items = s.scratch.d<int>(1);
