@@ -455,6 +455,13 @@ LINEAR_CASES = [
     ("f32", "f32", 256, 1024, 1, False, True, False),
     ("batch4", "fp8", 2048, 4096, 4, False, False, True),
     ("fp8-bigscale", "fp8", 1024, 4096, 1, False, True, True),
+    # several tokens: the tiled kernel (and the register kernel) at batch 8 / 32 and prefill-like rows
+    ("mla.o_proj-b8", "fp8", 4096, 16384, 8, False, False, False),
+    ("lm_head-part-b32", "bf16", 8200, 4096, 32, False, False, False),
+    ("experts.down-b13", "fp8", 4096, 2048, 13, True, True, True),
+    ("experts.gate-mxfp4-b11", "mxfp4", 2048, 4096, 11, True, True, True),
+    ("kda.q_proj-b5-bigscale", "fp8", 1000, 4096, 5, False, False, True),
+    ("f32-b3", "f32", 256, 1024, 3, False, False, False),
 ]
 LINEAR_EMU_CASES = [
     ("emu-fp8", "fp8", 130, 192, 1, False, True, True),
@@ -463,6 +470,9 @@ LINEAR_EMU_CASES = [
     ("emu-f32", "f32", 24, 128, 1, False, True, False),
     ("emu-width-96", "bf16", 20, 96, 1, False, False, True),
     ("emu-fp8-bigscale", "fp8", 260, 256, 1, False, True, True),
+    ("emu-fp8-tiled", "fp8", 70, 192, 5, False, False, True),
+    ("emu-bf16-tiled", "bf16", 40, 320, 3, False, False, False),
+    ("emu-mxfp4-experts-tiled", "mxfp4", 48, 256, 11, True, True, True),
 ]
 
 
@@ -509,7 +519,8 @@ def test_linear_kernels_match_cpu(case):
     # every staged variant: 8, 4 or 2 lanes per thread, x through L1 or staged, and a forced small
     # block (3 rows) with 2-chunk stages (several stages, a partial last one)
     variants = ["staged"] + [f"staged:{lpt}:{xs}" for lpt in (8, 4, 2) for xs in (0, 1)] + ["staged:4:1:3:2", "staged:2:0:5:3"]
-    kernels = ["auto", "register"] + (variants if staged else [])
+    # several tokens: the tiled kernel (experts: work items of 4 or 8 pairs; dense: tiles of tokens)
+    kernels = ["auto", "register"] + (["tiled"] if T > 1 else []) + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data)
     # (scales >= 2^8 exclude the integer decode: auto takes the hardware one, 'int' is refused)
     decodes = (("auto", "sw", "hw") + (() if "bigscale" in name else ("int",))) if release == "fp8" else ("auto",)
@@ -517,7 +528,7 @@ def test_linear_kernels_match_cpu(case):
         with pytest.raises(ValueError, match="scales below 2"):
             cuda_module().linear(release, data, scale, X, round=rnd, decode="int")
     for kernel in kernels:
-        for decode in decodes if kernel in ("auto", "register", "staged:4:1", "staged:2:0") else ("auto",):
+        for decode in decodes if kernel in ("auto", "register", "tiled", "staged:4:1", "staged:2:0") else ("auto",):
             got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert, decode=decode)
             assert got.shape == want.shape
             diff = np.flatnonzero(bits(got) != bits(want))

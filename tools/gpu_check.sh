@@ -11,7 +11,7 @@
 # TESTS_K (a pytest -k expression instead),, PROFILE=1 (kernel timeline of decode steps,
 # tools/profile_cuda.py, after the benchmarks), LINEAR_BENCH=1 (tools/bench_linear.py at the end; LINEAR_ONLY, LINEAR_VARIANTS narrow it),
 # NCU=1 (ncu counters of the routed-expert kernels), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
-# AB_PDL=1 (decode again with GLM_PDL=0). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
+# AB="VAR=VALUE ..." (decode again with each setting, e.g. GLM_PDL=0 GLM_EXPERT_TILE=4). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
 # after the main build (VARIANT_PREFILL=0: decode only).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
@@ -174,12 +174,12 @@ timeout "$T_BENCH" python3 tools/bench_cuda.py --slice-dir "$SLICE" --layers "$L
   --json "$OUT/bench.json" --releases "$RELEASES" $PEER
 echo "bench exit $? (limit $T_BENCH s)"
 
-if [ "${AB_PDL:-0}" = "1" ]; then
-  # the same decode without programmatic dependent launch (plain stream order), in this run
-  phase "A/B: decode without programmatic dependent launch (GLM_PDL=0)"
-  GLM_PDL=0 timeout 150 python3 tools/bench_cuda.py --slice-dir "$SLICE" --layers "$LAYERS" --experts "$EXPERTS" \
-    --json "$OUT/bench_nopdl.json" --releases "${RELEASES%%,*}" --no-peer --prefill 0 2>&1 | grep -v "one-token kernel"
-fi
+for setting in ${AB:-}; do
+  # the same decode with one engine setting changed (e.g. GLM_PDL=0, GLM_EXPERT_TILE=4), in this run
+  phase "A/B: decode with $setting"
+  env "$setting" timeout 150 python3 tools/bench_cuda.py --slice-dir "$SLICE" --layers "$LAYERS" --experts "$EXPERTS" \
+    --json "$OUT/bench_${setting//[^A-Za-z0-9]/_}.json" --releases "${RELEASES%%,*}" --no-peer --prefill 0 2>&1 | grep -v "one-token kernel"
+done
 if compgen -G ".variants/*.so" > /dev/null; then
   # other builds of fast._cuda (branches built elsewhere, carried in .variants/NAME.so), same benchmark
   MOD=$(ls fast/_cuda.cpython-*.so | head -1)

@@ -11,6 +11,7 @@
 //
 // Routing, the grouping of (token, slot) pairs by expert and the expert work list are made on the
 // device; the expert matvecs then read each selected expert's weights once for all its pairs.
+#include <cstdlib>
 #include "engine.cuh"
 
 namespace glm::cuda {
@@ -290,6 +291,16 @@ __global__ void k_add_bf16(const float* __restrict__ a, const float* __restrict_
     if (i < n) out[i] = bf16r(fadd(a[i], b[i]));
 }
 
+// GLM_EXPERT_TILE (1, 4 or 8; anything else: the engine's choice), read once.
+int expert_tile_override() {
+    static const int t = [] {
+        const char* v = std::getenv("GLM_EXPERT_TILE");
+        const int n = v ? std::atoi(v) : 0;
+        return n == 1 || n == 4 || n == 8 ? n : 0;
+    }();
+    return t;
+}
+
 }  // namespace
 
 void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const float* x, int rows, float* y,
@@ -351,7 +362,11 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     // pairs per work item: when the pairs are few against the experts (b8: 64 pairs over 288 experts hit
     // ~57), most experts get one, and a multi-pair item would compute its empty slots too; one pair per
     // item takes the one-token kernels instead (an expert chosen twice is then read twice)
-    const int tile = (T == 1 || 4 * T * k <= E) ? 1 : (T <= 16 ? 4 : 8);
+    // else 4 or 8 pairs per item (the tiled kernel reads the expert's weights once for the item), 8 only
+    // where the experts average 4 pairs or more (prefill), since a slot past the item's pairs is computed
+    // too. GLM_EXPERT_TILE=1/4/8 forces the tile of batches (a benchmark's knob; every tile, same bits).
+    int tile = (T == 1 || 4 * T * k <= E) ? 1 : (T * k >= 4 * E ? 8 : 4);
+    if (T > 1 && expert_tile_override() > 0) tile = expert_tile_override();
     int* pairs = s.scratch.d<int>(static_cast<size_t>(nall));
     int* items = s.scratch.d<int>(static_cast<size_t>(nall) * 3);
     int* n_items = s.scratch.d<int>(1);

@@ -180,6 +180,17 @@ GLM_DEV void load_x8(const float* __restrict__ x, int64_t col, bool vec, float (
 // follow the T*k routed ones, read row p - p_split.
 GLM_DEV int64_t pair_xrow(const LinArgs& a, int p) { return p < a.p_split ? p / a.xdiv : p - a.p_split; }
 
+// The weight bytes of rows [r0, r0 + n) of a dense matrix when they are one 16-byte aligned range (no
+// head blocking), for pdl_enter_prefetch; null otherwise (expert weights are known only after the wait).
+GLM_DEV Prefetch dense_rows(const LinArgs& a, bool expert, int r0, int n) {
+    if (expert || !a.prefetch || a.rh < a.R || r0 >= a.R) return {};
+    const int64_t rb = row_bytes(a.fmt, a.C);
+    const unsigned char* p = static_cast<const unsigned char*>(a.data) + (a.row0 + a.woff + r0) * rb;
+    const int64_t len = static_cast<int64_t>(n < a.R - r0 ? n : a.R - r0) * rb;
+    if (rb % 16 != 0 || reinterpret_cast<uintptr_t>(p) % 16 != 0 || len >= (int64_t{1} << 31)) return {};
+    return {p, static_cast<uint32_t>(len)};
+}
+
 // One block's work: rows [blockIdx.x * RPB, +RPB) for the token tile `tile` (or expert work item).
 template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP>
 GLM_DEV void linear_block(const LinArgs& a, int tile) {
@@ -342,7 +353,7 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
 // Expert work items beyond gridDim.y are taken in turn (the grid's y extent is capped at 65535).
 template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP>
 __global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) {
-    pdl_enter();
+    pdl_enter_prefetch(dense_rows(a, EXPERT, static_cast<int>(blockIdx.x) * rows_per_block<TT>(), rows_per_block<TT>()));
     if constexpr (EXPERT) {
         const int n = *a.n_items;
         for (int item = static_cast<int>(blockIdx.y); item < n; item += static_cast<int>(gridDim.y))
@@ -563,7 +574,7 @@ GLM_DEV float fold_lanes(float (&acc)[LPT], int g, int h) {
 // block: no head-blocked views).
 template <int FMT, bool EXPERT, int DEC, int LPT, bool XS>
 __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, int cps) {
-    pdl_enter();
+    pdl_enter_prefetch(dense_rows(a, EXPERT, static_cast<int>(blockIdx.x) * rpb, rpb));
     GLM_DYN_SMEM(unsigned char, sm);
     constexpr int TPR = 64 / LPT;
     constexpr int MAXR = kStThreads / 8;
@@ -687,6 +698,155 @@ __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, in
     }
 }
 
+// ---- the tiled multi-token kernel ---------------------------------------------------------------
+//
+// Several token rows (or an expert work item of several pairs) against one matrix. The register kernel
+// gives each row's eight threads all TT tokens: every weight it decodes meets TT x values, but every x
+// value it loads meets one weight, so at TT = 8 it issues a shared-memory load per FMA and ran at ~2.4
+// TFMA/s on the H200 (lm_head at batch 32: 8.5 ms). Here a warp owns kMtRpt rows and each thread
+// holds LPT = 2 lanes of one accumulator g of every (row, token) pair of the tile: per chunk it decodes
+// RPT*2 weights and loads TT*2 x values for RPT*TT*2 FMAs. The block's weight rows and the tile's x rows
+// are staged through shared memory (cp.async, kMtStages - 1 stages in flight). Each P[g][l] is still one
+// FMA chain over the chunks in order and the fold is fold_lanes' 4/2/1 trees: the same operations as
+// the register kernel, on other threads.
+constexpr int kMtThreads = 256;
+constexpr int kMtRpt = 4;                                // rows per warp (and per thread)
+constexpr int kMtLpt = 2;                                // lanes of one accumulator per thread
+constexpr int kMtRows = (kMtThreads / 32) * kMtRpt;      // 32 rows per block
+constexpr int kMtStages = 3;
+template <int FMT>
+constexpr int mt_cps() {  // chunks per stage: 8 KB of weights over the block's rows
+    return 8192 / (kMtRows * chunk_bytes<FMT>()) > 0 ? 8192 / (kMtRows * chunk_bytes<FMT>()) : 1;
+}
+template <int FMT, int TT>
+constexpr int mt_stage_bytes() {
+    return kMtRows * mt_cps<FMT>() * chunk_bytes<FMT>() + TT * mt_cps<FMT>() * 256;
+}
+
+template <int FMT, bool EXPERT, int DEC, int TT>
+__global__ void __launch_bounds__(kMtThreads) k_linear_mt(LinArgs a) {
+    pdl_enter_prefetch(dense_rows(a, EXPERT, static_cast<int>(blockIdx.x) * kMtRows, kMtRows));
+    GLM_DYN_SMEM(unsigned char, sm);
+    constexpr int CB = chunk_bytes<FMT>(), LPT = kMtLpt, RPT = kMtRpt, CPS = mt_cps<FMT>();
+    constexpr int WROW = CPS * CB, WBYTES = kMtRows * WROW, SBYTES = mt_stage_bytes<FMT, TT>();
+    __shared__ const unsigned char* rowp[kMtRows];
+    __shared__ const float* xrow[TT];
+    const int64_t C = a.C;
+    const int nchunks = static_cast<int>(C / 64);
+    const int nst = (nchunks + CPS - 1) / CPS;
+    const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, h = lane & 3, off = 8 * g + LPT * h;  // fold_lanes<2>'s thread (g, h)
+    const int row_base = static_cast<int>(blockIdx.x) * kMtRows;
+    const int64_t rb = row_bytes(FMT, C);
+    // the scale rows of this thread's RPT rows (rows past R read the last row's; nothing is stored)
+    int64_t srow[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        const int r = row_base + warp * RPT + i < a.R ? row_base + warp * RPT + i : a.R - 1;
+        const int64_t ar = a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
+        srow[i] = FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) : 0);
+    }
+    const int n_items = EXPERT ? *a.n_items : (a.T + TT - 1) / TT;
+    for (int item = static_cast<int>(blockIdx.y); item < n_items; item += static_cast<int>(gridDim.y)) {
+        const void* data = a.data;
+        const void* scale = a.scale;
+        int cnt, start = 0;
+        if constexpr (EXPERT) {
+            const bool second = blockIdx.z != 0;
+            data = (second ? a.dtab2 : a.dtab)[a.items[3 * item]];
+            scale = (second ? a.stab2 : a.stab)[a.items[3 * item]];
+            start = a.items[3 * item + 1];
+            cnt = a.items[3 * item + 2];
+        } else {
+            cnt = a.T - item * TT < TT ? a.T - item * TT : TT;
+        }
+        __syncthreads();  // the previous item's last stage is read before rowp, xrow and the buffers change
+        if (tid < kMtRows) {
+            const int r = row_base + tid;
+            const int64_t ar = a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
+            rowp[tid] = r < a.R ? static_cast<const unsigned char*>(data) + ar * rb : nullptr;
+        }
+        if (tid < TT) {  // slots past cnt compute the last pair's token again (not stored)
+            const int j = tid < cnt ? tid : cnt - 1;
+            int64_t xr;
+            if constexpr (EXPERT) xr = pair_xrow(a, a.pairs[start + j]);
+            else xr = static_cast<int64_t>(item) * TT + j;
+            xrow[tid] = a.X + xr * a.ldx;
+        }
+        __syncthreads();
+        auto issue = [&](int s) {
+            const int c0 = s * CPS;
+            const int nc = nchunks - c0 < CPS ? nchunks - c0 : CPS;
+            unsigned char* buf = sm + (s % kMtStages) * SBYTES;
+            const int ppr = nc * CB / 16;  // 16-byte pieces per row in this stage
+            for (int q = tid; q < kMtRows * ppr; q += kMtThreads) {
+                const int i = q / ppr, k = q - i * ppr;
+                if (rowp[i]) cp_async16(buf + i * WROW + 16 * k, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * k);
+            }
+            for (int q = tid; q < TT * nc * 16; q += kMtThreads) {
+                const int j = q / (nc * 16), k = q - j * (nc * 16);
+                cp_async16(buf + WBYTES + j * CPS * 256 + 16 * k, xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * k);
+            }
+        };
+        float acc[RPT][TT][LPT];
+#pragma unroll
+        for (int i = 0; i < RPT; ++i)
+#pragma unroll
+            for (int j = 0; j < TT; ++j)
+#pragma unroll
+                for (int l = 0; l < LPT; ++l) acc[i][j][l] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < kMtStages - 1; ++s) {
+            if (s < nst) issue(s);
+            cp_async_commit();
+        }
+        for (int s = 0; s < nst; ++s) {
+            cp_async_wait<kMtStages - 2>();
+            __syncthreads();  // stage s is in for every thread's copies; stage s - 1 is read by all
+            if (s + kMtStages - 1 < nst) issue(s + kMtStages - 1);
+            cp_async_commit();
+            const int c0 = s * CPS;
+            const int nc = nchunks - c0 < CPS ? nchunks - c0 : CPS;
+            const unsigned char* buf = sm + (s % kMtStages) * SBYTES;
+            for (int u = 0; u < nc; ++u) {
+                const int64_t col = 64 * static_cast<int64_t>(c0 + u) + off;
+                float w[RPT][LPT];
+#pragma unroll
+                for (int i = 0; i < RPT; ++i) {
+                    float sc = 0.0f;
+                    if constexpr (FMT == W_FP8) sc = __ldg(static_cast<const float*>(scale) + srow[i] + col / 128);
+                    else if constexpr (FMT == W_MXFP4) sc = e8m0(__ldg(static_cast<const uint8_t*>(scale) + srow[i] + col / 32));
+                    decode_smem<FMT, DEC, LPT>(buf + (warp * RPT + i) * WROW + u * CB + (off * CB) / 64, sc, w[i]);
+                }
+#pragma unroll
+                for (int j = 0; j < TT; ++j) {
+                    const float2 xv = *reinterpret_cast<const float2*>(buf + WBYTES + j * CPS * 256 + 4 * (64 * u + off));
+#pragma unroll
+                    for (int i = 0; i < RPT; ++i) {
+                        acc[i][j][0] = ffma(w[i][0], xv.x, acc[i][j][0]);
+                        acc[i][j][1] = ffma(w[i][1], xv.y, acc[i][j][1]);
+                    }
+                }
+            }
+        }
+        float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) {
+            const int r = row_base + warp * RPT + i;
+#pragma unroll
+            for (int j = 0; j < TT; ++j) {
+                const float y = fold_lanes<LPT>(acc[i][j], g, h);
+                if (lane == 0 && r < a.R && j < cnt) {
+                    int64_t yrow;
+                    if constexpr (EXPERT) yrow = a.pairs[start + j];
+                    else yrow = static_cast<int64_t>(item) * TT + j;
+                    Y[yrow * a.ldy + r] = a.round ? bf16r(y) : y;
+                }
+            }
+        }
+    }
+}
+
 // The staged kernel takes one token row (or expert items of one pair each), whole chunks, 16-byte
 // aligned rows (and x rows), and matrices of at most 16 waves of 16-row blocks (lm_head streams at
 // 85-90 % of the copy bandwidth through the register kernel already). The bound is per matrix, not per
@@ -753,6 +913,40 @@ bool launch_staged(const LinArgs& a, dim3 g, const StChoice& c) {
         else launch_st<FMT, EXPERT, 2, false>(a, grid, rpb, cps, smem);
     }
     return true;
+}
+
+// The tiled kernel takes several tokens (or items of several pairs) of one x row each (no head-blocked
+// x), whole chunks, 16-byte aligned weight and x rows.
+bool tiled_applies(const LinArgs& a, bool expert) {
+    const int64_t rb = row_bytes(a.fmt, a.C);
+    if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
+    if (!expert && reinterpret_cast<uintptr_t>(a.data) % 16 != 0) return false;
+    if (reinterpret_cast<uintptr_t>(a.X) % 16 != 0 || a.ldx % 4 != 0) return false;
+    if (a.rh < a.R && a.xhs != 0) return false;
+    return expert ? a.tile_pairs > 1 : a.T > 1;
+}
+
+template <int FMT, bool EXPERT, int TT, int DEC>
+void launch_mt_dec(const LinArgs& a, dim3 grid) {
+    auto k = k_linear_mt<FMT, EXPERT, DEC, TT>;
+    constexpr size_t smem = static_cast<size_t>(kMtStages) * mt_stage_bytes<FMT, TT>();
+    static bool attr_set = false;
+    if (!attr_set) {
+        check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), "smem attribute");
+        attr_set = true;
+    }
+    grid.x = static_cast<unsigned>((a.R + kMtRows - 1) / kMtRows);
+    GLM_LAUNCH(k, grid, kMtThreads, smem, a);
+}
+template <int FMT, bool EXPERT, int TT>
+void launch_mt(const LinArgs& a, dim3 grid) {
+    if constexpr (FMT == W_FP8) {
+        if (a.dec == kDecInt) launch_mt_dec<FMT, EXPERT, TT, kDecInt>(a, grid);
+        else if (a.dec == kDecHw) launch_mt_dec<FMT, EXPERT, TT, kDecHw>(a, grid);
+        else launch_mt_dec<FMT, EXPERT, TT, kDecSw>(a, grid);
+    } else {
+        launch_mt_dec<FMT, EXPERT, TT, kDecSw>(a, grid);
+    }
 }
 
 template <int FMT, int TT, bool EXPERT, int DEC>
@@ -881,6 +1075,11 @@ void launch_fmt(const LinArgs& a, dim3 grid) {
             if (c.lpt == 0 && tuning_on()) c = tuned_choice<FMT, EXPERT>(a, grid);
             if (c.lpt >= 0 && launch_staged<FMT, EXPERT>(a, grid, c)) return;
         }
+    } else {
+        if (!a.no_staged && tiled_applies(a, EXPERT)) {
+            launch_mt<FMT, EXPERT, TT>(a, grid);
+            return;
+        }
     }
     launch_register<FMT, TT, EXPERT>(a, grid);
 }
@@ -896,8 +1095,17 @@ void launch_tt(const LinArgs& a, dim3 grid) {
     }
 }
 
+bool prefetch_enabled() {
+    static const bool on = [] {
+        const char* e = std::getenv("GLM_PREFETCH");
+        return !(e && std::string(e) == "0");
+    }();
+    return on;
+}
+
 void run(LinArgs a, bool expert, int tile, const Nm& nm) {
     if (a.R <= 0) return;
+    a.prefetch = prefetch_enabled();
     if (!expert && a.T <= 0) return;
     if (nm.seq) {
         const int ty = expert ? a.max_items : (a.T + tile - 1) / tile;
@@ -1071,12 +1279,12 @@ bool e4m3_nan_free_device(const void* data, size_t n) {
 
 namespace {
 
-// kernel: "auto" | "register" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged, forced choice)
+// kernel: "auto" | "register" | "tiled" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged, forced choice)
 StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     StChoice c;
     no_staged = kernel == "register";
     require_staged = kernel.rfind("staged", 0) == 0;
-    if (kernel == "auto" || kernel == "register" || kernel == "staged") return c;
+    if (kernel == "auto" || kernel == "register" || kernel == "tiled" || kernel == "staged") return c;
     int v[4] = {0, -1, 0, 0};
     int n = 0;
     if (require_staged && kernel.size() > 7 && kernel[6] == ':') {
@@ -1101,7 +1309,7 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
             return c;
         }
     }
-    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'staged' or 'staged:LPT:XS[:RPB:CPS]' "
+    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'tiled', 'staged' or 'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
 }
 
@@ -1151,28 +1359,30 @@ struct DevBufs {
     }
 };
 
-// Work items of one pair each, pair t on expert t % n_experts: [3T] items, then n_items, then [T] pairs.
-std::vector<int> expert_items(int T, int n_experts) {
+// Work items of `tile` consecutive pairs (the last may hold fewer), item i on expert i % n_experts:
+// [3T] items (the unused ones zero), then n_items, then [T] pairs (pair t is token row t).
+std::vector<int> expert_items(int T, int n_experts, int tile = 1) {
     std::vector<int> it(static_cast<size_t>(T) * 4 + 1);
-    for (int t = 0; t < T; ++t) {
-        it[3 * static_cast<size_t>(t)] = t % n_experts;
-        it[3 * static_cast<size_t>(t) + 1] = t;
-        it[3 * static_cast<size_t>(t) + 2] = 1;
-        it[3 * static_cast<size_t>(T) + 1 + static_cast<size_t>(t)] = t;
+    int n = 0;
+    for (int t = 0; t < T; t += tile, ++n) {
+        it[3 * static_cast<size_t>(n)] = n % n_experts;
+        it[3 * static_cast<size_t>(n) + 1] = t;
+        it[3 * static_cast<size_t>(n) + 2] = T - t < tile ? T - t : tile;
     }
-    it[3 * static_cast<size_t>(T)] = T;
+    for (int t = 0; t < T; ++t) it[3 * static_cast<size_t>(T) + 1 + static_cast<size_t>(t)] = t;
+    it[3 * static_cast<size_t>(T)] = n;
     return it;
 }
 
-void set_expert_args(LinArgs& a, const void* tables, const void* items, int T, int n_experts) {
+void set_expert_args(LinArgs& a, const void* tables, const void* items, int T, int n_experts, int tile = 1) {
     const int* di = static_cast<const int*>(items);
     a.dtab = static_cast<const void* const*>(tables);
     a.stab = static_cast<const void* const*>(tables) + n_experts;
     a.items = di;
     a.n_items = di + 3 * T;
     a.pairs = di + 3 * T + 1;
-    a.max_items = T;
-    a.tile_pairs = 1;
+    a.max_items = (T + tile - 1) / tile;
+    a.tile_pairs = tile;
 }
 
 __global__ void k_fill_bytes(unsigned char* p, size_t n, uint32_t seed, int fmt) {
@@ -1216,6 +1426,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     check(cudaMemcpy(dd, data, data_bytes, cudaMemcpyHostToDevice), "linear: weights");
     if (scale_bytes) check(cudaMemcpy(ds, scale, scale_bytes, cudaMemcpyHostToDevice), "linear: scales");
     check(cudaMemcpy(dx, X, static_cast<size_t>(T) * C * 4, cudaMemcpyHostToDevice), "linear: X");
+    const bool tiled = kernel == "tiled";  // the tiled kernel; experts: items of tile_for(T) pairs
     LinArgs a = whole_matrix_args(fmt, R, C, dx, C, dy, T, round, no_staged);
     a.dec = dec_of(decode, fmt, fmt == W_FP8 && e4m3_nan_free_device(dd, data_bytes) &&
                                     fp8_scales_foldable(static_cast<const float*>(scale), scale_bytes / 4));
@@ -1224,17 +1435,22 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         // one expert (the matrix), each token row its own work item of one pair
         const void* tab[2] = {dd, ds};
         check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
-        const std::vector<int> it = expert_items(T, 1);
+        const int tile = tiled ? tile_for(T) : 1;
+        const std::vector<int> it = expert_items(T, 1, tile);
         check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "linear: items");
-        set_expert_args(a, dtab, ditems, T, 1);
+        set_expert_args(a, dtab, ditems, T, 1, tile);
         if (require_staged && !staged_applies(a, true))
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
-        run(a, true, 1, Nm{});
+        if (tiled && !tiled_applies(a, true))
+            throw std::invalid_argument("linear: the tiled kernel does not apply to this shape");
+        run(a, true, tile, Nm{});
     } else {
         a.data = dd;
         a.scale = ds;
         if (require_staged && !staged_applies(a, false))
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
+        if (tiled && !tiled_applies(a, false))
+            throw std::invalid_argument("linear: the tiled kernel does not apply to this shape");
         run(a, false, tile_for(T), Nm{});
     }
     std::vector<float> y(static_cast<size_t>(T) * R);

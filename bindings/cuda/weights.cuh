@@ -98,6 +98,7 @@ struct LinArgs {
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
     StChoice st;                               // a staged variant forced by a test or benchmark
     int dec = 0;                               // fp8 decode path (weights.cu: Dec)
+    bool prefetch = true;                      // dense rows asked of L2 before the wait (GLM_PREFETCH=0: off)
 };
 
 // True when no byte of the n at `data` (device) is an E4M3 NaN code (0x7F, 0xFF).
