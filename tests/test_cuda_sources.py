@@ -4,8 +4,7 @@ Every launch of the engine is a programmatic dependent launch (bindings/cuda/com
 start while the kernel before it in the stream is still running. That is only correct because every
 kernel's first statement is pdl_enter(), which waits for the previous kernel's completion; a kernel
 that forgot it would race its predecessor on the GPU and nowhere else (the emulation runs launches in
-order), so the rule is checked here, where CI sees it. (A weight-streaming kernel's first statement may be
-pdl_enter_prefetch(range), which prefetches its read-only weight rows into L2 and then does the same.)
+order), so the rule is checked here, where CI sees it.
 """
 from __future__ import annotations
 
@@ -38,10 +37,7 @@ def test_the_sources_define_kernels():
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
 def test_every_kernel_waits_for_its_predecessor_first(path):
-    # pdl_enter_prefetch(range) asks L2 for read-only weights first (its argument reads kernel
-    # parameters only), then does the same
-    bad = [name for name, first in kernels(path.read_text())
-           if first != "pdl_enter()" and not first.startswith("pdl_enter_prefetch(")]
+    bad = [name for name, first in kernels(path.read_text()) if first != "pdl_enter()"]
     assert not bad, f"{path.name}: kernels whose first statement is not pdl_enter(): {bad}"
 
 

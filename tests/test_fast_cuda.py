@@ -519,8 +519,10 @@ def test_linear_kernels_match_cpu(case):
     # every staged variant: 8, 4 or 2 lanes per thread, x through L1 or staged, and a forced small
     # block (3 rows) with 2-chunk stages (several stages, a partial last one)
     variants = ["staged"] + [f"staged:{lpt}:{xs}" for lpt in (8, 4, 2) for xs in (0, 1)] + ["staged:4:1:3:2", "staged:2:0:5:3"]
-    # several tokens: the tiled kernel (experts: work items of 4 or 8 pairs; dense: tiles of tokens)
-    kernels = ["auto", "register"] + (["tiled"] if T > 1 else []) + (variants if staged else [])
+    # the tiled kernel (experts: work items of 4 or 8 pairs, or of one with tiled:1; dense: tiles of
+    # tokens, or one token) wherever rows are whole chunks
+    tiled = (["tiled"] + (["tiled:1"] if expert and T > 1 else [])) if C % 64 == 0 else []
+    kernels = ["auto", "register"] + tiled + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data)
     # (scales >= 2^8 exclude the integer decode: auto takes the hardware one, 'int' is refused)
     decodes = (("auto", "sw", "hw") + (() if "bigscale" in name else ("int",))) if release == "fp8" else ("auto",)
@@ -528,7 +530,7 @@ def test_linear_kernels_match_cpu(case):
         with pytest.raises(ValueError, match="scales below 2"):
             cuda_module().linear(release, data, scale, X, round=rnd, decode="int")
     for kernel in kernels:
-        for decode in decodes if kernel in ("auto", "register", "tiled", "staged:4:1", "staged:2:0") else ("auto",):
+        for decode in decodes if kernel in ("auto", "register", "tiled", "tiled:1", "staged:4:1", "staged:2:0") else ("auto",):
             got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert, decode=decode)
             assert got.shape == want.shape
             diff = np.flatnonzero(bits(got) != bits(want))
@@ -537,6 +539,9 @@ def test_linear_kernels_match_cpu(case):
     if not staged:
         with pytest.raises(ValueError, match="staged kernel does not apply"):
             cu.linear(release, data, scale, X, round=rnd, kernel="staged", expert=expert)
+    if not tiled:
+        with pytest.raises(ValueError, match="tiled kernel does not apply"):
+            cu.linear(release, data, scale, X, round=rnd, kernel="tiled", expert=expert)
     if release == "fp8":  # a NaN code: the integer placement is refused, the engine's choice decodes it
         data = data.copy()
         data[0, 0] = 0x7F

@@ -8,8 +8,9 @@
 # /tmp/slice; made here with oracle.zoo when absent), BUDGET (seconds for the whole run, default 450),
 # SLICE_LAYERS (2), SLICE_EXPERTS (288), SKIP_PEER=1 (no transformers peer), RELEASES (fp8,mxfp4),
 # TESTS=0 (skip the GPU tests: a performance iteration) or quick (skip the exhaustive expf and the slowest),
-# TESTS_K (a pytest -k expression instead),, PROFILE=1 (kernel timeline of decode steps,
-# tools/profile_cuda.py, after the benchmarks), LINEAR_BENCH=1 (tools/bench_linear.py at the end; LINEAR_ONLY, LINEAR_VARIANTS narrow it),
+# TESTS_K (a pytest -k expression instead), PROFILE=1 (kernel timeline of decode steps, tools/profile_cuda.py,
+# after the benchmarks; PROFILE_ENV=GLM_PDL=0 times each kernel alone, since with programmatic launch a
+# kernel's time includes its wait for the previous one), LINEAR_BENCH=1 (tools/bench_linear.py at the end; LINEAR_ONLY, LINEAR_VARIANTS narrow it),
 # NCU=1 (ncu counters of the routed-expert kernels), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
 # AB="VAR=VALUE ..." (decode again with each setting, e.g. GLM_PDL=0 GLM_EXPERT_TILE=4). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
 # after the main build (VARIANT_PREFILL=0: decode only).
@@ -198,7 +199,7 @@ if [ "${PROFILE:-0}" = "1" ]; then
   phase "kernel timeline of decode steps (tools/profile_cuda.py)"
   for r in ${RELEASES//,/ }; do
     for b in ${PROFILE_BATCHES:-1 8}; do
-      timeout 120 python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-$r" --batch $b --trace "$OUT/trace-$r-b$b.json" \
+      timeout 120 env ${PROFILE_ENV:-GLM_PDL=1} python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-$r" --batch $b --trace "$OUT/trace-$r-b$b.json" \
         2>&1 | grep -v -E "^(STAGE|Warning|  warnings)" | head -70
     done
   done

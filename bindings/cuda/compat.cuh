@@ -71,30 +71,6 @@ GLM_DEV void pdl_enter() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-// pdl_enter for a kernel that streams read-only weights: first ask L2 for the range r (this block's
-// weight rows, which no kernel writes; 16-byte aligned, a multiple of 16 bytes long, or null), so the
-// block's first loads overlap the previous kernel's tail instead of following it.
-struct Prefetch {
-    const void* p = nullptr;
-    uint32_t bytes = 0;
-};
-GLM_DEV void pdl_enter_prefetch(Prefetch r) {
-    const void* p = r.p;
-    const uint32_t bytes = r.bytes;
-#if !defined(GLM_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr uint32_t kPiece = 16384;
-    const uint32_t n = p ? (bytes + kPiece - 1) / kPiece : 0;
-    for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const uint32_t len = bytes - i * kPiece < kPiece ? bytes - i * kPiece : kPiece;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(p) + size_t{i} * kPiece),
-                     "r"(len) : "memory");
-    }
-#else
-    (void)p;
-    (void)bytes;
-#endif
-    pdl_enter();
-}
 
 inline void check(cudaError_t e, const char* what) {
     if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));

@@ -180,17 +180,6 @@ GLM_DEV void load_x8(const float* __restrict__ x, int64_t col, bool vec, float (
 // follow the T*k routed ones, read row p - p_split.
 GLM_DEV int64_t pair_xrow(const LinArgs& a, int p) { return p < a.p_split ? p / a.xdiv : p - a.p_split; }
 
-// The weight bytes of rows [r0, r0 + n) of a dense matrix when they are one 16-byte aligned range (no
-// head blocking), for pdl_enter_prefetch; null otherwise (expert weights are known only after the wait).
-GLM_DEV Prefetch dense_rows(const LinArgs& a, bool expert, int r0, int n) {
-    if (expert || !a.prefetch || a.rh < a.R || r0 >= a.R) return {};
-    const int64_t rb = row_bytes(a.fmt, a.C);
-    const unsigned char* p = static_cast<const unsigned char*>(a.data) + (a.row0 + a.woff + r0) * rb;
-    const int64_t len = static_cast<int64_t>(n < a.R - r0 ? n : a.R - r0) * rb;
-    if (rb % 16 != 0 || reinterpret_cast<uintptr_t>(p) % 16 != 0 || len >= (int64_t{1} << 31)) return {};
-    return {p, static_cast<uint32_t>(len)};
-}
-
 // One block's work: rows [blockIdx.x * RPB, +RPB) for the token tile `tile` (or expert work item).
 template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP>
 GLM_DEV void linear_block(const LinArgs& a, int tile) {
@@ -353,7 +342,7 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
 // Expert work items beyond gridDim.y are taken in turn (the grid's y extent is capped at 65535).
 template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP>
 __global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) {
-    pdl_enter_prefetch(dense_rows(a, EXPERT, static_cast<int>(blockIdx.x) * rows_per_block<TT>(), rows_per_block<TT>()));
+    pdl_enter();
     if constexpr (EXPERT) {
         const int n = *a.n_items;
         for (int item = static_cast<int>(blockIdx.y); item < n; item += static_cast<int>(gridDim.y))
@@ -574,7 +563,7 @@ GLM_DEV float fold_lanes(float (&acc)[LPT], int g, int h) {
 // block: no head-blocked views).
 template <int FMT, bool EXPERT, int DEC, int LPT, bool XS>
 __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, int cps) {
-    pdl_enter_prefetch(dense_rows(a, EXPERT, static_cast<int>(blockIdx.x) * rpb, rpb));
+    pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
     constexpr int TPR = 64 / LPT;
     constexpr int MAXR = kStThreads / 8;
@@ -725,7 +714,7 @@ constexpr int mt_stage_bytes() {
 
 template <int FMT, bool EXPERT, int DEC, int TT>
 __global__ void __launch_bounds__(kMtThreads) k_linear_mt(LinArgs a) {
-    pdl_enter_prefetch(dense_rows(a, EXPERT, static_cast<int>(blockIdx.x) * kMtRows, kMtRows));
+    pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
     constexpr int CB = chunk_bytes<FMT>(), LPT = kMtLpt, RPT = kMtRpt, CPS = mt_cps<FMT>();
     constexpr int WROW = CPS * CB, WBYTES = kMtRows * WROW, SBYTES = mt_stage_bytes<FMT, TT>();
@@ -915,15 +904,15 @@ bool launch_staged(const LinArgs& a, dim3 g, const StChoice& c) {
     return true;
 }
 
-// The tiled kernel takes several tokens (or items of several pairs) of one x row each (no head-blocked
-// x), whole chunks, 16-byte aligned weight and x rows.
+// The tiled kernel takes token rows (or expert items) of one x row each (no head-blocked x), whole
+// chunks, 16-byte aligned weight and x rows. Several tokens or pairs take it always; one token (TT = 1)
+// where the one-token tuning measured it fastest, or when forced.
 bool tiled_applies(const LinArgs& a, bool expert) {
     const int64_t rb = row_bytes(a.fmt, a.C);
     if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
     if (!expert && reinterpret_cast<uintptr_t>(a.data) % 16 != 0) return false;
     if (reinterpret_cast<uintptr_t>(a.X) % 16 != 0 || a.ldx % 4 != 0) return false;
-    if (a.rh < a.R && a.xhs != 0) return false;
-    return expert ? a.tile_pairs > 1 : a.T > 1;
+    return !(a.rh < a.R && a.xhs != 0);
 }
 
 template <int FMT, bool EXPERT, int TT, int DEC>
@@ -1010,6 +999,7 @@ bool tuning_on() {
 #endif
 }
 std::string choice_name(const StChoice& c) {
+    if (c.lpt == kTiledChoice) return "tiled";
     if (c.lpt < 0) return "register";
     return "staged:" + std::to_string(c.lpt) + ":" + std::to_string(c.xs) +
            (c.rpb ? ":" + std::to_string(c.rpb) + ":" + std::to_string(c.cps) : "");
@@ -1038,6 +1028,11 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
         c.xs = heads ? 0 : 1;
         cands.push_back(c);
     }
+    if (tiled_applies(a, EXPERT)) {
+        StChoice c;
+        c.lpt = kTiledChoice;
+        cands.push_back(c);
+    }
     TuneResult res;
     cudaEvent_t e0, e1;
     check(cudaEventCreate(&e0), "event");
@@ -1048,7 +1043,8 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
         for (int rep = 0; rep < 2; ++rep) {
             flush_l2();
             check(cudaEventRecord(e0, 0), "event");
-            if (c.lpt < 0) launch_register<FMT, 1, EXPERT>(a, grid);
+            if (c.lpt == kTiledChoice) launch_mt<FMT, EXPERT, 1>(a, grid);
+            else if (c.lpt < 0) launch_register<FMT, 1, EXPERT>(a, grid);
             else launch_staged<FMT, EXPERT>(a, grid, c);
             check(cudaEventRecord(e1, 0), "event");
             check(cudaEventSynchronize(e1), "tuning");
@@ -1070,9 +1066,17 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
 template <int FMT, int TT, bool EXPERT>
 void launch_fmt(const LinArgs& a, dim3 grid) {
     if constexpr (TT == 1) {
+        if (a.st.lpt == kTiledChoice && tiled_applies(a, EXPERT)) {  // forced by a test or benchmark
+            launch_mt<FMT, EXPERT, 1>(a, grid);
+            return;
+        }
         if (!a.no_staged && staged_applies(a, EXPERT)) {
             StChoice c = a.st;  // a variant forced by a test or benchmark, else the measured choice
             if (c.lpt == 0 && tuning_on()) c = tuned_choice<FMT, EXPERT>(a, grid);
+            if (c.lpt == kTiledChoice) {  // offered by the tuning only where it applies
+                launch_mt<FMT, EXPERT, 1>(a, grid);
+                return;
+            }
             if (c.lpt >= 0 && launch_staged<FMT, EXPERT>(a, grid, c)) return;
         }
     } else {
@@ -1095,17 +1099,8 @@ void launch_tt(const LinArgs& a, dim3 grid) {
     }
 }
 
-bool prefetch_enabled() {
-    static const bool on = [] {
-        const char* e = std::getenv("GLM_PREFETCH");
-        return !(e && std::string(e) == "0");
-    }();
-    return on;
-}
-
 void run(LinArgs a, bool expert, int tile, const Nm& nm) {
     if (a.R <= 0) return;
-    a.prefetch = prefetch_enabled();
     if (!expert && a.T <= 0) return;
     if (nm.seq) {
         const int ty = expert ? a.max_items : (a.T + tile - 1) / tile;
@@ -1279,12 +1274,14 @@ bool e4m3_nan_free_device(const void* data, size_t n) {
 
 namespace {
 
-// kernel: "auto" | "register" | "tiled" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged, forced choice)
+// kernel: "auto" | "register" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
+// forced choice); "tiled" gives expert work items of tile_for(T) pairs, "tiled:1" of one pair.
 StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     StChoice c;
     no_staged = kernel == "register";
     require_staged = kernel.rfind("staged", 0) == 0;
-    if (kernel == "auto" || kernel == "register" || kernel == "tiled" || kernel == "staged") return c;
+    if (kernel == "tiled" || kernel == "tiled:1") c.lpt = kTiledChoice;
+    if (kernel == "auto" || kernel == "register" || kernel == "tiled" || kernel == "tiled:1" || kernel == "staged") return c;
     int v[4] = {0, -1, 0, 0};
     int n = 0;
     if (require_staged && kernel.size() > 7 && kernel[6] == ':') {
@@ -1309,7 +1306,7 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
             return c;
         }
     }
-    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'tiled', 'staged' or 'staged:LPT:XS[:RPB:CPS]' "
+    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'tiled', 'tiled:1', 'staged' or 'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
 }
 
@@ -1426,7 +1423,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     check(cudaMemcpy(dd, data, data_bytes, cudaMemcpyHostToDevice), "linear: weights");
     if (scale_bytes) check(cudaMemcpy(ds, scale, scale_bytes, cudaMemcpyHostToDevice), "linear: scales");
     check(cudaMemcpy(dx, X, static_cast<size_t>(T) * C * 4, cudaMemcpyHostToDevice), "linear: X");
-    const bool tiled = kernel == "tiled";  // the tiled kernel; experts: items of tile_for(T) pairs
+    const bool tiled = kernel.rfind("tiled", 0) == 0;  // the tiled kernel
     LinArgs a = whole_matrix_args(fmt, R, C, dx, C, dy, T, round, no_staged);
     a.dec = dec_of(decode, fmt, fmt == W_FP8 && e4m3_nan_free_device(dd, data_bytes) &&
                                     fp8_scales_foldable(static_cast<const float*>(scale), scale_bytes / 4));
@@ -1435,7 +1432,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         // one expert (the matrix), each token row its own work item of one pair
         const void* tab[2] = {dd, ds};
         check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
-        const int tile = tiled ? tile_for(T) : 1;
+        const int tile = kernel == "tiled" ? tile_for(T) : 1;
         const std::vector<int> it = expert_items(T, 1, tile);
         check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "linear: items");
         set_expert_args(a, dtab, ditems, T, 1, tile);

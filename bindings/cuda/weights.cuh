@@ -57,8 +57,9 @@ struct ExpertTable {
 
 // Which variant of the staged one-token kernel a launch uses (weights.cu): 0 / -1 fields take the
 // engine's choice; lpt -1 in a tuned result means the register kernel.
+constexpr int kTiledChoice = -2;  // StChoice::lpt of the tiled kernel (k_linear_mt with one token)
 struct StChoice {
-    int lpt = 0;   // 8, 4 or 2 lanes of one accumulator per thread
+    int lpt = 0;   // 8, 4 or 2 lanes of one accumulator per thread (-1 register, kTiledChoice tiled)
     int xs = -1;   // stage x too (1) or read it through L1 (0)
     int rpb = 0;   // rows per block
     int cps = 0;   // chunks per stage
@@ -98,7 +99,6 @@ struct LinArgs {
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
     StChoice st;                               // a staged variant forced by a test or benchmark
     int dec = 0;                               // fp8 decode path (weights.cu: Dec)
-    bool prefetch = true;                      // dense rows asked of L2 before the wait (GLM_PREFETCH=0: off)
 };
 
 // True when no byte of the n at `data` (device) is an E4M3 NaN code (0x7F, 0xFF).
