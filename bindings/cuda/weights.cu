@@ -181,13 +181,10 @@ GLM_DEV void load_x8(const float* __restrict__ x, int64_t col, bool vec, float (
 GLM_DEV int64_t pair_xrow(const LinArgs& a, int p) { return p < a.p_split ? p / a.xdiv : p - a.p_split; }
 
 // One block's work: rows [blockIdx.x * RPB, +RPB) for the token tile `tile` (or expert work item).
-// MODE (one token): kDeep batches 32 chunks (batch_chunks), kPipe loads the next 8 chunks before the
-// current 8 are decoded (software pipelining: the loads of a thread never wait on its FMAs).
-enum RegMode : int { kPlain = 0, kDeep = 1, kPipe = 2 };
-template <int FMT, int TT, bool EXPERT, int DEC, int MODE>
+template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP>
 GLM_DEV void linear_block(const LinArgs& a, int tile) {
     constexpr int RPB = rows_per_block<TT>();
-    constexpr int U = batch_chunks<FMT, TT, MODE == kDeep>();
+    constexpr int U = batch_chunks<FMT, TT, DEEP>();
     const int g = lane8();
     const int grp = static_cast<int>(blockIdx.x) * RPB + static_cast<int>(threadIdx.x >> 3);
     const bool live = grp < a.R;
@@ -287,28 +284,7 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
             }
         }
     }
-    if (MODE == kPipe && wvec) {
-        constexpr int V = 8;
-        Raw<FMT> cur[V], nxt[V] = {};
-#pragma unroll
-        for (int u = 0; u < V; ++u)
-            if (u < nfull) cur[u] = load_raw<FMT>(data, scale, ar, 64 * u + 8 * g, C);
-        for (; c < nfull; c += V) {
-#pragma unroll
-            for (int u = 0; u < V; ++u)
-                if (c + V + u < nfull) nxt[u] = load_raw<FMT>(data, scale, ar, 64 * (c + V + u) + 8 * g, C);
-#pragma unroll
-            for (int u = 0; u < V; ++u) {
-                if (c + u < nfull) {
-                    float w[8];
-                    decode_raw<FMT, DEC>(cur[u], w);
-                    fma_chunk(w, 64 * (c + u) + 8 * g);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < V; ++u) cur[u] = nxt[u];
-        }
-    } else if (wvec) {
+    if (wvec) {
         // U chunks' loads in flight before the first is decoded; chunks still in increasing order
         for (; c + U <= nfull; c += U) {
             Raw<FMT> raw[U];
@@ -364,15 +340,15 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
 }
 
 // Expert work items beyond gridDim.y are taken in turn (the grid's y extent is capped at 65535).
-template <int FMT, int TT, bool EXPERT, int DEC, int MODE>
+template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP>
 __global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) {
     pdl_enter();
     if constexpr (EXPERT) {
         const int n = *a.n_items;
         for (int item = static_cast<int>(blockIdx.y); item < n; item += static_cast<int>(gridDim.y))
-            linear_block<FMT, TT, EXPERT, DEC, MODE == kDeep ? kPlain : MODE>(a, item);
+            linear_block<FMT, TT, EXPERT, DEC, false>(a, item);
     } else {
-        linear_block<FMT, TT, EXPERT, DEC, MODE>(a, static_cast<int>(blockIdx.y));
+        linear_block<FMT, TT, EXPERT, DEC, DEEP>(a, static_cast<int>(blockIdx.y));
     }
 }
 
@@ -963,27 +939,24 @@ void launch_mt(const LinArgs& a, dim3 grid) {
 }
 
 template <int FMT, int TT, bool EXPERT, int DEC>
-void launch_reg(const LinArgs& a, dim3 grid, bool pipe) {
+void launch_reg(const LinArgs& a, dim3 grid) {
     constexpr int threads = rows_per_block<TT>() * 8;
     grid.x = static_cast<unsigned>((a.R + rows_per_block<TT>() - 1) / rows_per_block<TT>());
     const int64_t nb = static_cast<int64_t>(grid.x) * grid.y, nsm = sm_count();
     constexpr bool can_deep = TT == 1 && !EXPERT;
     const bool deep = can_deep && (nb <= 2 * nsm || nb > 16 * nsm);
-    auto k = deep ? k_linear<FMT, TT, EXPERT, DEC, can_deep ? kDeep : kPlain> : k_linear<FMT, TT, EXPERT, DEC, kPlain>;
-    if constexpr (TT == 1)
-        if (pipe) k = k_linear<FMT, 1, EXPERT, DEC, kPipe>;
+    auto k = deep ? k_linear<FMT, TT, EXPERT, DEC, can_deep> : k_linear<FMT, TT, EXPERT, DEC, false>;
     GLM_LAUNCH(k, grid, threads, 0, a);
 }
 
-// pipe (one token): the software-pipelined variant (a tuning candidate)
 template <int FMT, int TT, bool EXPERT>
-void launch_register(const LinArgs& a, dim3 grid, bool pipe = false) {
+void launch_register(const LinArgs& a, dim3 grid) {
     if constexpr (FMT == W_FP8) {
-        if (a.dec == kDecInt) launch_reg<FMT, TT, EXPERT, kDecInt>(a, grid, pipe);
-        else if (a.dec == kDecHw) launch_reg<FMT, TT, EXPERT, kDecHw>(a, grid, pipe);
-        else launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid, pipe);
+        if (a.dec == kDecInt) launch_reg<FMT, TT, EXPERT, kDecInt>(a, grid);
+        else if (a.dec == kDecHw) launch_reg<FMT, TT, EXPERT, kDecHw>(a, grid);
+        else launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid);
     } else {
-        launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid, pipe);
+        launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid);
     }
 }
 
@@ -1027,7 +1000,6 @@ bool tuning_on() {
 }
 std::string choice_name(const StChoice& c) {
     if (c.lpt == kTiledChoice) return "tiled";
-    if (c.lpt == kRegPipeChoice) return "register:pipe";
     if (c.lpt < 0) return "register";
     return "staged:" + std::to_string(c.lpt) + ":" + std::to_string(c.xs) +
            (c.rpb ? ":" + std::to_string(c.rpb) + ":" + std::to_string(c.cps) : "");
@@ -1061,11 +1033,6 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
         c.lpt = kTiledChoice;
         cands.push_back(c);
     }
-    {
-        StChoice c;
-        c.lpt = kRegPipeChoice;
-        cands.push_back(c);
-    }
     TuneResult res;
     cudaEvent_t e0, e1;
     check(cudaEventCreate(&e0), "event");
@@ -1077,7 +1044,7 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
             flush_l2();
             check(cudaEventRecord(e0, 0), "event");
             if (c.lpt == kTiledChoice) launch_mt<FMT, EXPERT, 1>(a, grid);
-            else if (c.lpt < 0) launch_register<FMT, 1, EXPERT>(a, grid, c.lpt == kRegPipeChoice);
+            else if (c.lpt < 0) launch_register<FMT, 1, EXPERT>(a, grid);
             else launch_staged<FMT, EXPERT>(a, grid, c);
             check(cudaEventRecord(e1, 0), "event");
             check(cudaEventSynchronize(e1), "tuning");
@@ -1103,19 +1070,11 @@ void launch_fmt(const LinArgs& a, dim3 grid) {
             launch_mt<FMT, EXPERT, 1>(a, grid);
             return;
         }
-        if (a.st.lpt == kRegPipeChoice) {
-            launch_register<FMT, 1, EXPERT>(a, grid, true);
-            return;
-        }
         if (!a.no_staged && staged_applies(a, EXPERT)) {
             StChoice c = a.st;  // a variant forced by a test or benchmark, else the measured choice
             if (c.lpt == 0 && tuning_on()) c = tuned_choice<FMT, EXPERT>(a, grid);
             if (c.lpt == kTiledChoice) {  // offered by the tuning only where it applies
                 launch_mt<FMT, EXPERT, 1>(a, grid);
-                return;
-            }
-            if (c.lpt == kRegPipeChoice) {
-                launch_register<FMT, 1, EXPERT>(a, grid, true);
                 return;
             }
             if (c.lpt >= 0 && launch_staged<FMT, EXPERT>(a, grid, c)) return;
@@ -1315,17 +1274,14 @@ bool e4m3_nan_free_device(const void* data, size_t n) {
 
 namespace {
 
-// kernel: "auto" | "register" | "register:pipe" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
+// kernel: "auto" | "register" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
 // forced choice); "tiled" gives expert work items of tile_for(T) pairs, "tiled:1" of one pair.
 StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     StChoice c;
     no_staged = kernel == "register";
     require_staged = kernel.rfind("staged", 0) == 0;
     if (kernel == "tiled" || kernel == "tiled:1") c.lpt = kTiledChoice;
-    if (kernel == "register:pipe") c.lpt = kRegPipeChoice;
-    if (kernel == "auto" || kernel == "register" || kernel == "register:pipe" || kernel == "tiled" || kernel == "tiled:1" ||
-        kernel == "staged")
-        return c;
+    if (kernel == "auto" || kernel == "register" || kernel == "tiled" || kernel == "tiled:1" || kernel == "staged") return c;
     int v[4] = {0, -1, 0, 0};
     int n = 0;
     if (require_staged && kernel.size() > 7 && kernel[6] == ':') {
@@ -1350,8 +1306,7 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
             return c;
         }
     }
-    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:pipe', 'tiled', 'tiled:1', 'staged' or "
-                                "'staged:LPT:XS[:RPB:CPS]' "
+    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'tiled', 'tiled:1', 'staged' or 'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
 }
 
