@@ -191,13 +191,12 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
     const int r = live ? grp : a.R - 1;
     const void* data = a.data;
     const void* scale = a.scale;
-    int cnt, start = 0;
+    int cnt;
     const float* xr[TT];
     float* yr[TT];
     if constexpr (EXPERT) {
         const int item = tile;
-        const int e = a.items[3 * item];
-        start = a.items[3 * item + 1];
+        const int e = a.items[3 * item], start = a.items[3 * item + 1];
         const bool second = blockIdx.z != 0;
         cnt = a.items[3 * item + 2];
         data = (second ? a.dtab2 : a.dtab)[e];
@@ -245,45 +244,6 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
 
     const int64_t nfull = C / 64;
     int64_t c = 0;
-    // Several tokens: every batch of U chunks of the TT x rows is staged in shared memory once for the
-    // block's rows (they share x unless head-blocked) instead of each row reading it through L1, the
-    // limit of this kernel (16 16-byte loads of x per 64 FMAs at TT = 8). Block-uniform condition.
-    constexpr bool kStageX = TT > 1;
-    __shared__ float4 xs4[kStageX ? TT * U * 16 : 1];  // [TT][U * 64] floats, 16-byte aligned
-    float* const xs = reinterpret_cast<float*>(xs4);
-    const bool stage = kStageX && wvec && xvec && (a.rh >= a.R || a.xhs == 0) && a.ldx % 4 == 0;
-    if (stage) {
-        const int tid = static_cast<int>(threadIdx.x);
-        for (; c + U <= nfull; c += U) {
-            __syncthreads();  // the previous batch (or work item) is read
-            for (int q = tid; q < TT * U * 16; q += RPB * 8) {
-                const int j = q / (U * 16), k = q % (U * 16);
-                const int jj = j < cnt ? j : cnt - 1;
-                int64_t row;
-                if constexpr (EXPERT) row = pair_xrow(a, a.pairs[start + jj]);
-                else row = static_cast<int64_t>(tile) * TT + jj;
-                xs4[j * U * 16 + k] =
-                    __ldg(reinterpret_cast<const float4*>(a.X + row * a.ldx + 64 * c + 4 * k));
-            }
-            __syncthreads();
-            Raw<FMT> raw[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) raw[u] = load_raw<FMT>(data, scale, ar, 64 * (c + u) + 8 * g, C);
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                float w[8];
-                decode_raw<FMT, DEC>(raw[u], w);
-#pragma unroll
-                for (int j = 0; j < TT; ++j) {
-                    const float4 x0 = *reinterpret_cast<const float4*>(xs + j * U * 64 + 64 * u + 8 * g);
-                    const float4 x1 = *reinterpret_cast<const float4*>(xs + j * U * 64 + 64 * u + 8 * g + 4);
-                    const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-                    for (int l = 0; l < 8; ++l) acc[j][l] = ffma(w[l], x[l], acc[j][l]);
-                }
-            }
-        }
-    }
     if (wvec) {
         // U chunks' loads in flight before the first is decoded; chunks still in increasing order
         for (; c + U <= nfull; c += U) {
