@@ -11,7 +11,7 @@
 # TESTS_K (a pytest -k expression instead), PROFILE=1 (kernel timeline of decode steps, tools/profile_cuda.py,
 # after the benchmarks; PROFILE_ENV=GLM_PDL=0 times each kernel alone, since with programmatic launch a
 # kernel's time includes its wait for the previous one), LINEAR_BENCH=1 (tools/bench_linear.py at the end; LINEAR_ONLY, LINEAR_VARIANTS narrow it),
-# NCU=1 (ncu counters of the routed-expert kernels), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
+# NCU=1 (ncu counters of the routed-expert kernels; NCU_ONLY, NCU_VARIANTS, NCU_COUNT for others), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
 # AB="VAR=VALUE ..." (decode again with each setting, e.g. GLM_PDL=0 GLM_EXPERT_TILE=4). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
 # after the main build (VARIANT_PREFILL=0: decode only).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
@@ -208,10 +208,11 @@ fi
 
 if [ "${NCU:-0}" = "1" ] && command -v ncu > /dev/null; then
   # hardware counters of the routed-expert kernels (the largest gap to the roofline in decode)
-  phase "ncu: the routed-expert linear kernels (speed of light, memory, warp stalls)"
+  # NCU_ONLY / NCU_VARIANTS: other shapes (tools/bench_linear.py names) and kernel variants
+  phase "ncu: linear kernels ${NCU_ONLY:-experts.gate} (${NCU_VARIANTS:-register,staged:8:1}): speed of light, memory, warp stalls"
   timeout 240 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section LaunchStats --section Occupancy -k regex:k_linear -c 8 \
-    python3 tools/bench_linear.py --only "experts.gate" --reps 1 --variants register,staged:8:1 \
+    --section WarpStateStats --section LaunchStats --section Occupancy -k regex:k_linear -c "${NCU_COUNT:-8}" \
+    python3 tools/bench_linear.py --only "${NCU_ONLY:-experts.gate}" --reps 1 --variants "${NCU_VARIANTS:-register,staged:8:1}" \
     > "$OUT/ncu_experts.txt" 2>&1
   echo "ncu exit $?"; grep -E "k_linear|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers|Stall|Issue Slot|Warp Cycles" \
     "$OUT/ncu_experts.txt" | head -60
