@@ -300,8 +300,11 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
 }
 
 // Expert work items beyond gridDim.y are taken in turn (the grid's y extent is capped at 65535).
-template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP>
-__global__ void __launch_bounds__(rows_per_block<TT>() * 8) k_linear(LinArgs a) {
+// MINB > 1 (one token, a tuning candidate): the compiler must fit MINB blocks per SM in registers.
+// Unbounded, the routed-expert kernel took 128 registers and ran at 23 % occupancy and 1.5 TB/s
+// (ncu, session 4), its warps waiting on their loads.
+template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP, int MINB = 1>
+__global__ void __launch_bounds__(rows_per_block<TT>() * 8, MINB) k_linear(LinArgs a) {
     pdl_enter();
     if constexpr (EXPERT) {
         const int n = *a.n_items;
@@ -898,25 +901,32 @@ void launch_mt(const LinArgs& a, dim3 grid) {
     }
 }
 
+// minb 5 or 6 (one token): the variant bounded to that many 128-thread blocks per SM (<= 102 or 85
+// registers; ptxas: the FP8 expert kernel then spills 32 or 128 bytes)
 template <int FMT, int TT, bool EXPERT, int DEC>
-void launch_reg(const LinArgs& a, dim3 grid) {
+void launch_reg(const LinArgs& a, dim3 grid, int minb) {
     constexpr int threads = rows_per_block<TT>() * 8;
     grid.x = static_cast<unsigned>((a.R + rows_per_block<TT>() - 1) / rows_per_block<TT>());
     const int64_t nb = static_cast<int64_t>(grid.x) * grid.y, nsm = sm_count();
     constexpr bool can_deep = TT == 1 && !EXPERT;
     const bool deep = can_deep && (nb <= 2 * nsm || nb > 16 * nsm);
     auto k = deep ? k_linear<FMT, TT, EXPERT, DEC, can_deep> : k_linear<FMT, TT, EXPERT, DEC, false>;
+    if constexpr (TT == 1) {
+        if (minb == 5) k = k_linear<FMT, 1, EXPERT, DEC, false, 5>;
+        if (minb == 6) k = k_linear<FMT, 1, EXPERT, DEC, false, 6>;
+    }
     GLM_LAUNCH(k, grid, threads, 0, a);
 }
 
+// minb (one token): the register-bounded variants (tuning candidates)
 template <int FMT, int TT, bool EXPERT>
-void launch_register(const LinArgs& a, dim3 grid) {
+void launch_register(const LinArgs& a, dim3 grid, int minb = 1) {
     if constexpr (FMT == W_FP8) {
-        if (a.dec == kDecInt) launch_reg<FMT, TT, EXPERT, kDecInt>(a, grid);
-        else if (a.dec == kDecHw) launch_reg<FMT, TT, EXPERT, kDecHw>(a, grid);
-        else launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid);
+        if (a.dec == kDecInt) launch_reg<FMT, TT, EXPERT, kDecInt>(a, grid, minb);
+        else if (a.dec == kDecHw) launch_reg<FMT, TT, EXPERT, kDecHw>(a, grid, minb);
+        else launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid, minb);
     } else {
-        launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid);
+        launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid, minb);
     }
 }
 
@@ -960,6 +970,7 @@ bool tuning_on() {
 }
 std::string choice_name(const StChoice& c) {
     if (c.lpt == kTiledChoice) return "tiled";
+    if (c.lpt == kRegOccChoice) return "register:occ" + std::to_string(c.rpb);
     if (c.lpt < 0) return "register";
     return "staged:" + std::to_string(c.lpt) + ":" + std::to_string(c.xs) +
            (c.rpb ? ":" + std::to_string(c.rpb) + ":" + std::to_string(c.cps) : "");
@@ -993,6 +1004,12 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
         c.lpt = kTiledChoice;
         cands.push_back(c);
     }
+    for (int minb : {5, 6}) {
+        StChoice c;
+        c.lpt = kRegOccChoice;
+        c.rpb = minb;
+        cands.push_back(c);
+    }
     TuneResult res;
     cudaEvent_t e0, e1;
     check(cudaEventCreate(&e0), "event");
@@ -1004,7 +1021,7 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
             flush_l2();
             check(cudaEventRecord(e0, 0), "event");
             if (c.lpt == kTiledChoice) launch_mt<FMT, EXPERT, 1>(a, grid);
-            else if (c.lpt < 0) launch_register<FMT, 1, EXPERT>(a, grid);
+            else if (c.lpt < 0) launch_register<FMT, 1, EXPERT>(a, grid, c.lpt == kRegOccChoice ? c.rpb : 1);
             else launch_staged<FMT, EXPERT>(a, grid, c);
             check(cudaEventRecord(e1, 0), "event");
             check(cudaEventSynchronize(e1), "tuning");
@@ -1030,11 +1047,19 @@ void launch_fmt(const LinArgs& a, dim3 grid) {
             launch_mt<FMT, EXPERT, 1>(a, grid);
             return;
         }
+        if (a.st.lpt == kRegOccChoice) {
+            launch_register<FMT, 1, EXPERT>(a, grid, a.st.rpb);
+            return;
+        }
         if (!a.no_staged && staged_applies(a, EXPERT)) {
             StChoice c = a.st;  // a variant forced by a test or benchmark, else the measured choice
             if (c.lpt == 0 && tuning_on()) c = tuned_choice<FMT, EXPERT>(a, grid);
             if (c.lpt == kTiledChoice) {  // offered by the tuning only where it applies
                 launch_mt<FMT, EXPERT, 1>(a, grid);
+                return;
+            }
+            if (c.lpt == kRegOccChoice) {
+                launch_register<FMT, 1, EXPERT>(a, grid, c.rpb);
                 return;
             }
             if (c.lpt >= 0 && launch_staged<FMT, EXPERT>(a, grid, c)) return;
@@ -1234,14 +1259,20 @@ bool e4m3_nan_free_device(const void* data, size_t n) {
 
 namespace {
 
-// kernel: "auto" | "register" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
+// kernel: "auto" | "register" | "register:occ5|6" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
 // forced choice); "tiled" gives expert work items of tile_for(T) pairs, "tiled:1" of one pair.
 StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     StChoice c;
     no_staged = kernel == "register";
     require_staged = kernel.rfind("staged", 0) == 0;
     if (kernel == "tiled" || kernel == "tiled:1") c.lpt = kTiledChoice;
-    if (kernel == "auto" || kernel == "register" || kernel == "tiled" || kernel == "tiled:1" || kernel == "staged") return c;
+    if (kernel == "register:occ5" || kernel == "register:occ6") {
+        c.lpt = kRegOccChoice;
+        c.rpb = kernel.back() - '0';
+    }
+    if (kernel == "auto" || kernel == "register" || c.lpt == kRegOccChoice || kernel == "tiled" || kernel == "tiled:1" ||
+        kernel == "staged")
+        return c;
     int v[4] = {0, -1, 0, 0};
     int n = 0;
     if (require_staged && kernel.size() > 7 && kernel[6] == ':') {
@@ -1266,7 +1297,9 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
             return c;
         }
     }
-    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'tiled', 'tiled:1', 'staged' or 'staged:LPT:XS[:RPB:CPS]' "
+    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occ5', 'register:occ6', 'tiled', "
+                                "'tiled:1', 'staged' or "
+                                "'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
 }
 
