@@ -901,10 +901,8 @@ void launch_mt(const LinArgs& a, dim3 grid) {
     }
 }
 
-// minb 2, 3, 4 or 6 (one token): the variant bounded to that many 128-thread blocks per SM (<= 255,
-// 170, 128 or 85 registers; ptxas: the FP8 expert kernel spills 128 bytes at 6). Unbounded (minb 1)
-// the compiler takes up to 255 registers, which ran the dense FP8 register kernel 25-35 % faster than
-// the ~80 it took without a launch bound (run 6) and the expert kernel 3-8 % slower than at 5 or 6.
+// minb 5 or 6 (one token): the variant bounded to that many 128-thread blocks per SM (<= 102 or 85
+// registers; ptxas: the FP8 expert kernel then spills 32 or 128 bytes)
 template <int FMT, int TT, bool EXPERT, int DEC>
 void launch_reg(const LinArgs& a, dim3 grid, int minb) {
     constexpr int threads = rows_per_block<TT>() * 8;
@@ -914,9 +912,7 @@ void launch_reg(const LinArgs& a, dim3 grid, int minb) {
     const bool deep = can_deep && (nb <= 2 * nsm || nb > 16 * nsm);
     auto k = deep ? k_linear<FMT, TT, EXPERT, DEC, can_deep> : k_linear<FMT, TT, EXPERT, DEC, false>;
     if constexpr (TT == 1) {
-        if (minb == 2) k = k_linear<FMT, 1, EXPERT, DEC, false, 2>;
-        if (minb == 3) k = k_linear<FMT, 1, EXPERT, DEC, false, 3>;
-        if (minb == 4) k = k_linear<FMT, 1, EXPERT, DEC, false, 4>;
+        if (minb == 5) k = k_linear<FMT, 1, EXPERT, DEC, false, 5>;
         if (minb == 6) k = k_linear<FMT, 1, EXPERT, DEC, false, 6>;
     }
     GLM_LAUNCH(k, grid, threads, 0, a);
@@ -1008,7 +1004,7 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
         c.lpt = kTiledChoice;
         cands.push_back(c);
     }
-    for (int minb : {2, 3, 4, 6}) {
+    for (int minb : {5, 6}) {
         StChoice c;
         c.lpt = kRegOccChoice;
         c.rpb = minb;
@@ -1263,14 +1259,14 @@ bool e4m3_nan_free_device(const void* data, size_t n) {
 
 namespace {
 
-// kernel: "auto" | "register" | "register:occ2|3|4|6" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
+// kernel: "auto" | "register" | "register:occ5|6" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
 // forced choice); "tiled" gives expert work items of tile_for(T) pairs, "tiled:1" of one pair.
 StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     StChoice c;
     no_staged = kernel == "register";
     require_staged = kernel.rfind("staged", 0) == 0;
     if (kernel == "tiled" || kernel == "tiled:1") c.lpt = kTiledChoice;
-    if (kernel == "register:occ2" || kernel == "register:occ3" || kernel == "register:occ4" || kernel == "register:occ6") {
+    if (kernel == "register:occ5" || kernel == "register:occ6") {
         c.lpt = kRegOccChoice;
         c.rpb = kernel.back() - '0';
     }
@@ -1301,7 +1297,7 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
             return c;
         }
     }
-    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occN' (N 2, 3, 4, 6), 'tiled', "
+    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occ5', 'register:occ6', 'tiled', "
                                 "'tiled:1', 'staged' or "
                                 "'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");

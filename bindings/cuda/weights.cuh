@@ -58,7 +58,7 @@ struct ExpertTable {
 // Which variant of the staged one-token kernel a launch uses (weights.cu): 0 / -1 fields take the
 // engine's choice; lpt -1 in a tuned result means the register kernel.
 constexpr int kTiledChoice = -2;   // StChoice::lpt of the tiled kernel (k_linear_mt with one token)
-constexpr int kRegOccChoice = -3;  // StChoice::lpt of the register kernel bounded to rpb (2, 3, 4, 6) blocks per SM
+constexpr int kRegOccChoice = -3;  // StChoice::lpt of the register kernel bounded to rpb (5 or 6) blocks per SM
 struct StChoice {
     int lpt = 0;   // 8, 4 or 2 lanes of one accumulator per thread (-1 register, kTiledChoice tiled)
     int xs = -1;   // stage x too (1) or read it through L1 (0)
