@@ -301,8 +301,10 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
 
 // Expert work items beyond gridDim.y are taken in turn (the grid's y extent is capped at 65535).
 // MINB > 1 (one token, a tuning candidate): the compiler must fit MINB blocks per SM in registers.
-// Unbounded, the routed-expert kernel took 128 registers and ran at 23 % occupancy and 1.5 TB/s
-// (ncu, session 4), its warps waiting on their loads.
+// Written out, MINB = 1 lets nvcc take up to 255 registers (the one-token FP8 kernels 177-255), which
+// ran the dense FP8 matrices 25-35 % faster than the ~80 registers it chose with no min-blocks bound
+// (H200, session 4, run 6); the routed-expert kernel (ncu before: 128 registers, 23 % occupancy, 1.5
+// TB/s, its warps waiting on loads) is fastest at 5 or 6 blocks per SM.
 template <int FMT, int TT, bool EXPERT, int DEC, bool DEEP, int MINB = 1>
 __global__ void __launch_bounds__(rows_per_block<TT>() * 8, MINB) k_linear(LinArgs a) {
     pdl_enter();
