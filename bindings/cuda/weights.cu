@@ -406,6 +406,25 @@ GLM_DEV void cp_async_wait() {
 #endif
 }
 
+// The cp.async pipeline of the staged kernels: stages 0 .. S-2 issued, then for each stage s in order:
+// wait for it, the block's barrier (stage s is in for every thread's copies; stage s - 1, whose buffer
+// the next issue refills, is read by all), issue stage s + S - 1, consume stage s. Every thread calls it.
+template <int S, typename Issue, typename Consume>
+GLM_DEV void cp_pipeline(int nst, Issue&& issue, Consume&& consume) {
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+        if (s < nst) issue(s);
+        cp_async_commit();
+    }
+    for (int s = 0; s < nst; ++s) {
+        cp_async_wait<S - 2>();
+        __syncthreads();
+        if (s + S - 1 < nst) issue(s + S - 1);
+        cp_async_commit();
+        consume(s);
+    }
+}
+
 // Bytes of one chunk (64 weights) of a row, and of one row.
 template <int FMT>
 constexpr int chunk_bytes() {
@@ -597,16 +616,7 @@ __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, in
         float acc[LPT];
 #pragma unroll
         for (int l = 0; l < LPT; ++l) acc[l] = 0.0f;
-#pragma unroll
-        for (int s = 0; s < kStStages - 1; ++s) {
-            if (s < nst) issue(s);
-            cp_async_commit();
-        }
-        for (int s = 0; s < nst; ++s) {
-            cp_async_wait<kStStages - 2>();
-            __syncthreads();  // stage s is in for every thread's copies; stage s - 1 is read by all
-            if (s + kStStages - 1 < nst) issue(s + kStStages - 1);
-            cp_async_commit();
+        cp_pipeline<kStStages>(nst, issue, [&](int s) {
             if (comp) {
                 const int c0 = s * cps;
                 const int nc = nchunks - c0 < cps ? nchunks - c0 : cps;
@@ -644,7 +654,7 @@ __global__ void __launch_bounds__(kStThreads) k_linear_st(LinArgs a, int rpb, in
                     for (int l = 0; l < LPT; ++l) acc[l] = ffma(w[l], xv[l], acc[l]);
                 }
             }
-        }
+        });
         if (folds) {
             const float y = fold_lanes<LPT>(acc, g, h);
             if (comp && j == 0) yr[row_base + my_row] = a.round ? bf16r(y) : y;
@@ -749,16 +759,7 @@ __global__ void __launch_bounds__(kMtThreads) k_linear_mt(LinArgs a) {
             for (int j = 0; j < TT; ++j)
 #pragma unroll
                 for (int l = 0; l < LPT; ++l) acc[i][j][l] = 0.0f;
-#pragma unroll
-        for (int s = 0; s < kMtStages - 1; ++s) {
-            if (s < nst) issue(s);
-            cp_async_commit();
-        }
-        for (int s = 0; s < nst; ++s) {
-            cp_async_wait<kMtStages - 2>();
-            __syncthreads();  // stage s is in for every thread's copies; stage s - 1 is read by all
-            if (s + kMtStages - 1 < nst) issue(s + kMtStages - 1);
-            cp_async_commit();
+        cp_pipeline<kMtStages>(nst, issue, [&](int s) {
             const int c0 = s * CPS;
             const int nc = nchunks - c0 < CPS ? nchunks - c0 : CPS;
             const unsigned char* buf = sm + (s % kMtStages) * SBYTES;
@@ -782,7 +783,7 @@ __global__ void __launch_bounds__(kMtThreads) k_linear_mt(LinArgs a) {
                     }
                 }
             }
-        }
+        });
         float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
 #pragma unroll
         for (int i = 0; i < RPT; ++i) {
