@@ -107,7 +107,7 @@ EOF2
 
 if [ "${TESTS:-1}" != "0" ]; then
 phase "GPU tests (tests/test_fast_cuda.py; the slice test comes last)"
-T_TESTS=$(( $(left) - 230 )); [ "$T_TESTS" -lt 60 ] && T_TESTS=60
+T_TESTS=$(( $(left) - 230 )); [ "$T_TESTS" -lt 150 ] && T_TESTS=150  # the quick set takes 50-100 s
 SEL="not slice"
 [ "${TESTS:-1}" = "quick" ] && SEL="not slice and not exhaustive and not census and not small-bf16"
 [ -n "${TESTS_K:-}" ] && SEL="$TESTS_K"
