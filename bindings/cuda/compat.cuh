@@ -10,6 +10,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -70,6 +72,12 @@ GLM_DEV void pdl_enter() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+// The engine's switches in the environment (GLM_PDL=0, GLM_CUDA_TUNE=0, ...): is `name` set to `value`?
+inline bool env_is(const char* name, const char* value) {
+    const char* v = std::getenv(name);
+    return v && std::strcmp(v, value) == 0;
 }
 
 inline void check(cudaError_t e, const char* what) {

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <set>
 #include <sstream>
@@ -24,10 +23,7 @@ size_t elem_bytes(SDType t) { return t == SDType::F64 ? 8 : 4; }
 
 #if !defined(GLM_CUDA_EMU)
 bool pdl_enabled() {
-    static const bool on = [] {
-        const char* v = std::getenv("GLM_PDL");
-        return !(v && std::strcmp(v, "0") == 0);
-    }();
+    static const bool on = !env_is("GLM_PDL", "0");
     return on;
 }
 #endif

@@ -359,12 +359,12 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     // expert in the tables, T more pairs (rows T*k + t of the buffers) for it, in the same launches
     s.mark("moe.experts");
     const int npairs = T * k, nsh = w.shared_in_tables ? T : 0, nall = npairs + nsh;
-    // pairs per work item: when the pairs are few against the experts (b8: 64 pairs over 288 experts hit
-    // ~57), most experts get one, and a multi-pair item would compute its empty slots too; one pair per
-    // item takes the one-token kernels instead (an expert chosen twice is then read twice)
-    // else 4 or 8 pairs per item (the tiled kernel reads the expert's weights once for the item), 8 only
-    // where the experts average 4 pairs or more (prefill), since a slot past the item's pairs is computed
-    // too. GLM_EXPERT_TILE=1/4/8 forces the tile of batches (a benchmark's knob; every tile, same bits).
+    // Pairs per work item. One when the pairs are few against the experts (b8: 64 pairs over 288 experts
+    // hit ~57, most experts get one, and a multi-pair item would compute its empty slots too): the
+    // one-token kernels, an expert chosen twice read twice. Else 4, or 8 where the experts average 4 pairs
+    // or more (prefill): the tiled kernel reads an expert's weights once per item and computes the slots
+    // past its pairs too. GLM_EXPERT_TILE=1/4/8 forces the tile of batches (a benchmark's knob; every
+    // tile gives the same bits).
     int tile = (T == 1 || 4 * T * k <= E) ? 1 : (T * k >= 4 * E ? 8 : 4);
     if (T > 1 && expert_tile_override() > 0) tile = expert_tile_override();
     int* pairs = s.scratch.d<int>(static_cast<size_t>(nall));

@@ -807,12 +807,18 @@ __global__ void __launch_bounds__(kMtThreads) k_linear_mt(LinArgs a) {
 // 85-90 % of the copy bandwidth through the register kernel already). The bound is per matrix, not per
 // launch: a batch-1 expert launch holds k routed items and the shared expert's (k = 8: 9 items of
 // 4096-row down matrices, past 16 waves together), the case the staged kernel was measured fastest on.
-bool staged_applies(const LinArgs& a, bool expert) {
+// What both shared-memory kernels (staged, tiled) need to copy rows by 16-byte pieces: whole chunks,
+// 16-byte aligned weight rows and x rows.
+bool rows_copyable(const LinArgs& a, bool expert) {
     const int64_t rb = row_bytes(a.fmt, a.C);
     if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
     // expert weights are separate allocations of the arena (256-byte aligned); a dense view is checked here
     if (!expert && reinterpret_cast<uintptr_t>(a.data) % 16 != 0) return false;
-    if (reinterpret_cast<uintptr_t>(a.X) % 16 != 0 || a.ldx % 4 != 0 || a.xhs % 4 != 0) return false;
+    return reinterpret_cast<uintptr_t>(a.X) % 16 == 0 && a.ldx % 4 == 0;
+}
+
+bool staged_applies(const LinArgs& a, bool expert) {
+    if (!rows_copyable(a, expert) || a.xhs % 4 != 0) return false;
     if (expert ? a.tile_pairs != 1 : a.T != 1) return false;
     return (a.R + 15) / 16 <= 16 * static_cast<int64_t>(sm_count());
 }
@@ -870,15 +876,11 @@ bool launch_staged(const LinArgs& a, dim3 g, const StChoice& c) {
     return true;
 }
 
-// The tiled kernel takes token rows (or expert items) of one x row each (no head-blocked x), whole
-// chunks, 16-byte aligned weight and x rows. Several tokens or pairs take it always; one token (TT = 1)
-// where the one-token tuning measured it fastest, or when forced.
+// The tiled kernel takes token rows (or expert items) of one x row each (no head-blocked x) whose rows
+// can be copied. Several tokens or pairs take it always; one token (TT = 1) where the one-token tuning
+// measured it fastest, or when forced.
 bool tiled_applies(const LinArgs& a, bool expert) {
-    const int64_t rb = row_bytes(a.fmt, a.C);
-    if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
-    if (!expert && reinterpret_cast<uintptr_t>(a.data) % 16 != 0) return false;
-    if (reinterpret_cast<uintptr_t>(a.X) % 16 != 0 || a.ldx % 4 != 0) return false;
-    return !(a.rh < a.R && a.xhs != 0);
+    return rows_copyable(a, expert) && !(a.rh < a.R && a.xhs != 0);
 }
 
 template <int FMT, bool EXPERT, int TT, int DEC>
@@ -964,10 +966,7 @@ bool tuning_on() {
 #if defined(GLM_CUDA_EMU)
     return false;
 #else
-    static const bool on = [] {
-        const char* e = std::getenv("GLM_CUDA_TUNE");
-        return !(e && std::string(e) == "0");
-    }();
+    static const bool on = !env_is("GLM_CUDA_TUNE", "0");
     return on;
 #endif
 }
@@ -988,6 +987,22 @@ void flush_l2() {
 
 // The fastest one-token kernel for a's shape: timed over the candidates on the first call (which
 // leaves their common result in Y), looked up after.
+// One token with kernel choice c (register, register bounded to c.rpb blocks per SM, tiled, or a staged
+// variant); false when c does not apply to a's shape.
+template <int FMT, bool EXPERT>
+bool launch_one_token(const LinArgs& a, dim3 grid, const StChoice& c) {
+    if (c.lpt == kTiledChoice) {
+        if (!tiled_applies(a, EXPERT)) return false;
+        launch_mt<FMT, EXPERT, 1>(a, grid);
+        return true;
+    }
+    if (c.lpt < 0) {
+        launch_register<FMT, 1, EXPERT>(a, grid, c.lpt == kRegOccChoice ? c.rpb : 1);
+        return true;
+    }
+    return launch_staged<FMT, EXPERT>(a, grid, c);
+}
+
 template <int FMT, bool EXPERT>
 StChoice tuned_choice(const LinArgs& a, dim3 grid) {
     const TuneKey key{a.fmt, a.R, a.rh < a.R ? a.rh : 0, a.dec, a.C, EXPERT, grid.y, grid.z};
@@ -1023,9 +1038,7 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
         for (int rep = 0; rep < 2; ++rep) {
             flush_l2();
             check(cudaEventRecord(e0, 0), "event");
-            if (c.lpt == kTiledChoice) launch_mt<FMT, EXPERT, 1>(a, grid);
-            else if (c.lpt < 0) launch_register<FMT, 1, EXPERT>(a, grid, c.lpt == kRegOccChoice ? c.rpb : 1);
-            else launch_staged<FMT, EXPERT>(a, grid, c);
+            launch_one_token<FMT, EXPERT>(a, grid, c);
             check(cudaEventRecord(e1, 0), "event");
             check(cudaEventSynchronize(e1), "tuning");
             float ms = 0;
@@ -1046,27 +1059,12 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
 template <int FMT, int TT, bool EXPERT>
 void launch_fmt(const LinArgs& a, dim3 grid) {
     if constexpr (TT == 1) {
-        if (a.st.lpt == kTiledChoice && tiled_applies(a, EXPERT)) {  // forced by a test or benchmark
-            launch_mt<FMT, EXPERT, 1>(a, grid);
-            return;
+        StChoice c = a.st;  // a variant forced by a test or benchmark, else the engine's choice:
+        if (c.lpt == 0) {   // the measured one where the staged kernel applies, the register kernel elsewhere
+            if (a.no_staged || !staged_applies(a, EXPERT)) c.lpt = -1;
+            else if (tuning_on()) c = tuned_choice<FMT, EXPERT>(a, grid);
         }
-        if (a.st.lpt == kRegOccChoice) {
-            launch_register<FMT, 1, EXPERT>(a, grid, a.st.rpb);
-            return;
-        }
-        if (!a.no_staged && staged_applies(a, EXPERT)) {
-            StChoice c = a.st;  // a variant forced by a test or benchmark, else the measured choice
-            if (c.lpt == 0 && tuning_on()) c = tuned_choice<FMT, EXPERT>(a, grid);
-            if (c.lpt == kTiledChoice) {  // offered by the tuning only where it applies
-                launch_mt<FMT, EXPERT, 1>(a, grid);
-                return;
-            }
-            if (c.lpt == kRegOccChoice) {
-                launch_register<FMT, 1, EXPERT>(a, grid, c.rpb);
-                return;
-            }
-            if (c.lpt >= 0 && launch_staged<FMT, EXPERT>(a, grid, c)) return;
-        }
+        if (launch_one_token<FMT, EXPERT>(a, grid, c)) return;
     } else {
         if (!a.no_staged && tiled_applies(a, EXPERT)) {
             launch_mt<FMT, EXPERT, TT>(a, grid);
