@@ -161,24 +161,17 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
         for c in caches:
             c.close()
 
-    if prefill_len <= 0:  # --prefill 0: decode only (an A/B run of a decode change)
-        del eng
-        gc.collect()
-        return res
-    # prefill
-    ids = [int(v) for v in rng.integers(0, V, prefill_len)]
-    eng.prefill(ids[:64], eng.new_cache())  # warm-up
-    cache = eng.new_cache()
-    t0 = time.perf_counter()
-    eng.step([(cache, ids, None, "last")])
-    dt = time.perf_counter() - t0
-    res["prefill"] = {"tokens": prefill_len, "seconds": round(dt, 4), "tokens_per_s": round(prefill_len / dt, 1)}
-    log(f"  prefill {prefill_len} tokens: {dt:.3f} s, {prefill_len / dt:.1f} tok/s")
-    eng.set_timing(True)
-    eng.reset_stage_times()
-    eng.step([(eng.new_cache(), ids, None, "last")])
-    res["prefill_stage_ms"] = {k: round(v, 3) for k, v in eng.stage_times().items()}
-    log("  per-module device ms of the prefill: " + ", ".join(f"{k} {v:.2f}" for k, v in res["prefill_stage_ms"].items()))
+    if prefill_len > 0:  # (--prefill 0: decode only, an A/B run of a decode change)
+        ids = [int(v) for v in rng.integers(0, V, prefill_len)]
+        eng.prefill(ids[:64], eng.new_cache())  # warm-up
+        cache = eng.new_cache()
+        t0 = time.perf_counter()
+        eng.step([(cache, ids, None, "last")])
+        dt = time.perf_counter() - t0
+        res["prefill"] = {"tokens": prefill_len, "seconds": round(dt, 4), "tokens_per_s": round(prefill_len / dt, 1)}
+        log(f"  prefill {prefill_len} tokens: {dt:.3f} s, {prefill_len / dt:.1f} tok/s")
+        res["prefill_stage_ms"] = stage_ms(eng, lambda: eng.step([(eng.new_cache(), ids, None, "last")]), 1, 3)
+        log("  per-module device ms of the prefill: " + ", ".join(f"{k} {v:.2f}" for k, v in res["prefill_stage_ms"].items()))
     del eng
     gc.collect()
     return res

@@ -28,7 +28,6 @@ bool pdl_enabled() {
 }
 #endif
 
-
 // ---- config ---------------------------------------------------------------------------------------
 
 // What the CUDA engine's kernels hold (mHC coefficients per block, KDA state columns in registers,
@@ -446,7 +445,6 @@ const JointRole* joint_role(const std::string& role) {
         if (role == j.role) return &j;
     return nullptr;
 }
-int joint_index(const std::string& role) { return joint_role(role)->index; }
 
 // The members' rows of a group under this config.
 std::vector<int64_t> joint_rows(const std::string& group, const Config& c) {
@@ -457,10 +455,12 @@ std::vector<int64_t> joint_rows(const std::string& group, const Config& c) {
     return {di, di, ni};
 }
 
-// The slot a joint-group member goes into, allocated with its first member; nullptr when the role is
-// not in a group or the member does not fit it (another format or width than the first member, or
-// FP8 rows that would share a scale block with a neighbour): then it is placed on its own.
-EngineCore::JointSlot* joint_slot(EngineCore& E, const std::string& role, int layer, int fmt, int64_t R, int64_t C) {
+// The slot a joint-group member goes into (and, in index, the member's place in it), allocated with its
+// first member; nullptr when the role is not in a group or the member does not fit it (another format or
+// width than the first member, or FP8 rows that would share a scale block with a neighbour): then it is
+// placed on its own.
+EngineCore::JointSlot* joint_slot(EngineCore& E, const std::string& role, int layer, int fmt, int64_t R, int64_t C,
+                                  int& index) {
     const JointRole* j = joint_role(role);
     if (!j || layer < 0) return nullptr;
     EngineCore::JointSlot& s = E.joints[{layer, j->group}];
@@ -488,6 +488,7 @@ EngineCore::JointSlot* joint_slot(EngineCore& E, const std::string& role, int la
     }
     const size_t i = static_cast<size_t>(j->index);
     if (s.fmt != fmt || s.C != C || s.rows[i] != R || s.have[i]) return nullptr;
+    index = j->index;
     return &s;
 }
 
@@ -540,8 +541,8 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
         w.fmt = parse_release(release);
         const int64_t rb = row_bytes(w.fmt, C), sb = scale_bytes(w.fmt, R, C);
         // a member of a joint group goes to its rows of the group's matrix, anything else on its own
-        EngineCore::JointSlot* slot = joint_slot(E_, role, layer, w.fmt, R, C);
-        const int i = slot ? joint_index(role) : 0;
+        int i = 0;
+        EngineCore::JointSlot* slot = joint_slot(E_, role, layer, w.fmt, R, C, i);
         w.row0 = slot ? slot->off[static_cast<size_t>(i)] : 0;
         char* dbase = slot ? slot->data : static_cast<char*>(E_.arena.alloc(static_cast<size_t>(R * rb)));
         char* sbase = !sb ? nullptr : slot ? slot->scale : static_cast<char*>(E_.arena.alloc(static_cast<size_t>(sb)));
