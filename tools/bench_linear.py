@@ -4,8 +4,9 @@
     python tools/bench_linear.py [--reps 30] [--json OUT] [--only experts] [--variants register,staged:8:1]
 
 For each matrix shape of a real-width layer (KDA, MLA, MoE: FP8, BF16, MXFP4 as the releases store
-them) and each kernel variant (the register kernel; the staged kernel with 8, 4 or 2 lanes per
-thread, x read through L1 or staged, a few block/stage sizes; FP8 with both E4M3 decode paths), the
+them) and each kernel variant (the register kernel, also bounded to 5 blocks per SM; the
+streaming kernel at 1 or 2 blocks per SM; the staged kernel with 8, 4 or 2 lanes per thread, x read
+through L1 or staged, a few block/stage sizes; FP8 with both E4M3 decode paths), the
 median device time of one launch with L2 evicted before each (decode reads every weight from HBM), and
 the weight bytes streamed per second, against the copy bandwidth measured in the same run.
 Every variant computes the same bits (tests/test_fast_cuda.py::test_linear_kernels_match_cpu).
@@ -31,6 +32,8 @@ SHAPES = [
     ("shared.down", "fp8", 4096, 2048, 0),
     ("experts.gate x8", "fp8", 2048, 4096, 8),
     ("experts.down x8", "fp8", 4096, 2048, 8),
+    ("experts.gate x18", "fp8", 2048, 4096, 18),  # the bytes of a batch-1 gate+up launch (9 experts)
+    ("lm_head", "bf16", 154880, 4096, 0),
     ("kda.b_proj", "bf16", 64, 4096, 0),
     ("kda.f_a", "bf16", 128, 4096, 0),
     ("moe.router", "bf16", 288, 4096, 0),
@@ -39,7 +42,7 @@ SHAPES = [
     ("experts.down x8", "mxfp4", 4096, 2048, 8),
     ("kda.q_proj", "mxfp4", 8192, 4096, 0),
 ]
-VARIANTS = ["register", "staged:8:0", "staged:8:1", "staged:4:0", "staged:4:1", "staged:2:0", "staged:2:1",
+VARIANTS = ["register", "register:occ5", "stream:1", "stream:2", "staged:8:0", "staged:8:1", "staged:4:0", "staged:4:1", "staged:2:0", "staged:2:1",
             "staged:4:1:16:8", "staged:4:1:8:16", "staged:4:1:16:24", "staged:2:1:8:16", "staged:2:1:8:48",
             "staged:8:1:32:6"]
 # FP8 shapes are timed with both E4M3 decode paths: the conversion unit ("hw") and bit placement ("int")
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (bytes read + written)")
     rows = []
-    head = f"{'matrix':18s} {'rel':9s} {'R':>6s} {'C':>6s} {'MB':>6s} " + " ".join(f"{v[7:] or 'reg':>8s}" if v != "register" else f"{'register':>8s}" for v in variants)
+    head = f"{'matrix':18s} {'rel':9s} {'R':>6s} {'C':>6s} {'MB':>6s} " + " ".join(f"{v.replace('staged:', 'st:').replace('register:', 'reg:'):>8s}" for v in variants)
     print("median us per launch (and TB/s of weights for the best):")
     print(head)
     for what, rel, R, C, ex in shapes:

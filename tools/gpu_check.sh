@@ -122,7 +122,7 @@ grep -E "exhaustive device expf|^expf \{|^__expf \{" "$OUT/pytest.log" | head -5
 sed -n '/slowest/,/^$/p' "$OUT/pytest.log" | head -20
 
 phase "the linear kernels one by one, real-model shapes (tests/test_fast_cuda.py::test_linear_kernels_match_cpu)"
-timeout 120 python3 -X faulthandler -m pytest tests/test_fast_cuda.py -v -rs -p no:cacheprovider -k linear_kernels \
+timeout 180 python3 -X faulthandler -m pytest tests/test_fast_cuda.py -v -rs -p no:cacheprovider -k linear_kernels \
   > "$OUT/pytest_linear.log" 2>&1
 RC=$?
 echo "linear kernel tests exit $RC"

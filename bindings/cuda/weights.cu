@@ -112,12 +112,13 @@ GLM_DEV Raw<FMT> load_raw(const void* __restrict__ data, const void* __restrict_
 // two conversions, which the conversion unit's throughput made the limit of FP8 decode.
 enum Dec : int { kDecSw = 0, kDecHw = 1, kDecInt = 2 };
 
+// Byte K of word, a non-NaN E4M3 code, times 2^-120: the byte moved to bits 24-31, then shifted right
+// by four copying its sign, puts the sign on bits 27-31 and the magnitude on bits 20-26; the mask keeps
+// bit 31 and bits 20-26 (two or three instructions, where separate sign and magnitude fields took four).
 template <int K>
-GLM_DEV float e4m3_int(uint32_t word) {  // byte K of word, a non-NaN E4M3 code, times 2^-120
-    constexpr int sh_s = 24 - 8 * K, sh_m = 20 - 8 * K;
-    const uint32_t sign = (sh_s >= 0 ? (word << sh_s) : (word >> -sh_s)) & 0x80000000u;
-    const uint32_t mag = (sh_m >= 0 ? (word << sh_m) : (word >> -sh_m)) & 0x07F00000u;
-    return f32_from_bits(sign | mag);
+GLM_DEV float e4m3_int(uint32_t word) {
+    const int32_t top = static_cast<int32_t>(K == 3 ? word : word << (24 - 8 * K));
+    return f32_from_bits(static_cast<uint32_t>(top >> 4) & 0x87F00000u);
 }
 // Eight codes decoded: exact values, or with kDecInt the values times 2^-120 (scale_fp8 applies both).
 template <int DEC>
@@ -802,6 +803,275 @@ __global__ void __launch_bounds__(kMtThreads) k_linear_mt(LinArgs a) {
     }
 }
 
+// ---- the streaming one-token kernel -------------------------------------------------------------
+//
+// One token row (or expert items of one pair) streamed by warps that live for the whole launch. The
+// launch's rows are cut into units of four consecutive rows of one matrix (of one expert item and
+// table); warp w of the grid takes units w, w + (warps in the grid), ..., so the warps sweep the
+// weights as one front. Each warp streams its units' rows into its own ring of sm_slots buffers by
+// bulk asynchronous copies (one per row and stage of 1 KB, completing on the buffer's memory barrier),
+// issued by its lane 0 as soon as the buffer is free, across unit boundaries: the weights keep
+// arriving while a unit is folded and written, and no warp waits on another. (A block-wide stage of 32
+// rows, refilled by one warp after a block barrier, ran at 1-2.5 TB/s on the H200: the rows' copies
+// leave one warp one at a time.) x is read through L1 as by the register kernel. Each row is computed
+// as by the register kernel: thread g of the row's eight owns P[g][0..7] (chunks in order, one FMA
+// each), then group_fold. Only where the bytes wait changes.
+constexpr int kSmThreads = 256;
+constexpr int kSmWarps = kSmThreads / 32;
+template <int MINB>
+constexpr int sm_slots() {  // buffers per warp: 6 (one block per SM) or 3 (two)
+    return MINB == 1 ? 6 : 3;
+}
+template <int FMT>
+constexpr int sm_cps() {  // chunks per stage: 1 KB of each row
+    return 1024 / chunk_bytes<FMT>();
+}
+template <int FMT>
+constexpr int sm_pitch() {  // a buffer's row stride: consecutive rows on other banks
+    return 1024 + (chunk_bytes<FMT>() < 64 ? chunk_bytes<FMT>() : 64);
+}
+template <int FMT, int MINB>
+constexpr int sm_block_bytes() {
+    return kSmWarps * sm_slots<MINB>() * 4 * sm_pitch<FMT>();
+}
+
+// The memory barrier of a stage and the bulk copies that complete on it (sm_90). The emulation copies
+// at issue and keeps the barrier's phase, pending arrival and byte count in its eight bytes.
+#if defined(GLM_CUDA_EMU)
+struct EmuBar {
+    int32_t tx;
+    uint16_t pending;
+    uint8_t count, phase;
+};
+GLM_DEV void emu_bar_complete(EmuBar* b) {
+    if (b->pending == 0 && b->tx == 0) {
+        b->phase ^= 1u;
+        b->pending = b->count;
+    }
+}
+#else
+GLM_DEV unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+#endif
+GLM_DEV void mbar_init(uint64_t* bar, unsigned count) {
+#if defined(GLM_CUDA_EMU)
+    *reinterpret_cast<EmuBar*>(bar) = EmuBar{0, static_cast<uint16_t>(count), static_cast<uint8_t>(count), 0};
+#else
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+GLM_DEV void mbar_init_fence() {
+#if !defined(GLM_CUDA_EMU)
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// One arrival that also announces `bytes` to come by bulk copies.
+GLM_DEV void mbar_arrive_expect(uint64_t* bar, unsigned bytes) {
+#if defined(GLM_CUDA_EMU)
+    EmuBar* b = reinterpret_cast<EmuBar*>(bar);
+    b->tx += static_cast<int32_t>(bytes);
+    --b->pending;
+    emu_bar_complete(b);
+#else
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+// bytes (a multiple of 16; both addresses 16-byte aligned) from global to shared memory.
+GLM_DEV void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+#if defined(GLM_CUDA_EMU)
+    std::memcpy(dst, src, bytes);
+    EmuBar* b = reinterpret_cast<EmuBar*>(bar);
+    b->tx -= static_cast<int32_t>(bytes);
+    emu_bar_complete(b);
+#else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+#endif
+}
+// Until the barrier's phase of parity `parity` has completed.
+GLM_DEV void mbar_wait(uint64_t* bar, unsigned parity) {
+#if defined(GLM_CUDA_EMU)
+    while (reinterpret_cast<volatile EmuBar*>(bar)->phase == parity) glm_emu::spin();
+#else
+    asm volatile(
+        "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}\n" ::"r"(
+            smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+#endif
+}
+
+// Unit u of the launch (four rows): which matrix, rows, x and y. Units run over (item, table, row
+// group), row groups fastest.
+struct SmUnit {
+    const unsigned char* data;
+    const void* scale;
+    const float* x;  // dense: add the row's head offset
+    float* y;
+    int r0;  // first output row
+};
+template <bool EXPERT>
+GLM_DEV SmUnit sm_unit(const LinArgs& a, int u, int nrg) {
+    SmUnit s;
+    s.r0 = (u % nrg) * 4;
+    if constexpr (EXPERT) {
+        const int nz = a.dtab2 ? 2 : 1;
+        const int item = u / nrg / nz, z = (u / nrg) % nz;
+        const int e = a.items[3 * item], p = a.pairs[a.items[3 * item + 1]];
+        s.data = static_cast<const unsigned char*>((z ? a.dtab2 : a.dtab)[e]);
+        s.scale = (z ? a.stab2 : a.stab)[e];
+        s.x = a.X + pair_xrow(a, p) * a.ldx;
+        s.y = (z ? a.Y2 : a.Y) + static_cast<int64_t>(p) * a.ldy;
+    } else {
+        s.data = static_cast<const unsigned char*>(a.data);
+        s.scale = a.scale;
+        s.x = a.X;
+        s.y = a.Y;
+    }
+    return s;
+}
+GLM_DEV int64_t weight_row(const LinArgs& a, int r) {
+    return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
+}
+
+// MINB: blocks per SM the launch keeps resident (1 or 2), so the registers fit that many.
+template <int FMT, bool EXPERT, int DEC, int MINB>
+__global__ void __launch_bounds__(kSmThreads, MINB) k_linear_stream(LinArgs a) {
+    pdl_enter();
+    GLM_DYN_SMEM(unsigned char, sm);
+    constexpr int CB = chunk_bytes<FMT>(), CPS = sm_cps<FMT>(), PITCH = sm_pitch<FMT>(), S = sm_slots<MINB>();
+    __shared__ uint64_t bars[kSmWarps][S];
+    const int64_t C = a.C;
+    const int64_t rbytes = row_bytes(FMT, C);
+    const int nchunks = static_cast<int>(C / 64);
+    const int nst = (nchunks + CPS - 1) / CPS;
+    const int nrg = (a.R + 3) / 4;
+    const int nunits = EXPERT ? *a.n_items * (a.dtab2 ? 2 : 1) * nrg : nrg;
+    const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31, i = lane >> 3, g = lane & 7;
+    const int gw = static_cast<int>(blockIdx.x) * kSmWarps + warp, GW = static_cast<int>(gridDim.x) * kSmWarps;
+    const int K = gw < nunits ? (nunits - gw + GW - 1) / GW * nst : 0;  // this warp's stages, in order
+    unsigned char* wsm = sm + warp * S * 4 * PITCH;
+    uint64_t* wb = bars[warp];
+    if (lane == 0)
+        for (int s = 0; s < S; ++s) mbar_init(&wb[s], 1);
+    mbar_init_fence();
+    __syncthreads();
+
+    // The issue cursor: the next stage to request (its index, column stage, unit and buffer). The whole
+    // warp runs it; lane 0 announces the bytes, lane r copies row r of the unit (1 KB or less).
+    int ik = 0, is = 0, iu = gw, islot = 0, irows = 0;
+    const unsigned char* isrc = nullptr;
+    auto issue_next = [&] {
+        if (is == 0) {
+            const SmUnit un = sm_unit<EXPERT>(a, iu, nrg);
+            irows = a.R - un.r0 < 4 ? a.R - un.r0 : 4;
+            isrc = un.data + weight_row(a, un.r0 + (lane < irows ? lane : 0)) * rbytes;
+        }
+        const int c0 = is * CPS, nc = nchunks - c0 < CPS ? nchunks - c0 : CPS;
+        uint64_t* bar = &wb[islot];
+        if (lane == 0) mbar_arrive_expect(bar, static_cast<unsigned>(irows * nc * CB));
+        __syncwarp();
+        if (lane < irows)
+            bulk_copy(wsm + (islot * 4 + lane) * PITCH, isrc + static_cast<int64_t>(c0) * CB, static_cast<unsigned>(nc * CB), bar);
+        ++ik;
+        if (++is == nst) {
+            is = 0;
+            iu += GW;
+        }
+        if (++islot == S) islot = 0;
+    };
+    while (ik < S && ik < K) issue_next();
+
+    float acc[8];
+    zero8(acc);
+    SmUnit un{};
+    const float* xr = nullptr;
+    int64_t srow = 0;  // this row's scale row (FP8: its 128-row block's; MXFP4: its own)
+    bool live = false;
+    int s = 0, u = gw, slot = 0;
+    unsigned phase = 0;
+    for (int k = 0; k < K; ++k) {
+        if (s == 0) {
+            un = sm_unit<EXPERT>(a, u, nrg);
+            const int r = un.r0 + i;
+            live = r < a.R;
+            const int rr = live ? r : a.R - 1;
+            const int64_t ar = weight_row(a, rr);
+            srow = FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) : 0);
+            xr = un.x + (EXPERT ? 0 : static_cast<int64_t>(rr / a.rh) * a.xhs) + 8 * g;
+        }
+        const int c0 = s * CPS, nc = nchunks - c0 < CPS ? nchunks - c0 : CPS;
+        const unsigned char* row = wsm + (slot * 4 + i) * PITCH + g * (CB / 8);
+        const float* xs = xr + 64 * static_cast<int64_t>(c0);
+        mbar_wait(&wb[slot], phase);
+        if (live) {
+            // chunk c with its scale (FP8: already times 2^120 for the integer decode, as scale_fp8 does)
+            auto chunk = [&](int c, float sc) {
+                float w[8];
+                if constexpr (FMT == W_FP8) {
+                    const uint2 v = *reinterpret_cast<const uint2*>(row + c * CB);
+                    e4m3_words<DEC>(v.x, v.y, w);
+#pragma unroll
+                    for (int l = 0; l < 8; ++l) w[l] = fmul(w[l], sc);  // w = fl32(e4m3 * scale_inv)
+                } else {
+                    decode_smem<FMT, DEC, 8>(row + c * CB, sc, w);
+                }
+                const float4 x0 = __ldg(reinterpret_cast<const float4*>(xs + 64 * c));
+                const float4 x1 = __ldg(reinterpret_cast<const float4*>(xs + 64 * c + 4));
+                acc[0] = ffma(w[0], x0.x, acc[0]);
+                acc[1] = ffma(w[1], x0.y, acc[1]);
+                acc[2] = ffma(w[2], x0.z, acc[2]);
+                acc[3] = ffma(w[3], x0.w, acc[3]);
+                acc[4] = ffma(w[4], x1.x, acc[4]);
+                acc[5] = ffma(w[5], x1.y, acc[5]);
+                acc[6] = ffma(w[6], x1.z, acc[6]);
+                acc[7] = ffma(w[7], x1.w, acc[7]);
+            };
+            auto scale_of = [&](int c) {  // chunk c's scale (FP8: one per two chunks, 128 columns)
+                if constexpr (FMT == W_FP8) {
+                    const float sv = __ldg(static_cast<const float*>(un.scale) + srow + (c0 + c) / 2);
+                    return DEC == kDecInt ? fmul(sv, 0x1p120f) : sv;
+                } else if constexpr (FMT == W_MXFP4) {
+                    return e8m0(__ldg(static_cast<const uint8_t*>(un.scale) + srow + 2 * (c0 + c) + g / 4));
+                } else {
+                    return 0.0f;
+                }
+            };
+            if (nc == CPS) {
+                if constexpr (FMT == W_FP8) {
+#pragma unroll
+                    for (int c = 0; c < CPS; c += 2) {
+                        const float sc = scale_of(c);
+                        chunk(c, sc);
+                        chunk(c + 1, sc);
+                    }
+                } else {
+#pragma unroll
+                    for (int c = 0; c < CPS; ++c) chunk(c, scale_of(c));
+                }
+            } else {
+                for (int c = 0; c < nc; ++c) chunk(c, scale_of(c));
+            }
+        }
+        __syncwarp();  // every lane is done with buffer `slot`: refill it
+        if (ik < K) issue_next();
+        if (s == nst - 1) {
+            const float y = group_fold(acc);
+            if (live && g == 0) un.y[un.r0 + i] = a.round ? bf16r(y) : y;
+            zero8(acc);
+        }
+        if (++s == nst) {
+            s = 0;
+            u += GW;
+        }
+        if (++slot == S) {
+            slot = 0;
+            phase ^= 1u;
+        }
+    }
+}
+
 // The staged kernel takes one token row (or expert items of one pair each), whole chunks, 16-byte
 // aligned rows (and x rows), and matrices of at most 16 waves of 16-row blocks (lm_head streams at
 // 85-90 % of the copy bandwidth through the register kernel already). The bound is per matrix, not per
@@ -906,6 +1176,38 @@ void launch_mt(const LinArgs& a, dim3 grid) {
     }
 }
 
+// The streaming kernel: one token row (or expert items of one pair) whose rows can be copied.
+bool stream_applies(const LinArgs& a, bool expert) {
+    return rows_copyable(a, expert) && a.xhs % 4 == 0 && (expert ? a.tile_pairs == 1 : a.T == 1);
+}
+
+template <int FMT, bool EXPERT, int DEC, int MINB>
+void launch_sm_dec(const LinArgs& a, dim3 g) {
+    auto k = k_linear_stream<FMT, EXPERT, DEC, MINB>;
+    constexpr size_t smem = static_cast<size_t>(sm_block_bytes<FMT, MINB>());
+    static bool attr_set = false;
+    if (!attr_set) {
+        check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), "smem attribute");
+        attr_set = true;
+    }
+    // every unit's block resident at once: at most MINB blocks per SM (expert launches: as many units
+    // as the largest work list could hold; blocks past the device's count of units exit at once)
+    const int64_t units = (a.R + 3) / 4 * (EXPERT ? static_cast<int64_t>(a.max_items) * g.z : 1);
+    const unsigned blocks =
+        static_cast<unsigned>(std::min<int64_t>((units + kSmWarps - 1) / kSmWarps, static_cast<int64_t>(MINB) * sm_count()));
+    GLM_LAUNCH(k, blocks, kSmThreads, smem, a);
+}
+template <int FMT, bool EXPERT, int MINB>
+void launch_sm(const LinArgs& a, dim3 g) {
+    if constexpr (FMT == W_FP8) {
+        if (a.dec == kDecInt) launch_sm_dec<FMT, EXPERT, kDecInt, MINB>(a, g);
+        else if (a.dec == kDecHw) launch_sm_dec<FMT, EXPERT, kDecHw, MINB>(a, g);
+        else launch_sm_dec<FMT, EXPERT, kDecSw, MINB>(a, g);
+    } else {
+        launch_sm_dec<FMT, EXPERT, kDecSw, MINB>(a, g);
+    }
+}
+
 // minb 5 or 6 (one token): the variant bounded to that many 128-thread blocks per SM (<= 102 or 85
 // registers; ptxas: the FP8 expert kernel then spills 32 or 128 bytes)
 template <int FMT, int TT, bool EXPERT, int DEC>
@@ -971,8 +1273,14 @@ bool tuning_on() {
 #endif
 }
 std::string choice_name(const StChoice& c) {
+    if (c.dec >= 0) {
+        StChoice d = c;
+        d.dec = -1;
+        return choice_name(d) + (c.dec == kDecHw ? "/hw" : (c.dec == kDecInt ? "/int" : "/sw"));
+    }
     if (c.lpt == kTiledChoice) return "tiled";
     if (c.lpt == kRegOccChoice) return "register:occ" + std::to_string(c.rpb);
+    if (c.lpt == kStreamChoice) return "stream:" + std::to_string(c.rpb);
     if (c.lpt < 0) return "register";
     return "staged:" + std::to_string(c.lpt) + ":" + std::to_string(c.xs) +
            (c.rpb ? ":" + std::to_string(c.rpb) + ":" + std::to_string(c.cps) : "");
@@ -991,9 +1299,22 @@ void flush_l2() {
 // variant); false when c does not apply to a's shape.
 template <int FMT, bool EXPERT>
 bool launch_one_token(const LinArgs& a, dim3 grid, const StChoice& c) {
+    if (c.dec >= 0 && c.dec != a.dec) {  // every decode path gives the same values: the tuning times them
+        LinArgs b = a;
+        b.dec = c.dec;
+        StChoice d = c;
+        d.dec = -1;
+        return launch_one_token<FMT, EXPERT>(b, grid, d);
+    }
     if (c.lpt == kTiledChoice) {
         if (!tiled_applies(a, EXPERT)) return false;
         launch_mt<FMT, EXPERT, 1>(a, grid);
+        return true;
+    }
+    if (c.lpt == kStreamChoice) {
+        if (!stream_applies(a, EXPERT)) return false;
+        if (c.rpb == 1) launch_sm<FMT, EXPERT, 1>(a, grid);
+        else launch_sm<FMT, EXPERT, 2>(a, grid);
         return true;
     }
     if (c.lpt < 0) {
@@ -1012,6 +1333,7 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
     std::vector<StChoice> cands(1);
     cands[0].lpt = -1;  // the register kernel
     for (int lpt : {8, 4, 2}) {
+        if (!staged_applies(a, EXPERT)) break;
         StChoice c;
         c.lpt = lpt;
         c.xs = heads ? 0 : 1;
@@ -1027,6 +1349,22 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
         c.lpt = kRegOccChoice;
         c.rpb = minb;
         cands.push_back(c);
+    }
+    if (stream_applies(a, EXPERT)) {
+        for (int bps : {1, 2}) {
+            StChoice c;
+            c.lpt = kStreamChoice;
+            c.rpb = bps;
+            cands.push_back(c);
+        }
+    }
+    if (FMT == W_FP8 && a.dec == kDecInt) {  // the same kernels with the hardware E4M3 conversion
+        const size_t n = cands.size();
+        for (size_t j = 0; j < n; ++j) {
+            StChoice c = cands[j];
+            c.dec = kDecHw;
+            cands.push_back(c);
+        }
     }
     TuneResult res;
     cudaEvent_t e0, e1;
@@ -1060,9 +1398,10 @@ template <int FMT, int TT, bool EXPERT>
 void launch_fmt(const LinArgs& a, dim3 grid) {
     if constexpr (TT == 1) {
         StChoice c = a.st;  // a variant forced by a test or benchmark, else the engine's choice:
-        if (c.lpt == 0) {   // the measured one where the staged kernel applies, the register kernel elsewhere
-            if (a.no_staged || !staged_applies(a, EXPERT)) c.lpt = -1;
+        if (c.lpt == 0) {   // the measured one where a shared-memory kernel applies, the register kernel elsewhere
+            if (a.no_staged || !(staged_applies(a, EXPERT) || stream_applies(a, EXPERT))) c.lpt = -1;
             else if (tuning_on()) c = tuned_choice<FMT, EXPERT>(a, grid);
+            else if (!staged_applies(a, EXPERT)) c.lpt = -1;
         }
         if (launch_one_token<FMT, EXPERT>(a, grid, c)) return;
     } else {
@@ -1260,7 +1599,7 @@ bool e4m3_nan_free_device(const void* data, size_t n) {
 
 namespace {
 
-// kernel: "auto" | "register" | "register:occ5|6" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
+// kernel: "auto" | "register" | "register:occ5|6" | "stream:1|2" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
 // forced choice); "tiled" gives expert work items of tile_for(T) pairs, "tiled:1" of one pair.
 StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     StChoice c;
@@ -1271,8 +1610,12 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
         c.lpt = kRegOccChoice;
         c.rpb = kernel.back() - '0';
     }
-    if (kernel == "auto" || kernel == "register" || c.lpt == kRegOccChoice || kernel == "tiled" || kernel == "tiled:1" ||
-        kernel == "staged")
+    if (kernel == "stream:1" || kernel == "stream:2") {
+        c.lpt = kStreamChoice;
+        c.rpb = kernel.back() - '0';
+    }
+    if (kernel == "auto" || kernel == "register" || c.lpt == kRegOccChoice || c.lpt == kStreamChoice ||
+        kernel == "tiled" || kernel == "tiled:1" || kernel == "staged")
         return c;
     int v[4] = {0, -1, 0, 0};
     int n = 0;
@@ -1298,7 +1641,8 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
             return c;
         }
     }
-    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occ5', 'register:occ6', 'tiled', "
+    throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occ5', 'register:occ6', "
+                                "'stream:1', 'stream:2', 'tiled', "
                                 "'tiled:1', 'staged' or "
                                 "'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
@@ -1434,6 +1778,8 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
         if (tiled && !tiled_applies(a, true))
             throw std::invalid_argument("linear: the tiled kernel does not apply to this shape");
+        if (choice.lpt == kStreamChoice && !stream_applies(a, true))
+            throw std::invalid_argument("linear: the stream kernel does not apply to this shape");
         run(a, true, tile, Nm{});
     } else {
         a.data = dd;
@@ -1442,6 +1788,8 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
         if (tiled && !tiled_applies(a, false))
             throw std::invalid_argument("linear: the tiled kernel does not apply to this shape");
+        if (choice.lpt == kStreamChoice && !stream_applies(a, false))
+            throw std::invalid_argument("linear: the stream kernel does not apply to this shape");
         run(a, false, tile_for(T), Nm{});
     }
     std::vector<float> y(static_cast<size_t>(T) * R);

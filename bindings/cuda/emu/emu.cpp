@@ -148,6 +148,8 @@ void syncthreads() {
     barrier(g_block_bar);
 }
 
+void spin() { yield(); }
+
 void syncwarp() { barrier(g_warp_bars[static_cast<size_t>(g_cur->index / 32)]); }
 
 uint64_t shfl_raw(uint64_t v, int src) {

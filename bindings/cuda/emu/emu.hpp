@@ -63,6 +63,8 @@ void launch(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()
 void* dyn_smem();  // the current block's dynamic shared memory (zero-filled per block)
 void syncthreads();
 void syncwarp();
+// Let the other threads of the block run (a thread waiting on a memory barrier spins through this).
+void spin();
 // Shuffle through the warp's exchange slots: every live lane of the warp must call it.
 uint64_t shfl_raw(uint64_t v, int src_lane_of_me);
 int lane();
