@@ -525,8 +525,8 @@ def test_linear_kernels_match_cpu(case):
     tiled = (["tiled"] + (["tiled:1"] if expert and T > 1 else [])) if C % 64 == 0 else []
     # one token per launch row (T = 1, or experts' one-pair items): the register-bounded register kernel
     occ = ["register:occ5", "register:occ6"] if T == 1 or expert else []
-    # the streaming kernel (persistent blocks, bulk copies) at 1 and 2 blocks per SM, one token or one-pair items
-    stream = ["stream:1", "stream:2"] if (T == 1 or expert) and C % 64 == 0 else []
+    # the streaming kernel (persistent warps, bulk copies) at 1, 2 and 3 blocks per SM, one token or one-pair items
+    stream = ["stream:1", "stream:2", "stream:3"] if (T == 1 or expert) and C % 64 == 0 else []
     kernels = ["auto", "register"] + occ + stream + tiled + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data)
     # (scales >= 2^8 exclude the integer decode: auto takes the hardware one, 'int' is refused)
@@ -535,7 +535,7 @@ def test_linear_kernels_match_cpu(case):
         with pytest.raises(ValueError, match="scales below 2"):
             cuda_module().linear(release, data, scale, X, round=rnd, decode="int")
     for kernel in kernels:
-        full = ("auto", "register", "register:occ5", "register:occ6", "stream:1", "stream:2", "tiled", "tiled:1",
+        full = ("auto", "register", "register:occ5", "register:occ6", "stream:1", "stream:2", "stream:3", "tiled", "tiled:1",
                 "staged:4:1", "staged:2:0")
         for decode in decodes if kernel in full else ("auto",):
             got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert, decode=decode)

@@ -5,7 +5,7 @@
 
 For each matrix shape of a real-width layer (KDA, MLA, MoE: FP8, BF16, MXFP4 as the releases store
 them) and each kernel variant (the register kernel, also bounded to 5 blocks per SM; the
-streaming kernel at 1 or 2 blocks per SM; the staged kernel with 8, 4 or 2 lanes per thread, x read
+streaming kernel at 1, 2 or 3 blocks per SM; the staged kernel with 8, 4 or 2 lanes per thread, x read
 through L1 or staged, a few block/stage sizes; FP8 with both E4M3 decode paths), the
 median device time of one launch with L2 evicted before each (decode reads every weight from HBM), and
 the weight bytes streamed per second, against the copy bandwidth measured in the same run.
@@ -42,7 +42,7 @@ SHAPES = [
     ("experts.down x8", "mxfp4", 4096, 2048, 8),
     ("kda.q_proj", "mxfp4", 8192, 4096, 0),
 ]
-VARIANTS = ["register", "register:occ5", "stream:1", "stream:2", "staged:8:0", "staged:8:1", "staged:4:0", "staged:4:1", "staged:2:0", "staged:2:1",
+VARIANTS = ["register", "register:occ5", "stream:1", "stream:2", "stream:3", "staged:8:0", "staged:8:1", "staged:4:0", "staged:4:1", "staged:2:0", "staged:2:1",
             "staged:4:1:16:8", "staged:4:1:8:16", "staged:4:1:16:24", "staged:2:1:8:16", "staged:2:1:8:48",
             "staged:8:1:32:6"]
 # FP8 shapes are timed with both E4M3 decode paths: the conversion unit ("hw") and bit placement ("int")

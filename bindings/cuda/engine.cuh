@@ -107,7 +107,9 @@ struct MlaW {
     Lin q_a, q_b, kv_a, kv_b, o_proj;
     float* q_a_norm = nullptr;
     float* kv_a_norm = nullptr;
-    float* w_uk_t = nullptr;  // [nh][r][dn] W_UK_h transposed, decoded exactly (finalize)
+    // [nh*r][dn]: W_UK_h transposed (finalize), in the release's format where that keeps every value:
+    // FP8 codes with their 128-blocks' scales transposed, BF16, else the decoded f32
+    Lin w_uk_t;
     bool has_indexer = false;
     Lin wq_b, wk, weights_proj, kpool_gate;
     Lin kgw;  // wk | kpool_gate | weights_proj rows as one matrix (joint placement; empty when not)

@@ -276,15 +276,8 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     append_rows(s, layer, lat, r, r, 0);
     // mla.q_abs[t][h][k] = bf16(cdot(W_UK_h^T[k], q_h))
     float* q_abs = s.scratch.d<float>(static_cast<size_t>(T) * nh * r);
-    {
-        Lin wt;
-        wt.fmt = W_F32;
-        wt.R = static_cast<int64_t>(nh) * r;
-        wt.C = dn;
-        wt.data = w.w_uk_t;
-        linear_heads(wt, nh * r, r, r, 0, q, static_cast<int64_t>(nh) * dn, dn, q_abs, static_cast<int64_t>(nh) * r, T,
-                     true, nm, s.hw8);
-    }
+    linear_heads(w.w_uk_t, nh * r, r, r, 0, q, static_cast<int64_t>(nh) * dn, dn, q_abs, static_cast<int64_t>(nh) * r, T,
+                 true, nm, s.hw8);
     s.emit(layer, S_MLA_Q_ABS, q_abs, static_cast<int64_t>(nh) * r, {nh, r});
 
     // the selection: this layer's indexer, or the previous full layer's (shared layers)

@@ -330,14 +330,69 @@ __global__ void k_decay(const float* a_log, int n, float* out, Nm nm) {
     if (i < n) out[i] = nm.exp(a_log[i]);
 }
 
-// w_uk_t[(h*r + k)*dn + i] = kv_b[h(dn+dv) + i][k], decoded exactly.
+// W_UK^T: element (h*r + k, i) is kv_b[h(dn+dv) + i][k] (C = r columns).
+// f32: the decoded values. BF16: their bits, and *inexact set when a value is not a BF16 value (MXFP4
+// and BF16 values always are). FP8 (r, dn + dv and dn multiples of 128): the codes, and the scales of
+// the transposed 128-blocks, scale'[(h*r + k)/128][i/128] = scale[h(dn+dv)/128 + i/128][k/128], so
+// that fl(e4m3 * scale') is the same product as before.
 __global__ void k_build_wuk(int fmt, const void* data, const void* scale, int64_t C, int nh, int dn, int dv, int r,
-                            float* out) {
+                            int out_fmt, void* out, float* out_scale, int* inexact) {
     pdl_enter();
     const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= static_cast<int64_t>(nh) * r * dn) return;
     const int64_t i = idx % dn, k = (idx / dn) % r, h = idx / (static_cast<int64_t>(dn) * r);
-    out[idx] = decode_elem(fmt, data, scale, h * (dn + dv) + i, k, C);
+    const int64_t src_row = h * (dn + dv) + i;
+    if (out_fmt == W_FP8) {
+        static_cast<uint8_t*>(out)[idx] = static_cast<const uint8_t*>(data)[src_row * C + k];
+        if (k % 128 == 0 && i % 128 == 0) {
+            const int64_t ncb = (C + 127) / 128;
+            out_scale[(h * r + k) / 128 * (dn / 128) + i / 128] = static_cast<const float*>(scale)[src_row / 128 * ncb + k / 128];
+        }
+        return;
+    }
+    const float v = decode_elem(fmt, data, scale, src_row, k, C);
+    if (out_fmt == W_BF16) {
+        const uint32_t b = f32_bits(v);
+        if ((b & 0xFFFFu) != 0u) *inexact = 1;
+        static_cast<uint16_t*>(out)[idx] = static_cast<uint16_t>(b >> 16);
+    } else {
+        static_cast<float*>(out)[idx] = v;
+    }
+}
+
+// W_UK^T of an MLA layer into the arena (k_build_wuk): FP8 when the transposed blocks are whole
+// 128-blocks, BF16 when every value is a BF16 value (checked on the device), else f32. The view's
+// rows are read by linear_heads like any weight, so the smaller format streams fewer bytes per token.
+void build_wuk(Arena& arena, MlaW& m, int nh, int dn, int dv, int r) {
+    const int64_t total = static_cast<int64_t>(nh) * r * dn;
+    const Lin& kv = m.kv_b;
+    Lin& w = m.w_uk_t;
+    w.R = static_cast<int64_t>(nh) * r;
+    w.C = dn;
+    const unsigned grid = static_cast<unsigned>((total + 255) / 256);
+    auto build = [&](int fmt) {
+        w.fmt = fmt;
+        w.data = arena.alloc(static_cast<size_t>(total * row_bytes(fmt, 1)));
+        w.scale = fmt == W_FP8 ? arena.alloc(static_cast<size_t>(scale_bytes(fmt, w.R, w.C))) : nullptr;
+        w.int_decode = fmt == W_FP8 && kv.int_decode;
+        void* flag = nullptr;
+        check(cudaMalloc(&flag, sizeof(int)), "cudaMalloc (w_uk)");
+        check(cudaMemset(flag, 0, sizeof(int)), "w_uk");
+        auto k = k_build_wuk;
+        GLM_LAUNCH(k, grid, 256, 0, kv.fmt, kv.data, kv.scale, kv.C, nh, dn, dv, r, fmt, const_cast<void*>(w.data),
+                   static_cast<float*>(const_cast<void*>(w.scale)), static_cast<int*>(flag));
+        check_launch("w_uk");
+        int inexact = 0;
+        const cudaError_t e = cudaMemcpy(&inexact, flag, sizeof(int), cudaMemcpyDeviceToHost);
+        cudaFree(flag);
+        check(e, "w_uk");
+        return inexact == 0;
+    };
+    if (kv.fmt == W_FP8 && kv.row0 == 0 && r % 128 == 0 && (dn + dv) % 128 == 0 && dn % 128 == 0) {
+        build(W_FP8);
+    } else if (kv.fmt == W_F32 || !build(W_BF16)) {
+        build(W_F32);  // (a rejected BF16 copy stays in the arena: finalize runs once)
+    }
 }
 
 // Every E4M3 code in every position of a group of eight, hardware path vs software path.
@@ -733,12 +788,7 @@ void Engine::finalize() {
         } else {
             const int nh = static_cast<int>(c.num_attention_heads), dn = static_cast<int>(c.qk_nope_head_dim);
             const int dv = static_cast<int>(c.v_head_dim), r = static_cast<int>(c.kv_lora_rank);
-            const int64_t total = static_cast<int64_t>(nh) * r * dn;
-            w.m.w_uk_t = static_cast<float*>(E_.arena.alloc(static_cast<size_t>(total) * sizeof(float)));
-            auto k = k_build_wuk;
-            GLM_LAUNCH(k, static_cast<unsigned>((total + 255) / 256), 256, 0, w.m.kv_b.fmt, w.m.kv_b.data,
-                       w.m.kv_b.scale, w.m.kv_b.C, nh, dn, dv, r, w.m.w_uk_t);
-            check_launch("w_uk");
+            build_wuk(E_.arena, w.m, nh, dn, dv, r);
         }
         if (w.f.moe) {
             FfnW& f = w.f;

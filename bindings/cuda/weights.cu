@@ -819,8 +819,8 @@ __global__ void __launch_bounds__(kMtThreads) k_linear_mt(LinArgs a) {
 constexpr int kSmThreads = 256;
 constexpr int kSmWarps = kSmThreads / 32;
 template <int MINB>
-constexpr int sm_slots() {  // buffers per warp: 6 (one block per SM) or 3 (two)
-    return MINB == 1 ? 6 : 3;
+constexpr int sm_slots() {  // buffers per warp: 6 (one block per SM), 3 (two) or 2 (three)
+    return MINB == 1 ? 6 : (MINB == 2 ? 3 : 2);
 }
 template <int FMT>
 constexpr int sm_cps() {  // chunks per stage: 1 KB of each row
@@ -935,7 +935,7 @@ GLM_DEV int64_t weight_row(const LinArgs& a, int r) {
     return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
 }
 
-// MINB: blocks per SM the launch keeps resident (1 or 2), so the registers fit that many.
+// MINB: blocks per SM the launch keeps resident (1, 2 or 3), so the registers fit that many.
 template <int FMT, bool EXPERT, int DEC, int MINB>
 __global__ void __launch_bounds__(kSmThreads, MINB) k_linear_stream(LinArgs a) {
     pdl_enter();
@@ -1314,7 +1314,8 @@ bool launch_one_token(const LinArgs& a, dim3 grid, const StChoice& c) {
     if (c.lpt == kStreamChoice) {
         if (!stream_applies(a, EXPERT)) return false;
         if (c.rpb == 1) launch_sm<FMT, EXPERT, 1>(a, grid);
-        else launch_sm<FMT, EXPERT, 2>(a, grid);
+        else if (c.rpb == 2) launch_sm<FMT, EXPERT, 2>(a, grid);
+        else launch_sm<FMT, EXPERT, 3>(a, grid);
         return true;
     }
     if (c.lpt < 0) {
@@ -1351,7 +1352,7 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
         cands.push_back(c);
     }
     if (stream_applies(a, EXPERT)) {
-        for (int bps : {1, 2}) {
+        for (int bps : {1, 2, 3}) {
             StChoice c;
             c.lpt = kStreamChoice;
             c.rpb = bps;
@@ -1599,7 +1600,7 @@ bool e4m3_nan_free_device(const void* data, size_t n) {
 
 namespace {
 
-// kernel: "auto" | "register" | "register:occ5|6" | "stream:1|2" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
+// kernel: "auto" | "register" | "register:occ5|6" | "stream:1|2|3" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
 // forced choice); "tiled" gives expert work items of tile_for(T) pairs, "tiled:1" of one pair.
 StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     StChoice c;
@@ -1610,7 +1611,7 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
         c.lpt = kRegOccChoice;
         c.rpb = kernel.back() - '0';
     }
-    if (kernel == "stream:1" || kernel == "stream:2") {
+    if (kernel == "stream:1" || kernel == "stream:2" || kernel == "stream:3") {
         c.lpt = kStreamChoice;
         c.rpb = kernel.back() - '0';
     }
@@ -1642,7 +1643,7 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
         }
     }
     throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occ5', 'register:occ6', "
-                                "'stream:1', 'stream:2', 'tiled', "
+                                "'stream:1', 'stream:2', 'stream:3', 'tiled', "
                                 "'tiled:1', 'staged' or "
                                 "'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
