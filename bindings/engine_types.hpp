@@ -207,6 +207,7 @@ struct StepOutput {
     std::vector<int64_t> head_rows;  // rows whose logits were computed, ascending
     std::vector<float> logits;       // [head_rows.size()][V] (left empty when logits_dst is given)
     float* logits_dst = nullptr;     // the caller's buffer of (rows wanting logits) x V floats, written instead
+    bool logits_dst_pinned = false;  // logits_dst is page-locked host memory (the CUDA engine copies into it directly)
     std::vector<CaptureRecord> captures;
     int64_t injected = 0;  // elements the injection perturbed in this step
     float* logits_out(size_t n) {  // where the step writes its n logits

@@ -4,6 +4,8 @@
 // step arguments from fast/engine.py, so they are read in one place.
 #pragma once
 
+#include <functional>
+
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -131,9 +133,12 @@ inline py::list stage_list() {
 // the numpy arguments checked and copied, the step run without the GIL, the logits written straight
 // into the array returned.
 // Returns (head_rows i64[n], logits f32[n, V], [(layer, stage name, row, value)], injected).
+// alloc (optional): makes the [n, V] logits array and says whether its memory is page-locked.
+using LogitsAlloc = std::function<py::array_t<float>(size_t n, size_t V, bool& pinned)>;
 template <class Engine>
 py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::object& tok_o, const py::object& head_o,
-                   const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o) {
+                   const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o,
+                   const LogitsAlloc& alloc = nullptr) {
     const py::array seq = checked(seq_o, "seq_ids", "i", 8);
     const py::array tok = checked(tok_o, "tokens", "i", 4);
     const py::array head = checked(head_o, "want_head", "b", 1);
@@ -171,9 +176,12 @@ py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::objec
     // the logits land in the numpy array handed back (the rows wanting them, in row order)
     size_t n_head = 0;
     for (uint8_t w : wh) n_head += w ? 1 : 0;
-    py::array_t<float> logits({static_cast<py::ssize_t>(n_head), static_cast<py::ssize_t>(V)});
+    bool pinned = false;
+    py::array_t<float> logits = alloc && n_head ? alloc(n_head, V, pinned)
+                                                : py::array_t<float>({static_cast<py::ssize_t>(n_head), static_cast<py::ssize_t>(V)});
     StepOutput out;
     out.logits_dst = n_head ? logits.mutable_data() : nullptr;
+    out.logits_dst_pinned = pinned;
     {
         py::gil_scoped_release nogil;
         E.step(ids, toks, wh, cr, cm, inj, out);

@@ -470,6 +470,7 @@ LINEAR_EMU_CASES = [
     ("emu-f32", "f32", 24, 128, 1, False, True, False),
     ("emu-width-96", "bf16", 20, 96, 1, False, False, True),
     ("emu-fp8-bigscale", "fp8", 260, 256, 1, False, True, True),
+    ("emu-mxfp4-bigscale", "mxfp4", 36, 320, 1, False, True, True),
     ("emu-fp8-long", "fp8", 40, 1088, 1, False, True, True),  # 17 chunks: a full batch and the rest
     ("emu-fp8-tiled", "fp8", 70, 192, 5, False, False, True),
     ("emu-bf16-tiled", "bf16", 40, 320, 3, False, False, False),
@@ -512,8 +513,11 @@ def test_linear_kernels_match_cpu(case):
     name, release, R, C, T, expert, staged, rnd = case
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     data, scale = random_weights(release, R, C, rng)
-    if "bigscale" in name:  # every other block's scale >= 2^8: the integer decode's two-multiply branch
-        scale[::2] *= np.float32(2.0 ** 16)
+    if "bigscale" in name:  # scales past the placement decodes' fold: FP8 >= 2^8, MXFP4 E8M0 > 240
+        if release == "fp8":
+            scale[::2] *= np.float32(2.0 ** 16)
+        else:
+            scale[::2] = 245
     X = rng.standard_normal((T, C), dtype=np.float32)
     want = cpu_linear(release, data, scale, X, rnd)
     cu = cuda_module()
@@ -528,11 +532,13 @@ def test_linear_kernels_match_cpu(case):
     # the streaming kernel (persistent warps, bulk copies) at 1, 2 and 3 blocks per SM, one token or one-pair items
     stream = ["stream:1", "stream:2", "stream:3"] if (T == 1 or expert) and C % 64 == 0 else []
     kernels = ["auto", "register"] + occ + stream + tiled + (variants if staged else [])
-    # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data)
-    # (scales >= 2^8 exclude the integer decode: auto takes the hardware one, 'int' is refused)
-    decodes = (("auto", "sw", "hw") + (() if "bigscale" in name else ("int",))) if release == "fp8" else ("auto",)
+    # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data);
+    # MXFP4: the software decode and the f16-pair placement (scales <= 240)
+    # (scales past the fold exclude the placement: auto takes the other, 'int' is refused)
+    placement = () if "bigscale" in name else ("int",)
+    decodes = {"fp8": ("auto", "sw", "hw") + placement, "mxfp4": ("auto", "sw") + placement}.get(release, ("auto",))
     if "bigscale" in name:
-        with pytest.raises(ValueError, match="scales below 2"):
+        with pytest.raises(ValueError, match="scales (below 2|of at most 240)"):
             cuda_module().linear(release, data, scale, X, round=rnd, decode="int")
     for kernel in kernels:
         full = ("auto", "register", "register:occ5", "register:occ6", "stream:1", "stream:2", "stream:3", "tiled", "tiled:1",

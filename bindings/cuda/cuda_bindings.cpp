@@ -8,7 +8,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -31,16 +35,76 @@ using glm::pyglue::shape_of;
 
 Config config_from_dict(const py::dict& d) { return glm::pyglue::config_from_dict<Config>(d); }
 
+// Page-locked buffers for decode-sized logits, reused: a step's logits are copied by the device straight
+// into the array it returns (no staging buffer and host copy per step, and no fresh pages to fault in).
+// An array's buffer comes back to the pool when numpy frees the array; the pool lives while any does.
+class PinnedPool {
+   public:
+    ~PinnedPool() {
+        for (auto& kv : free_)
+            for (void* p : kv.second) host_pinned_free(p);
+    }
+    void* take(size_t bytes) {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = free_.find(bytes);
+        if (it != free_.end() && !it->second.empty()) {
+            void* p = it->second.back();
+            it->second.pop_back();
+            return p;
+        }
+        return host_pinned_alloc(bytes);
+    }
+    void give(void* p, size_t bytes) {
+        std::lock_guard<std::mutex> lock(mu_);
+        std::vector<void*>& v = free_[bytes];
+        if (v.size() < 4) v.push_back(p);
+        else host_pinned_free(p);
+    }
+
+   private:
+    std::mutex mu_;
+    std::map<size_t, std::vector<void*>> free_;
+};
+constexpr size_t kPinnedLogitsMax = size_t{16} << 20;  // larger (prefill) logits: an ordinary array
+
 struct PyEngine {
     std::unique_ptr<Engine> eng;
     unsigned threads = 1;
     int64_t vocab = 0;
+    std::shared_ptr<PinnedPool> pool = std::make_shared<PinnedPool>();
 };
+
+py::array_t<float> pinned_logits(const std::shared_ptr<PinnedPool>& pool, size_t n, size_t V, bool& pinned) {
+    const size_t bytes = n * V * sizeof(float);
+    const std::vector<py::ssize_t> shape{static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(V)};
+    static const bool off = [] {
+        const char* v = std::getenv("GLM_PINNED_LOGITS");
+        return v && std::strcmp(v, "0") == 0;
+    }();
+    if (bytes > kPinnedLogitsMax || off) {  // GLM_PINNED_LOGITS=0: the staging path (an A/B switch)
+        pinned = false;
+        return py::array_t<float>(shape);
+    }
+    struct Owner {
+        std::shared_ptr<PinnedPool> pool;
+        void* p;
+        size_t bytes;
+    };
+    auto* o = new Owner{pool, pool->take(bytes), bytes};
+    py::capsule owner(o, [](void* q) {
+        auto* w = static_cast<Owner*>(q);
+        w->pool->give(w->p, w->bytes);
+        delete w;
+    });
+    pinned = true;
+    return py::array_t<float>(shape, static_cast<float*>(o->p), owner);
+}
 
 py::tuple step(PyEngine& pe, const py::object& seq_o, const py::object& tok_o, const py::object& head_o,
                const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o) {
+    const std::shared_ptr<PinnedPool> pool = pe.pool;
     return glm::pyglue::run_step(*pe.eng, static_cast<size_t>(pe.vocab), seq_o, tok_o, head_o, caprow_o, mask_o,
-                                 inj_o);
+                                 inj_o, [pool](size_t n, size_t V, bool& pinned) { return pinned_logits(pool, n, V, pinned); });
 }
 
 template <class F>

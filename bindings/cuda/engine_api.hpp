@@ -118,4 +118,9 @@ std::vector<TunedShape> tuned_shapes();
 double linear_bench_device(const std::string& release, int64_t R, int64_t C, int experts, const std::string& kernel,
                            int reps, const std::string& decode = "auto");
 
+// Page-locked host memory (cudaMallocHost / cudaFreeHost): the bindings hand decode-sized logits back
+// in it, so the device writes them straight into the returned array.
+void* host_pinned_alloc(size_t bytes);
+void host_pinned_free(void* p) noexcept;
+
 }  // namespace glm::cuda

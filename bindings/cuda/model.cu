@@ -318,6 +318,13 @@ void Step::mark(const char* name) {
     E.marks.emplace_back(name, ev);
 }
 
+void* host_pinned_alloc(size_t bytes) {
+    void* p = nullptr;
+    check(cudaMallocHost(&p, bytes ? bytes : 16), "cudaMallocHost (logits)");
+    return p;
+}
+void host_pinned_free(void* p) noexcept { cudaFreeHost(p); }
+
 // ---- the engine -----------------------------------------------------------------------------------
 
 struct Engine::Impl : EngineCore {};
@@ -611,6 +618,8 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
         if (w.fmt == W_FP8)  // selects the integer decode
             w.int_decode = e4m3_nan_free_device(d, static_cast<size_t>(R * C)) &&
                            fp8_scales_foldable(static_cast<const float*>(scale), static_cast<size_t>(sb / 4));
+        if (w.fmt == W_MXFP4)  // selects the placement decode
+            w.int_decode = mxfp4_scales_foldable(static_cast<const uint8_t*>(scale), static_cast<size_t>(sb));
         if (slot) {
             slot->have[static_cast<size_t>(i)] = 1;
             slot->int_decode[static_cast<size_t>(i)] = w.int_decode ? 1 : 0;
@@ -1084,10 +1093,13 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         float* logits = s.scratch.d<float>(hrows.size() * V);
         head_forward(s, X, hrows, logits);
         s.mark("end");
-        // through pinned staging (a pageable copy runs at a fraction of the speed), then into the
-        // caller's buffer (the numpy array handed back) without another copy
+        // into the caller's buffer (the numpy array handed back): directly when it is page-locked (the
+        // bindings' pool), else through pinned staging (a pageable copy runs at a fraction of the speed)
         const size_t nb = hrows.size() * V * sizeof(float);
-        if (nb <= (size_t{16} << 20)) {  // decode-sized: pinned staging; a whole prefill's rows: directly
+        if (out.logits_dst_pinned) {
+            check(cudaMemcpyAsync(dst, logits, nb, cudaMemcpyDeviceToHost, 0), "logits");
+            check(cudaStreamSynchronize(0), "logits");
+        } else if (nb <= (size_t{16} << 20)) {  // decode-sized: pinned staging; a whole prefill's rows: directly
             void* h = s.scratch.pinned(nb);
             check(cudaMemcpyAsync(h, logits, nb, cudaMemcpyDeviceToHost, 0), "logits");
             check(cudaStreamSynchronize(0), "logits");

@@ -142,6 +142,42 @@ GLM_DEV void scale_fp8(float (&w)[N], float s) {
     for (int l = 0; l < N; ++l) w[l] = fmul(w[l], s2);
 }
 
+// MXFP4 by placement (LinArgs::dec kDecInt, tensors whose E8M0 scales are all <= 240: checked at load,
+// mxfp4_scales_foldable): codes l and l + 4 of a chunk's word (bits 4l and 4l + 16) placed as an f16
+// pair, magnitude bits at 9-11 and sign at 15, are the E2M1 values times 2^-14 (normal and subnormal
+// codes alike); f16 -> f32 is exact, and s2 = 2^(e-127) * 2^14 (f32 bits (e + 14) << 23, exact for e <=
+// 240) makes fl(v * s2) the one rounding of e2m1 * 2^(e-127) the definition asks for, sign included
+// (fl(-a s) = -fl(a s); code 8 gives -0 either way). Per pair of weights: four integer instructions and
+// two conversions, where the software decode spends ~8 instructions per weight.
+GLM_DEV void f16x2_f32(uint32_t h2, float& a, float& b) {
+#if !defined(GLM_CUDA_EMU) && defined(__CUDA_ARCH__)
+    asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}" : "=f"(a), "=f"(b) : "r"(h2));
+#else
+    auto one = [](uint32_t h) {  // the f16 values placed here: never infinite or NaN
+        const uint32_t sign = (h & 0x8000u) << 16, ex = (h >> 10) & 31u, man = h & 0x3FFu;
+        if (ex == 0) return f32_from_bits(f32_bits(static_cast<float>(man) * 0x1p-24f) | sign);
+        return f32_from_bits(sign | ((ex + 112u) << 23) | (man << 13));
+    };
+    a = one(h2 & 0xFFFFu);
+    b = one(h2 >> 16);
+#endif
+}
+template <int L>
+GLM_DEV void e2m1_pair(uint32_t v, float& a, float& b) {  // codes L and L + 4, times 2^-14
+    const uint32_t x = L ? v >> (4 * L) : v;
+    f16x2_f32(((x << 9) & 0x0E000E00u) | ((x << 12) & 0x80008000u), a, b);
+}
+GLM_DEV float e8m0_folded(uint32_t e) { return f32_from_bits((e + 14u) << 23); }  // 2^(e-127) * 2^14, e <= 240
+// Eight MXFP4 weights of a chunk's word with the folded scale s2.
+GLM_DEV void mxfp4_int8(uint32_t v, float s2, float (&w)[8]) {
+    e2m1_pair<0>(v, w[0], w[4]);
+    e2m1_pair<1>(v, w[1], w[5]);
+    e2m1_pair<2>(v, w[2], w[6]);
+    e2m1_pair<3>(v, w[3], w[7]);
+#pragma unroll
+    for (int l = 0; l < 8; ++l) w[l] = fmul(w[l], s2);
+}
+
 template <int FMT, int DEC>
 GLM_DEV void decode_raw(const Raw<FMT>& r, float (&w)[8]) {
     if constexpr (FMT == W_BF16) {
@@ -157,6 +193,8 @@ GLM_DEV void decode_raw(const Raw<FMT>& r, float (&w)[8]) {
     } else if constexpr (FMT == W_FP8) {
         e4m3_words<DEC>(r.v.x, r.v.y, w);
         scale_fp8<DEC>(w, r.s);  // w = fl32(e4m3 * scale_inv[r/128][c/128])
+    } else if constexpr (DEC == kDecInt) {
+        mxfp4_int8(r.v, e8m0_folded(r.e), w);
     } else {
         const float s = e8m0(r.e);
 #pragma unroll
@@ -500,6 +538,8 @@ GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
             e4m3x2<DEC == kDecHw>(v, w[0], w[1]);
         }
         scale_fp8<DEC>(w, s);
+    } else if constexpr (LPT == 8 && DEC == kDecInt) {  // s: the folded scale (e8m0_folded)
+        mxfp4_int8(*reinterpret_cast<const uint32_t*>(p), s, w);
     } else {
         uint32_t v;
         if constexpr (LPT == 8) v = *reinterpret_cast<const uint32_t*>(p);
@@ -1033,7 +1073,8 @@ __global__ void __launch_bounds__(kSmThreads, MINB) k_linear_stream(LinArgs a) {
                     const float sv = __ldg(static_cast<const float*>(un.scale) + srow + (c0 + c) / 2);
                     return DEC == kDecInt ? fmul(sv, 0x1p120f) : sv;
                 } else if constexpr (FMT == W_MXFP4) {
-                    return e8m0(__ldg(static_cast<const uint8_t*>(un.scale) + srow + 2 * (c0 + c) + g / 4));
+                    const uint32_t e = __ldg(static_cast<const uint8_t*>(un.scale) + srow + 2 * (c0 + c) + g / 4);
+                    return DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
                 } else {
                     return 0.0f;
                 }
@@ -1203,6 +1244,9 @@ void launch_sm(const LinArgs& a, dim3 g) {
         if (a.dec == kDecInt) launch_sm_dec<FMT, EXPERT, kDecInt, MINB>(a, g);
         else if (a.dec == kDecHw) launch_sm_dec<FMT, EXPERT, kDecHw, MINB>(a, g);
         else launch_sm_dec<FMT, EXPERT, kDecSw, MINB>(a, g);
+    } else if constexpr (FMT == W_MXFP4) {
+        if (a.dec == kDecInt) launch_sm_dec<FMT, EXPERT, kDecInt, MINB>(a, g);
+        else launch_sm_dec<FMT, EXPERT, kDecSw, MINB>(a, g);
     } else {
         launch_sm_dec<FMT, EXPERT, kDecSw, MINB>(a, g);
     }
@@ -1231,6 +1275,9 @@ void launch_register(const LinArgs& a, dim3 grid, int minb = 1) {
     if constexpr (FMT == W_FP8) {
         if (a.dec == kDecInt) launch_reg<FMT, TT, EXPERT, kDecInt>(a, grid, minb);
         else if (a.dec == kDecHw) launch_reg<FMT, TT, EXPERT, kDecHw>(a, grid, minb);
+        else launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid, minb);
+    } else if constexpr (FMT == W_MXFP4 && TT == 1) {  // (several tokens: the software decode)
+        if (a.dec == kDecInt) launch_reg<FMT, TT, EXPERT, kDecInt>(a, grid, minb);
         else launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid, minb);
     } else {
         launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid, minb);
@@ -1359,11 +1406,11 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
             cands.push_back(c);
         }
     }
-    if (FMT == W_FP8 && a.dec == kDecInt) {  // the same kernels with the hardware E4M3 conversion
+    if (a.dec == kDecInt) {  // the same kernels with the hardware E4M3 conversion (MXFP4: the software decode)
         const size_t n = cands.size();
         for (size_t j = 0; j < n; ++j) {
             StChoice c = cands[j];
-            c.dec = kDecHw;
+            c.dec = FMT == W_FP8 ? kDecHw : kDecSw;
             cands.push_back(c);
         }
     }
@@ -1462,6 +1509,7 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm) {
 int tile_for(int T) { return T <= 1 ? 1 : (T <= 4 ? 4 : 8); }
 
 int dec_for(int fmt, bool int_decode, bool hw8) {
+    if (fmt == W_MXFP4) return int_decode ? kDecInt : kDecSw;
     if (fmt != W_FP8) return kDecSw;
     return int_decode ? kDecInt : (hw8 ? kDecHw : kDecSw);
 }
@@ -1580,6 +1628,12 @@ bool fp8_scales_foldable(const float* scale, size_t n) {
     return true;
 }
 
+bool mxfp4_scales_foldable(const uint8_t* scale, size_t n) {
+    for (size_t i = 0; i < n; ++i)
+        if (scale[i] > 240) return false;
+    return true;
+}
+
 bool e4m3_nan_free_device(const void* data, size_t n) {
     if (n == 0) return true;
     void* dv = nullptr;
@@ -1654,8 +1708,13 @@ void parse_decode(const std::string& d) {
         throw std::invalid_argument("linear: decode must be 'auto', 'sw', 'hw' or 'int', not '" + d + "'");
 }
 // FP8 decode path: auto = the engine's choice (integer placement for NaN-free weights whose scales
-// are below 2^8, else hardware); 'int' on other weights is refused.
+// are below 2^8, else hardware); 'int' on other weights is refused. MXFP4: 'int' (placement, scales
+// <= 240) or 'sw'; auto takes 'int' where it applies.
 int dec_of(const std::string& d, int fmt, bool int_decode) {
+    if (fmt == W_MXFP4) {
+        if (d == "int" && !int_decode) throw std::invalid_argument("linear: decode 'int' needs MXFP4 scales of at most 240");
+        return d == "auto" || d == "int" ? (int_decode ? kDecInt : kDecSw) : kDecSw;
+    }
     if (fmt != W_FP8) return kDecSw;
     if (d == "sw") return kDecSw;
     if (d == "hw") return kDecHw;
@@ -1764,8 +1823,10 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     check(cudaMemcpy(dx, X, static_cast<size_t>(T) * C * 4, cudaMemcpyHostToDevice), "linear: X");
     const bool tiled = kernel.rfind("tiled", 0) == 0;  // the tiled kernel
     LinArgs a = whole_matrix_args(fmt, R, C, dx, C, dy, T, round, no_staged);
-    a.dec = dec_of(decode, fmt, fmt == W_FP8 && e4m3_nan_free_device(dd, data_bytes) &&
-                                    fp8_scales_foldable(static_cast<const float*>(scale), scale_bytes / 4));
+    a.dec = dec_of(decode, fmt,
+                   fmt == W_FP8 ? e4m3_nan_free_device(dd, data_bytes) &&
+                                      fp8_scales_foldable(static_cast<const float*>(scale), scale_bytes / 4)
+                                : fmt == W_MXFP4 && mxfp4_scales_foldable(static_cast<const uint8_t*>(scale), scale_bytes));
     a.st = choice;
     if (expert) {
         // one expert (the matrix), each token row its own work item of one pair

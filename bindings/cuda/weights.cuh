@@ -35,7 +35,8 @@ struct Lin {
     int64_t row0 = 0;
     const void* data = nullptr;   // device
     const void* scale = nullptr;  // device
-    bool int_decode = false;      // fp8: the integer decode applies (no NaN code, every scale below 2^8)
+    bool int_decode = false;      // fp8: the integer decode applies (no NaN code, every scale below 2^8);
+                                  // mxfp4: the placement decode applies (every scale at most 240)
     bool empty() const { return data == nullptr; }
     Lin rows(int64_t r0, int64_t n) const {
         Lin v = *this;
@@ -104,6 +105,9 @@ struct LinArgs {
     int dec = 0;                               // fp8 decode path (weights.cu: Dec)
 };
 
+// True when every one of the n E8M0 scales (host) is at most 240: the MXFP4 placement decode folds 2^14
+// into the scale (weights.cu, e8m0_folded).
+bool mxfp4_scales_foldable(const uint8_t* scale, size_t n);
 // True when no byte of the n at `data` (device) is an E4M3 NaN code (0x7F, 0xFF).
 bool e4m3_nan_free_device(const void* data, size_t n);
 // True when every one of the n scales (host) times 2^120 is finite: the integer FP8 decode folds 2^120
