@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <map>
 #include <tuple>
+#include <type_traits>
 #include <cstring>
 
 #include <string>
@@ -1134,25 +1135,43 @@ bool staged_applies(const LinArgs& a, bool expert) {
     return (a.R + 15) / 16 <= 16 * static_cast<int64_t>(sm_count());
 }
 
+// f(std::integral_constant<int, DEC>{}) for the launch's decode path: FP8 has three kernels (software,
+// hardware conversion, integer placement), MXFP4 two where MXFP4_INT (software, placement), every other
+// format and kernel the software one (whose values every path equals).
+template <int FMT, bool MXFP4_INT, class F>
+void with_dec(int dec, F&& f) {
+    if constexpr (FMT == W_FP8) {
+        if (dec == kDecInt) f(std::integral_constant<int, kDecInt>{});
+        else if (dec == kDecHw) f(std::integral_constant<int, kDecHw>{});
+        else f(std::integral_constant<int, kDecSw>{});
+    } else if constexpr (FMT == W_MXFP4 && MXFP4_INT) {
+        if (dec == kDecInt) f(std::integral_constant<int, kDecInt>{});
+        else f(std::integral_constant<int, kDecSw>{});
+    } else {
+        f(std::integral_constant<int, kDecSw>{});
+    }
+}
+
+// Raise a kernel's dynamic shared memory limit to `bytes`, once per kernel.
+template <class K>
+void allow_smem(K kernel, size_t bytes) {
+    static std::map<const void*, size_t> done;
+    const void* key = reinterpret_cast<const void*>(kernel);
+    if (done.count(key) && done[key] >= bytes) return;
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+          "smem attribute");
+    done[key] = bytes;
+}
+
 template <int FMT, bool EXPERT, int LPT, bool XS, int DEC>
 void launch_st_dec(const LinArgs& a, dim3 grid, int rpb, int cps, size_t smem) {
     auto k = k_linear_st<FMT, EXPERT, DEC, LPT, XS>;
-    static bool attr_set = false;
-    if (!attr_set) {
-        check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024), "smem attribute");
-        attr_set = true;
-    }
+    allow_smem(k, 200 * 1024);
     GLM_LAUNCH(k, grid, kStThreads, smem, a, rpb, cps);
 }
 template <int FMT, bool EXPERT, int LPT, bool XS>
 void launch_st(const LinArgs& a, dim3 grid, int rpb, int cps, size_t smem) {
-    if constexpr (FMT == W_FP8) {
-        if (a.dec == kDecInt) launch_st_dec<FMT, EXPERT, LPT, XS, kDecInt>(a, grid, rpb, cps, smem);
-        else if (a.dec == kDecHw) launch_st_dec<FMT, EXPERT, LPT, XS, kDecHw>(a, grid, rpb, cps, smem);
-        else launch_st_dec<FMT, EXPERT, LPT, XS, kDecSw>(a, grid, rpb, cps, smem);
-    } else {
-        launch_st_dec<FMT, EXPERT, LPT, XS, kDecSw>(a, grid, rpb, cps, smem);
-    }
+    with_dec<FMT, false>(a.dec, [&](auto dec) { launch_st_dec<FMT, EXPERT, LPT, XS, decltype(dec)::value>(a, grid, rpb, cps, smem); });
 }
 
 // The staged kernel with variant c (fields 0 / -1: the defaults); false when it does not apply.
@@ -1198,23 +1217,13 @@ template <int FMT, bool EXPERT, int TT, int DEC>
 void launch_mt_dec(const LinArgs& a, dim3 grid) {
     auto k = k_linear_mt<FMT, EXPERT, DEC, TT>;
     constexpr size_t smem = static_cast<size_t>(kMtStages) * mt_stage_bytes<FMT, TT>();
-    static bool attr_set = false;
-    if (!attr_set) {
-        check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), "smem attribute");
-        attr_set = true;
-    }
+    allow_smem(k, smem);
     grid.x = static_cast<unsigned>((a.R + kMtRows - 1) / kMtRows);
     GLM_LAUNCH(k, grid, kMtThreads, smem, a);
 }
 template <int FMT, bool EXPERT, int TT>
 void launch_mt(const LinArgs& a, dim3 grid) {
-    if constexpr (FMT == W_FP8) {
-        if (a.dec == kDecInt) launch_mt_dec<FMT, EXPERT, TT, kDecInt>(a, grid);
-        else if (a.dec == kDecHw) launch_mt_dec<FMT, EXPERT, TT, kDecHw>(a, grid);
-        else launch_mt_dec<FMT, EXPERT, TT, kDecSw>(a, grid);
-    } else {
-        launch_mt_dec<FMT, EXPERT, TT, kDecSw>(a, grid);
-    }
+    with_dec<FMT, false>(a.dec, [&](auto dec) { launch_mt_dec<FMT, EXPERT, TT, decltype(dec)::value>(a, grid); });
 }
 
 // The streaming kernel: one token row (or expert items of one pair) whose rows can be copied.
@@ -1226,11 +1235,7 @@ template <int FMT, bool EXPERT, int DEC, int MINB>
 void launch_sm_dec(const LinArgs& a, dim3 g) {
     auto k = k_linear_stream<FMT, EXPERT, DEC, MINB>;
     constexpr size_t smem = static_cast<size_t>(sm_block_bytes<FMT, MINB>());
-    static bool attr_set = false;
-    if (!attr_set) {
-        check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)), "smem attribute");
-        attr_set = true;
-    }
+    allow_smem(k, smem);
     // every unit's block resident at once: at most MINB blocks per SM (expert launches: as many units
     // as the largest work list could hold; blocks past the device's count of units exit at once)
     const int64_t units = (a.R + 3) / 4 * (EXPERT ? static_cast<int64_t>(a.max_items) * g.z : 1);
@@ -1240,16 +1245,7 @@ void launch_sm_dec(const LinArgs& a, dim3 g) {
 }
 template <int FMT, bool EXPERT, int MINB>
 void launch_sm(const LinArgs& a, dim3 g) {
-    if constexpr (FMT == W_FP8) {
-        if (a.dec == kDecInt) launch_sm_dec<FMT, EXPERT, kDecInt, MINB>(a, g);
-        else if (a.dec == kDecHw) launch_sm_dec<FMT, EXPERT, kDecHw, MINB>(a, g);
-        else launch_sm_dec<FMT, EXPERT, kDecSw, MINB>(a, g);
-    } else if constexpr (FMT == W_MXFP4) {
-        if (a.dec == kDecInt) launch_sm_dec<FMT, EXPERT, kDecInt, MINB>(a, g);
-        else launch_sm_dec<FMT, EXPERT, kDecSw, MINB>(a, g);
-    } else {
-        launch_sm_dec<FMT, EXPERT, kDecSw, MINB>(a, g);
-    }
+    with_dec<FMT, true>(a.dec, [&](auto dec) { launch_sm_dec<FMT, EXPERT, decltype(dec)::value, MINB>(a, g); });
 }
 
 // minb 5 or 6 (one token): the variant bounded to that many 128-thread blocks per SM (<= 102 or 85
@@ -1270,18 +1266,10 @@ void launch_reg(const LinArgs& a, dim3 grid, int minb) {
 }
 
 // minb (one token): the register-bounded variants (tuning candidates)
+// (MXFP4 with several tokens: the software decode)
 template <int FMT, int TT, bool EXPERT>
 void launch_register(const LinArgs& a, dim3 grid, int minb = 1) {
-    if constexpr (FMT == W_FP8) {
-        if (a.dec == kDecInt) launch_reg<FMT, TT, EXPERT, kDecInt>(a, grid, minb);
-        else if (a.dec == kDecHw) launch_reg<FMT, TT, EXPERT, kDecHw>(a, grid, minb);
-        else launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid, minb);
-    } else if constexpr (FMT == W_MXFP4 && TT == 1) {  // (several tokens: the software decode)
-        if (a.dec == kDecInt) launch_reg<FMT, TT, EXPERT, kDecInt>(a, grid, minb);
-        else launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid, minb);
-    } else {
-        launch_reg<FMT, TT, EXPERT, kDecSw>(a, grid, minb);
-    }
+    with_dec<FMT, TT == 1>(a.dec, [&](auto dec) { launch_reg<FMT, TT, EXPERT, decltype(dec)::value>(a, grid, minb); });
 }
 
 // ---- the one-token kernel choice, measured -----------------------------------------------------
