@@ -11,7 +11,8 @@
 # TESTS_K (a pytest -k expression instead), PROFILE=1 (kernel timeline of decode steps, tools/profile_cuda.py,
 # after the benchmarks; PROFILE_ENV=GLM_PDL=0 times each kernel alone, since with programmatic launch a
 # kernel's time includes its wait for the previous one), LINEAR_BENCH=1 (tools/bench_linear.py at the end; LINEAR_ONLY, LINEAR_VARIANTS narrow it),
-# NCU=1 (ncu counters of the routed-expert kernels; NCU_ONLY, NCU_VARIANTS, NCU_COUNT for others), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
+# NCU=1 (ncu counters and warp stall reasons of the routed-expert kernels; NCU_ONLY, NCU_VARIANTS, NCU_COUNT for others),
+# SASS=REGEX (cuobjdump of the kernels whose mangled names match, with each one's instruction mix), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
 # AB="VAR=VALUE ..." (decode again with each setting, e.g. GLM_PDL=0 GLM_EXPERT_TILE=4). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
 # after the main build (VARIANT_PREFILL=0: decode only).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
@@ -207,15 +208,31 @@ if [ "${PROFILE:-0}" = "1" ]; then
 fi
 
 if [ "${NCU:-0}" = "1" ] && command -v ncu > /dev/null; then
-  # hardware counters of the routed-expert kernels (the largest gap to the roofline in decode)
-  # NCU_ONLY / NCU_VARIANTS: other shapes (tools/bench_linear.py names) and kernel variants
-  phase "ncu: linear kernels ${NCU_ONLY:-experts.gate} (${NCU_VARIANTS:-register,staged:8:1}): speed of light, memory, warp stalls"
-  timeout 240 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section LaunchStats --section Occupancy -k regex:k_linear -c "${NCU_COUNT:-8}" \
-    python3 tools/bench_linear.py --only "${NCU_ONLY:-experts.gate}" --reps 1 --variants "${NCU_VARIANTS:-register,staged:8:1}" \
+  # hardware counters of the routed-expert kernels (the largest gap to the roofline in decode), with the
+  # warp stall reasons per issued instruction; NCU_ONLY / NCU_VARIANTS: other shapes (tools/bench_linear.py
+  # names) and kernel variants
+  phase "ncu: linear kernels ${NCU_ONLY:-experts.gate x18} (${NCU_VARIANTS:-stream:2,register:occ5}): speed of light, issue, stalls"
+  STALLS=""
+  for r in long_scoreboard short_scoreboard wait not_selected selected math_pipe_throttle mio_throttle lg_throttle \
+           barrier branch_resolving dispatch_stall no_instruction imc_miss membar sleeping drain misc tex_throttle; do
+    STALLS="${STALLS:+$STALLS,}smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"
+  done
+  timeout 240 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats \
+    --section WarpStateStats --section InstructionStats --section LaunchStats --section Occupancy --metrics "$STALLS" \
+    -k regex:k_linear -c "${NCU_COUNT:-4}" \
+    python3 tools/bench_linear.py --only "${NCU_ONLY:-experts.gate x18}" --reps 1 --variants "${NCU_VARIANTS:-stream:2,register:occ5}" \
     > "$OUT/ncu_experts.txt" 2>&1
-  echo "ncu exit $?"; grep -E "k_linear|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers|Stall|Issue Slot|Warp Cycles" \
-    "$OUT/ncu_experts.txt" | head -60
+  echo "ncu exit $?"; grep -E "k_linear|Duration|DRAM Throughput|Issue Slots|Executed Instructions  |Achieved Occupancy|Registers Per|Eligible Warps|stalled" \
+    "$OUT/ncu_experts.txt" | sed -E 's/smsp__average_warps_issue_stalled_(\S+)_per_issue_active.ratio/stall \1/' | head -80
+fi
+if [ -n "${SASS:-}" ] && command -v cuobjdump > /dev/null; then
+  # the SASS of the kernels whose mangled names match the regex SASS (e.g. 'k_linear_stream.*ILi2ELb1ELi1E'),
+  # into $OUT/kernels.sass, with the instruction mix of each function
+  phase "SASS of /${SASS}/"
+  cuobjdump -sass fast/_cuda.cpython-*.so | awk -v re="$SASS" '/Function :/{p = ($0 ~ re)} p' > "$OUT/kernels.sass"
+  awk '/Function :/{f=$3} /^ +\/\*[0-9a-f]+\*\/ /{op=$2; if (op ~ /^@/) op=$3; sub(/\..*/, "", op); n[f" "op]++}
+       END{for (k in n) print n[k], k}' "$OUT/kernels.sass" | sort -k2,2 -k1,1nr | awk '{c[$2]++; if (c[$2] <= 12) print}' \
+    | sed -E 's/_ZN3glm4cuda[0-9]+_GLOBAL__N__[0-9a-f_]+_cu_[0-9a-f]+//' | head -80  # (static counts: the code, not its execution)
 fi
 if [ "${LINEAR_BENCH:-0}" = "1" ]; then
   phase "the linear kernels one by one, timed (tools/bench_linear.py)"
