@@ -32,7 +32,7 @@ def test_the_sources_define_kernels():
     found = [name for p in SOURCES for name, _ in kernels(p.read_text())]
     # the parser finds every kernel (a regex that missed one would exempt it from the rule below)
     assert len(found) == sum(p.read_text().count("__global__") for p in SOURCES), found
-    assert {"k_linear", "k_linear_st", "k_hc_mix", "k_moe_route", "k_kda_rec"} <= set(found)
+    assert {"k_linear", "k_linear_st", "k_linear_mt", "k_linear_stream", "k_hc_mix", "k_moe_route", "k_kda_rec"} <= set(found)
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
