@@ -12,8 +12,9 @@ namespace {
 // launch's rows are cut into units of four consecutive rows of one matrix (of one expert item and
 // table); warp w of the grid takes units w, w + (warps in the grid), ..., so the warps sweep the
 // weights as one front. Each warp streams its units' rows into its own ring of sm_slots buffers by
-// bulk asynchronous copies (one per row and stage of 1 KB, completing on the buffer's memory barrier),
-// issued by its lane 0 as soon as the buffer is free, across unit boundaries: the weights keep
+// bulk asynchronous copies (one per row and stage of 1 KB, completing on the buffer's memory barrier;
+// lane 0 announces the bytes, lanes 0-3 copy a row each) as soon as the buffer is free, across unit
+// boundaries: the weights keep
 // arriving while a unit is folded and written, and no warp waits on another. (A block-wide stage of 32
 // rows, refilled by one warp after a block barrier, ran at 1-2.5 TB/s on the H200: the rows' copies
 // leave one warp one at a time.) x is read through L1 as by the register kernel. Each row is computed
