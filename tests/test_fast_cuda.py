@@ -186,6 +186,45 @@ def test_decode_batch_of_caches_and_fork(cuda_engines, cpu_engines):
     assert np.array_equal(bits(c2), bits(a[1:2]))
 
 
+@pytest.mark.parametrize("name", TINY)
+def test_greedy_loop_matches_decode(name, cuda_engines):
+    """The device-resident greedy loop gives the tokens of decode() + np.argmax, and leaves the cache
+    where those steps would (the next step's logits are the same bits)."""
+    eng = cuda_engines(name)
+    V = eng.config.vocab_size
+    p = prompt(V, 9, 123)
+    a, b = eng.new_cache(), eng.new_cache()
+    first = int(np.argmax(eng.prefill(p, a)[-1]))
+    eng.prefill(p, b)
+    want, tok = [], first
+    for _ in range(7):
+        tok = int(np.argmax(eng.decode([a], [tok])[0]))
+        want.append(tok)
+    got = eng.greedy(b, first, 7)
+    assert got == want and a.length == b.length
+    assert np.array_equal(bits(eng.decode([a], [want[-1]])), bits(eng.decode([b], [got[-1]])))
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.greedy(b, V, 2)
+    with pytest.raises(ValueError, match="n must be"):
+        eng.greedy(b, 1, 0)
+
+
+def test_device_argmax_rule():
+    """The greedy rule on the device is np.argmax's: the lowest index of the maximum, a NaN first."""
+    cu = cuda_module()
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        n = int(rng.integers(1, 5000))
+        x = rng.integers(-2, 3, n).astype(np.float32)  # many ties
+        if trial % 3 == 0:
+            x[rng.integers(0, n, 2)] = np.nan
+        if trial % 5 == 0:
+            x[:] = -np.inf
+        if trial % 7 == 0:
+            x[x == 0] = -0.0
+        assert cu.argmax(x) == int(np.argmax(x)), trial
+
+
 # ---------------------------------------------------------------------------------------------
 # golden hashes (the oracle's outputs) reproduced directly
 
