@@ -570,6 +570,7 @@ def test_linear_kernels_match_cpu(case):
     occ = ["register:occ5", "register:occ6"] if T == 1 or expert else []
     # the streaming kernel (persistent warps, bulk copies) at 1, 2 and 3 blocks per SM, one token or one-pair items
     stream = ["stream:1", "stream:2", "stream:3"] if (T == 1 or expert) and C % 64 == 0 else []
+    stream += ["stream:1x", "stream:2x"] if T == 1 and C % 64 == 0 and C <= 4096 else []  # x staged per block
     kernels = ["auto", "register"] + occ + stream + tiled + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data);
     # MXFP4: the software decode and the f16-pair placement (scales <= 240)
@@ -580,7 +581,8 @@ def test_linear_kernels_match_cpu(case):
         with pytest.raises(ValueError, match="scales (below 2|of at most 240)"):
             cuda_module().linear(release, data, scale, X, round=rnd, decode="int")
     for kernel in kernels:
-        full = ("auto", "register", "register:occ5", "register:occ6", "stream:1", "stream:2", "stream:3", "tiled", "tiled:1",
+        full = ("auto", "register", "register:occ5", "register:occ6", "stream:1", "stream:2", "stream:3", "stream:1x",
+                "stream:2x", "tiled", "tiled:1",
                 "staged:4:1", "staged:2:0")
         for decode in decodes if kernel in full else ("auto",):
             got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert, decode=decode)
