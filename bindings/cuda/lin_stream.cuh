@@ -77,7 +77,7 @@ GLM_DEV int64_t weight_row(const LinArgs& a, int r) {
 // shared memory instead of through L1.
 template <int FMT, bool EXPERT, int DEC, int MINB, bool XS>
 __global__ void __launch_bounds__(kSmThreads, MINB) k_linear_stream(LinArgs a) {
-    pdl_enter();
+    pdl_release();  // (pdl_wait() below: a.early requests the first stages' weights before it)
     GLM_DYN_SMEM(unsigned char, sm);
     constexpr int CB = chunk_bytes<FMT>(), CPS = sm_cps<FMT>(), PITCH = sm_pitch<FMT>(), S = sm_slots<MINB, XS>();
     __shared__ uint64_t bars[kSmWarps][S];
@@ -86,20 +86,22 @@ __global__ void __launch_bounds__(kSmThreads, MINB) k_linear_stream(LinArgs a) {
     const int nchunks = static_cast<int>(C / 64);
     const int nst = (nchunks + CPS - 1) / CPS;
     const int nrg = (a.R + 3) / 4;
-    const int nunits = EXPERT ? *a.n_items * (a.dtab2 ? 2 : 1) * nrg : nrg;
     const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31, i = lane >> 3, g = lane & 7;
     const int gw = static_cast<int>(blockIdx.x) * kSmWarps + warp, GW = static_cast<int>(gridDim.x) * kSmWarps;
-    const int K = gw < nunits ? (nunits - gw + GW - 1) / GW * nst : 0;  // this warp's stages, in order
     unsigned char* wsm = sm + warp * S * 4 * PITCH;
     uint64_t* wb = bars[warp];
     if (lane == 0)
         for (int s = 0; s < S; ++s) mbar_init(&wb[s], 1);
     mbar_init_fence();
-    float* xsm = reinterpret_cast<float*>(sm + kSmWarps * S * 4 * PITCH);  // (XS) after every warp's ring
-    if constexpr (XS)
-        for (int q = tid; q < static_cast<int>(C / 4); q += kSmThreads)
-            reinterpret_cast<float4*>(xsm)[q] = __ldg(reinterpret_cast<const float4*>(a.X) + q);
     __syncthreads();
+    // Early (dense launches, a.early): the units and the weights depend on no kernel, so the first stages
+    // are requested before the wait for the previous kernel, under its tail. Everything else after it.
+    const bool early = !EXPERT && a.early;
+    int nunits = 0, K = 0;  // this warp's stages, in order
+    auto count = [&] {
+        nunits = EXPERT ? *a.n_items * (a.dtab2 ? 2 : 1) * nrg : nrg;
+        K = gw < nunits ? (nunits - gw + GW - 1) / GW * nst : 0;
+    };
 
     // The issue cursor: the next stage to request (its index, column stage, unit and buffer). The whole
     // warp runs it; lane 0 announces the bytes, lane r copies row r of the unit (1 KB or less).
@@ -124,7 +126,21 @@ __global__ void __launch_bounds__(kSmThreads, MINB) k_linear_stream(LinArgs a) {
         }
         if (++islot == S) islot = 0;
     };
-    while (ik < S && ik < K) issue_next();
+    if (early) {
+        count();
+        while (ik < S && ik < K) issue_next();
+    }
+    pdl_wait();
+    float* xsm = reinterpret_cast<float*>(sm + kSmWarps * S * 4 * PITCH);  // (XS) after every warp's ring
+    if constexpr (XS) {
+        for (int q = tid; q < static_cast<int>(C / 4); q += kSmThreads)
+            reinterpret_cast<float4*>(xsm)[q] = __ldg(reinterpret_cast<const float4*>(a.X) + q);
+        __syncthreads();
+    }
+    if (!early) {
+        count();
+        while (ik < S && ik < K) issue_next();
+    }
 
     float acc[8];
     zero8(acc);

@@ -189,12 +189,15 @@ void launch_sm_dec(const LinArgs& a, dim3 g) {
     auto k = k_linear_stream<FMT, EXPERT, DEC, MINB, XS>;
     const size_t smem = static_cast<size_t>(sm_block_bytes<FMT, MINB, XS>()) + (XS ? static_cast<size_t>(a.C) * 4 : 0);
     allow_smem(k, smem);
+    static const bool early = env_is("GLM_STREAM_EARLY", "1");  // (an A/B switch: off by default)
+    LinArgs b = a;
+    b.early = early && !EXPERT;
     // every unit's block resident at once: at most MINB blocks per SM (expert launches: as many units
     // as the largest work list could hold; blocks past the device's count of units exit at once)
     const int64_t units = (a.R + 3) / 4 * (EXPERT ? static_cast<int64_t>(a.max_items) * g.z : 1);
     const unsigned blocks =
         static_cast<unsigned>(std::min<int64_t>((units + kSmWarps - 1) / kSmWarps, static_cast<int64_t>(MINB) * sm_count()));
-    GLM_LAUNCH(k, blocks, kSmThreads, smem, a);
+    GLM_LAUNCH(k, blocks, kSmThreads, smem, b);
 }
 template <int FMT, bool EXPERT, int MINB, bool XS>
 void launch_sm(const LinArgs& a, dim3 g) {
