@@ -225,6 +225,22 @@ def test_device_argmax_rule():
         assert cu.argmax(x) == int(np.argmax(x)), trial
 
 
+def test_kept_logits_stay_intact(cuda_engines, cpu_engines):
+    """Decode logits come back in page-locked buffers of a pool (at most 32 out at once, then ordinary
+    arrays): arrays kept across many steps keep their own values, equal to the CPU engine's."""
+    eng, ref = cuda_engines("tiny-bf16"), cpu_engines("tiny-bf16")
+    a, b = eng.new_cache(), ref.new_cache()
+    eng.prefill([1, 2, 3], a)
+    ref.prefill([1, 2, 3], b)
+    kept, want, tok = [], [], 4
+    for _ in range(40):
+        lg, lr = eng.decode([a], [tok]), ref.decode([b], [tok])
+        kept.append(lg)
+        want.append(lr.copy())
+        tok = int(np.argmax(lr[0]))
+    assert all(np.array_equal(bits(k), bits(w)) for k, w in zip(kept, want))
+
+
 # ---------------------------------------------------------------------------------------------
 # golden hashes (the oracle's outputs) reproduced directly
 

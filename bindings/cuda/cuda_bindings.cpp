@@ -44,25 +44,37 @@ class PinnedPool {
         for (auto& kv : free_)
             for (void* p : kv.second) host_pinned_free(p);
     }
+    // nullptr when kMaxOut buffers are out already (kept logits of a long generation would otherwise
+    // pin host memory without bound): the caller then makes an ordinary array
     void* take(size_t bytes) {
         std::lock_guard<std::mutex> lock(mu_);
+        if (out_ >= kMaxOut) return nullptr;
+        ++out_;
         auto it = free_.find(bytes);
         if (it != free_.end() && !it->second.empty()) {
             void* p = it->second.back();
             it->second.pop_back();
             return p;
         }
-        return host_pinned_alloc(bytes);
+        try {
+            return host_pinned_alloc(bytes);
+        } catch (...) {
+            --out_;
+            throw;
+        }
     }
     void give(void* p, size_t bytes) {
         std::lock_guard<std::mutex> lock(mu_);
+        --out_;
         std::vector<void*>& v = free_[bytes];
         if (v.size() < 4) v.push_back(p);
         else host_pinned_free(p);
     }
 
    private:
+    static constexpr int kMaxOut = 32;
     std::mutex mu_;
+    int out_ = 0;
     std::map<size_t, std::vector<void*>> free_;
 };
 constexpr size_t kPinnedLogitsMax = size_t{16} << 20;  // larger (prefill) logits: an ordinary array
@@ -90,7 +102,12 @@ py::array_t<float> pinned_logits(const std::shared_ptr<PinnedPool>& pool, size_t
         void* p;
         size_t bytes;
     };
-    auto* o = new Owner{pool, pool->take(bytes), bytes};
+    void* buf = pool->take(bytes);
+    if (!buf) {
+        pinned = false;
+        return py::array_t<float>(shape);
+    }
+    auto* o = new Owner{pool, buf, bytes};
     py::capsule owner(o, [](void* q) {
         auto* w = static_cast<Owner*>(q);
         w->pool->give(w->p, w->bytes);
