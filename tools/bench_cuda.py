@@ -108,13 +108,11 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
     for _ in range(3):
         tok = int(np.argmax(eng.decode([cache], [tok])[0]))
     per_step = []
-    t0 = time.perf_counter()
     for _ in range(steps):
-        t1 = time.perf_counter()
+        t0 = time.perf_counter()
         tok = int(np.argmax(eng.decode([cache], [tok])[0]))
-        per_step.append(time.perf_counter() - t1)
-    dt = (time.perf_counter() - t0) / steps
-    med = float(np.median(per_step))
+        per_step.append(time.perf_counter() - t0)
+    dt, med = float(np.mean(per_step)), float(np.median(per_step))
     roof = eng.weight_bytes / bw
     res["decode_b1"] = {"ms_per_token": round(dt * 1e3, 3), "tokens_per_s": round(1 / dt, 1),
                         "roofline_ms": round(roof * 1e3, 3), "roofline_fraction": round(roof / dt, 3),

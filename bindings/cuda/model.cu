@@ -395,17 +395,14 @@ void build_wuk(Arena& arena, MlaW& m, int nh, int dn, int dv, int r) {
         w.data = arena.alloc(static_cast<size_t>(total * row_bytes(fmt, 1)));
         w.scale = fmt == W_FP8 ? arena.alloc(static_cast<size_t>(scale_bytes(fmt, w.R, w.C))) : nullptr;
         w.int_decode = fmt == W_FP8 && kv.int_decode;
-        void* flag = nullptr;
-        check(cudaMalloc(&flag, sizeof(int)), "cudaMalloc (w_uk)");
-        check(cudaMemset(flag, 0, sizeof(int)), "w_uk");
+        DBuf flag(sizeof(int));
+        check(cudaMemset(flag.p, 0, sizeof(int)), "w_uk");
         auto k = k_build_wuk;
         GLM_LAUNCH(k, grid, 256, 0, kv.fmt, kv.data, kv.scale, kv.C, nh, dn, dv, r, fmt, const_cast<void*>(w.data),
-                   static_cast<float*>(const_cast<void*>(w.scale)), static_cast<int*>(flag));
+                   static_cast<float*>(const_cast<void*>(w.scale)), flag.as<int>());
         check_launch("w_uk");
         int inexact = 0;
-        const cudaError_t e = cudaMemcpy(&inexact, flag, sizeof(int), cudaMemcpyDeviceToHost);
-        cudaFree(flag);
-        check(e, "w_uk");
+        check(cudaMemcpy(&inexact, flag.p, sizeof(int), cudaMemcpyDeviceToHost), "w_uk");
         return inexact == 0;
     };
     if (kv.fmt == W_FP8 && kv.row0 == 0 && r % 128 == 0 && (dn + dv) % 128 == 0 && dn % 128 == 0) {

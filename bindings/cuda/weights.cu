@@ -57,13 +57,8 @@ int sm_count() {
     return n;
 }
 
-// The staged kernel takes one token row (or expert items of one pair each), whole chunks, 16-byte
-// aligned rows (and x rows), and matrices of at most 16 waves of 16-row blocks (lm_head streams at
-// 85-90 % of the copy bandwidth through the register kernel already). The bound is per matrix, not per
-// launch: a batch-1 expert launch holds k routed items and the shared expert's (k = 8: 9 items of
-// 4096-row down matrices, past 16 waves together), the case the staged kernel was measured fastest on.
-// What both shared-memory kernels (staged, tiled) need to copy rows by 16-byte pieces: whole chunks,
-// 16-byte aligned weight rows and x rows.
+// What the shared-memory kernels (staged, tiled, streaming) need to copy rows by 16-byte pieces: whole
+// chunks, 16-byte aligned weight rows and x rows.
 bool rows_copyable(const LinArgs& a, bool expert) {
     const int64_t rb = row_bytes(a.fmt, a.C);
     if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
@@ -72,6 +67,11 @@ bool rows_copyable(const LinArgs& a, bool expert) {
     return reinterpret_cast<uintptr_t>(a.X) % 16 == 0 && a.ldx % 4 == 0;
 }
 
+// The staged kernel takes one token row (or expert items of one pair each), whole chunks, 16-byte
+// aligned rows (and x rows), and matrices of at most 16 waves of 16-row blocks (lm_head streams at
+// 85-90 % of the copy bandwidth through the register kernel already). The bound is per matrix, not per
+// launch: a batch-1 expert launch holds k routed items and the shared expert's (k = 8: 9 items of
+// 4096-row down matrices, past 16 waves together), the case the staged kernel was measured fastest on.
 bool staged_applies(const LinArgs& a, bool expert) {
     if (!rows_copyable(a, expert) || a.xhs % 4 != 0) return false;
     if (expert ? a.tile_pairs != 1 : a.T != 1) return false;
@@ -99,11 +99,11 @@ void with_dec(int dec, F&& f) {
 template <class K>
 void allow_smem(K kernel, size_t bytes) {
     static std::map<const void*, size_t> done;
-    const void* key = reinterpret_cast<const void*>(kernel);
-    if (done.count(key) && done[key] >= bytes) return;
+    size_t& have = done[reinterpret_cast<const void*>(kernel)];  // (0 the first time)
+    if (have >= bytes) return;
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
           "smem attribute");
-    done[key] = bytes;
+    have = bytes;
 }
 
 template <int FMT, bool EXPERT, int LPT, bool XS, int DEC>
@@ -230,8 +230,9 @@ void launch_register(const LinArgs& a, dim3 grid, int minb = 1) {
 
 // ---- the one-token kernel choice, measured -----------------------------------------------------
 //
-// Every variant (the register kernel, the staged kernel with 8/4/2 lanes per thread, x staged or not)
-// computes the same bits, so which is fastest for a shape is a question for the device, not for the
+// Every variant (the register kernel, also bounded to 5 or 6 blocks per SM; the staged kernel with
+// 8/4/2 lanes per thread; the tiled kernel; the streaming kernel at 1-3 blocks per SM; each with every
+// decode path of the format) computes the same bits, so which is fastest for a shape is a question for the device, not for the
 // numerics: the first one-token launch of each shape (format, rows, columns, head blocking, expert
 // items, decode path) times the candidates on the real operands, each after evicting L2 (decode streams
 // every weight from HBM), and keeps the fastest. The candidates all write the same Y, so the call's
@@ -284,10 +285,9 @@ void flush_l2() {
     check(cudaMemsetAsync(buf, 0, n, 0), "L2 flush");
 }
 
-// The fastest one-token kernel for a's shape: timed over the candidates on the first call (which
-// leaves their common result in Y), looked up after.
-// One token with kernel choice c (register, register bounded to c.rpb blocks per SM, tiled, or a staged
-// variant); false when c does not apply to a's shape.
+// One token with kernel choice c (register, register bounded to c.rpb blocks per SM, tiled, streaming
+// with c.rpb blocks per SM, or a staged variant; c.dec another decode path); false when c does not
+// apply to a's shape.
 template <int FMT, bool EXPERT>
 bool launch_one_token(const LinArgs& a, dim3 grid, const StChoice& c) {
     if (c.dec >= 0 && c.dec != a.dec) {  // every decode path gives the same values: the tuning times them
@@ -322,6 +322,8 @@ bool launch_one_token(const LinArgs& a, dim3 grid, const StChoice& c) {
     return launch_staged<FMT, EXPERT>(a, grid, c);
 }
 
+// The fastest one-token kernel for a's shape: timed over the candidates on the first call (which
+// leaves their common result in Y), looked up after.
 template <int FMT, bool EXPERT>
 StChoice tuned_choice(const LinArgs& a, dim3 grid) {
     const TuneKey key{a.fmt, a.R, a.rh < a.R ? a.rh : 0, a.dec, a.C, EXPERT, grid.y, grid.z};
@@ -330,12 +332,13 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
     const bool heads = a.rh < a.R && a.xhs != 0;
     std::vector<StChoice> cands(1);
     cands[0].lpt = -1;  // the register kernel
-    for (int lpt : {8, 4, 2}) {
-        if (!staged_applies(a, EXPERT)) break;
-        StChoice c;
-        c.lpt = lpt;
-        c.xs = heads ? 0 : 1;
-        cands.push_back(c);
+    if (staged_applies(a, EXPERT)) {
+        for (int lpt : {8, 4, 2}) {
+            StChoice c;
+            c.lpt = lpt;
+            c.xs = heads ? 0 : 1;
+            cands.push_back(c);
+        }
     }
     if (tiled_applies(a, EXPERT)) {
         StChoice c;
@@ -401,9 +404,9 @@ void launch_fmt(const LinArgs& a, dim3 grid) {
     if constexpr (TT == 1) {
         StChoice c = a.st;  // a variant forced by a test or benchmark, else the engine's choice:
         if (c.lpt == 0) {   // the measured one where a shared-memory kernel applies, the register kernel elsewhere
-            if (a.no_staged || !(staged_applies(a, EXPERT) || stream_applies(a, EXPERT))) c.lpt = -1;
-            else if (tuning_on()) c = tuned_choice<FMT, EXPERT>(a, grid);
-            else if (!staged_applies(a, EXPERT)) c.lpt = -1;
+            const bool staged = !a.no_staged && staged_applies(a, EXPERT);  // (untuned: staged, LPT 8)
+            if (!a.no_staged && tuning_on() && (staged || stream_applies(a, EXPERT))) c = tuned_choice<FMT, EXPERT>(a, grid);
+            else if (!staged) c.lpt = -1;
         }
         if (launch_one_token<FMT, EXPERT>(a, grid, c)) return;
     } else {
@@ -667,16 +670,13 @@ void parse_decode(const std::string& d) {
 // are below 2^8, else hardware); 'int' on other weights is refused. MXFP4: 'int' (placement, scales
 // <= 240) or 'sw'; auto takes 'int' where it applies.
 int dec_of(const std::string& d, int fmt, bool int_decode) {
-    if (fmt == W_MXFP4) {
-        if (d == "int" && !int_decode) throw std::invalid_argument("linear: decode 'int' needs MXFP4 scales of at most 240");
-        return d == "auto" || d == "int" ? (int_decode ? kDecInt : kDecSw) : kDecSw;
-    }
-    if (fmt != W_FP8) return kDecSw;
-    if (d == "sw") return kDecSw;
-    if (d == "hw") return kDecHw;
-    if (d == "int" && !int_decode)
+    if (d == "int" && !int_decode && fmt == W_FP8)
         throw std::invalid_argument("linear: decode 'int' needs weights without NaN codes and scales below 2^8");
-    return int_decode ? kDecInt : kDecHw;
+    if (d == "int" && !int_decode && fmt == W_MXFP4)
+        throw std::invalid_argument("linear: decode 'int' needs MXFP4 scales of at most 240");
+    if (d == "sw") return kDecSw;
+    if (d == "hw") return fmt == W_FP8 ? kDecHw : kDecSw;
+    return dec_for(fmt, int_decode, true);  // auto, int: the engine's choice
 }
 
 // Y[t][r] over all R rows of one matrix (no head blocking), x rows ldx apart, y rows R apart.

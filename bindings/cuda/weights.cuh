@@ -56,8 +56,8 @@ struct ExpertTable {
     bool int_decode = false;             // fp8: the integer decode applies to every expert
 };
 
-// Which variant of the staged one-token kernel a launch uses (weights.cu): 0 / -1 fields take the
-// engine's choice; lpt -1 in a tuned result means the register kernel.
+// Which one-token kernel a launch uses (weights.cu): 0 / -1 fields take the engine's choice; lpt -1 in
+// a tuned result means the register kernel, lpt 8/4/2 a staged variant, the constants below the others.
 constexpr int kTiledChoice = -2;   // StChoice::lpt of the tiled kernel (k_linear_mt with one token)
 constexpr int kRegOccChoice = -3;  // StChoice::lpt of the register kernel bounded to rpb (5 or 6) blocks per SM
 constexpr int kStreamChoice = -4;  // StChoice::lpt of the streaming kernel with rpb (1, 2 or 3) blocks per SM
@@ -66,7 +66,7 @@ struct StChoice {
     int xs = -1;   // stage x too (1) or read it through L1 (0)
     int rpb = 0;   // rows per block
     int cps = 0;   // chunks per stage
-    int dec = -1;  // FP8: another exact E4M3 decode (weights.cu: Dec) than the launch's, or -1
+    int dec = -1;  // another exact decode path (weights.cu: Dec) than the launch's, or -1
 };
 
 // Everything one linear launch needs (passed by value to the kernel).
@@ -102,7 +102,7 @@ struct LinArgs {
     int tile_pairs = 1;                        // pairs per work item (at most)
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
     StChoice st;                               // a staged variant forced by a test or benchmark
-    int dec = 0;                               // fp8 decode path (weights.cu: Dec)
+    int dec = 0;                               // fp8 / mxfp4 decode path (weights.cu: Dec)
     bool early = false;                        // streaming kernel, dense: first weights before the PDL wait
 };
 
