@@ -21,11 +21,13 @@ from __future__ import annotations
 import importlib
 import os
 
+import numpy as np
+
 from oracle.checkpoint import Checkpoint, open_checkpoint
 from oracle.stages import ALL_STAGE_NAMES
 
 from .engine import (Engine, EngineInputError, _check_switches, _context_limit, _core, _engine_config,
-                     _load_tensors)
+                     _is_int, _load_tensors)
 
 __all__ = ["CudaEngine", "cuda_module", "cuda_available"]
 
@@ -103,6 +105,20 @@ class CudaEngine(Engine):
     @property
     def device_bytes(self) -> int:
         return int(self._core.device_bytes)
+
+    def greedy(self, cache, first_token: int, n: int) -> list[int]:
+        """n greedy decode steps of `cache` on the device, the first fed `first_token` (the token the
+        cache's last logits chose), each next one the argmax of the previous step's logits (np.argmax's
+        rule), without a host round trip between steps. Returns the n tokens produced; the same tokens
+        as n decode() calls with a host argmax."""
+        cache = self._check_cache(cache)
+        if self._inject_core is not None:
+            raise EngineInputError("greedy: not with an injection set (decode() runs it)")
+        if not _is_int(n) or n < 1:
+            raise EngineInputError(f"n must be an int >= 1, got {n!r}")
+        first = self._check_ids([first_token], cache.length)
+        self._check_ids(np.zeros(n, np.int64), cache.length)  # the context holds them all
+        return [int(v) for v in self._core.greedy(cache._id, int(first[0]), int(n))]
 
     def set_timing(self, on: bool = True) -> None:
         """Bracket each module's kernels with device events (stage_times sums them per module)."""

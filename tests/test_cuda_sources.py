@@ -37,8 +37,18 @@ def test_the_sources_define_kernels():
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
 def test_every_kernel_waits_for_its_predecessor_first(path):
-    bad = [name for name, first in kernels(path.read_text()) if first != "pdl_enter()"]
+    text = path.read_text()
+    bad = [name for name, first in kernels(text) if first not in ("pdl_enter()", "pdl_release()")]
     assert not bad, f"{path.name}: kernels whose first statement is not pdl_enter(): {bad}"
+    # a kernel that starts with pdl_release() (reading weights before it waits) must wait in its body
+    for m in KERNEL.finditer(text):
+        body = text.index("{", m.end())
+        if ";" in text[m.end():body]:
+            continue
+        nxt = text.find("__global__", body)
+        span = text[body:nxt if nxt > 0 else len(text)]
+        if span[1:].lstrip().startswith("pdl_release()"):
+            assert "pdl_wait();" in span, f"{path.name}: {m.group(1)} releases but never waits"
 
 
 def test_the_rule_catches_a_kernel_without_it():

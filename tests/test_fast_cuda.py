@@ -186,6 +186,45 @@ def test_decode_batch_of_caches_and_fork(cuda_engines, cpu_engines):
     assert np.array_equal(bits(c2), bits(a[1:2]))
 
 
+@pytest.mark.parametrize("name", TINY)
+def test_greedy_loop_matches_decode(name, cuda_engines):
+    """The device-resident greedy loop gives the tokens of decode() + np.argmax, and leaves the cache
+    where those steps would (the next step's logits are the same bits)."""
+    eng = cuda_engines(name)
+    V = eng.config.vocab_size
+    p = prompt(V, 9, 123)
+    a, b = eng.new_cache(), eng.new_cache()
+    first = int(np.argmax(eng.prefill(p, a)[-1]))
+    eng.prefill(p, b)
+    want, tok = [], first
+    for _ in range(7):
+        tok = int(np.argmax(eng.decode([a], [tok])[0]))
+        want.append(tok)
+    got = eng.greedy(b, first, 7)
+    assert got == want and a.length == b.length
+    assert np.array_equal(bits(eng.decode([a], [want[-1]])), bits(eng.decode([b], [got[-1]])))
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.greedy(b, V, 2)
+    with pytest.raises(ValueError, match="n must be"):
+        eng.greedy(b, 1, 0)
+
+
+def test_device_argmax_rule():
+    """The greedy rule on the device is np.argmax's: the lowest index of the maximum, a NaN first."""
+    cu = cuda_module()
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        n = int(rng.integers(1, 5000))
+        x = rng.integers(-2, 3, n).astype(np.float32)  # many ties
+        if trial % 3 == 0:
+            x[rng.integers(0, n, 2)] = np.nan
+        if trial % 5 == 0:
+            x[:] = -np.inf
+        if trial % 7 == 0:
+            x[x == 0] = -0.0
+        assert cu.argmax(x) == int(np.argmax(x)), trial
+
+
 def test_kept_logits_stay_intact(cuda_engines, cpu_engines):
     """Decode logits come back in page-locked buffers of a pool (at most 32 out at once, then ordinary
     arrays): arrays kept across many steps keep their own values, equal to the CPU engine's."""
@@ -547,6 +586,7 @@ def test_linear_kernels_match_cpu(case):
     occ = ["register:occ5", "register:occ6"] if T == 1 or expert else []
     # the streaming kernel (persistent warps, bulk copies) at 1, 2 and 3 blocks per SM, one token or one-pair items
     stream = ["stream:1", "stream:2", "stream:3"] if (T == 1 or expert) and C % 64 == 0 else []
+    stream += ["stream:1x", "stream:2x"] if T == 1 and C % 64 == 0 and C <= 4096 else []  # x staged per block
     kernels = ["auto", "register"] + occ + stream + tiled + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data);
     # MXFP4: the software decode and the f16-pair placement (scales <= 240)
@@ -557,7 +597,8 @@ def test_linear_kernels_match_cpu(case):
         with pytest.raises(ValueError, match="scales (below 2|of at most 240)"):
             cuda_module().linear(release, data, scale, X, round=rnd, decode="int")
     for kernel in kernels:
-        full = ("auto", "register", "register:occ5", "register:occ6", "stream:1", "stream:2", "stream:3", "tiled", "tiled:1",
+        full = ("auto", "register", "register:occ5", "register:occ6", "stream:1", "stream:2", "stream:3", "stream:1x",
+                "stream:2x", "tiled", "tiled:1",
                 "staged:4:1", "staged:2:0")
         for decode in decodes if kernel in full else ("auto",):
             got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert, decode=decode)

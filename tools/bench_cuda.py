@@ -119,6 +119,25 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
                         "median_ms": round(med * 1e3, 3), "median_roofline_fraction": round(roof / med, 3)}
     log(f"  decode b1: {dt * 1e3:.3f} ms/token ({1 / dt:.1f} tok/s); roofline {roof * 1e3:.3f} ms "
         f"-> {roof / dt:.1%} of the HBM roofline (median step {med * 1e3:.3f} ms: {roof / med:.1%})")
+    if hasattr(eng, "greedy"):
+        # the same decode as a device-resident greedy loop (no host round trip between the steps), and a
+        # check that it gives the host loop's tokens from the same cache state
+        prompt = [int(v) for v in rng.integers(0, V, 16)]
+        ca, cb = eng.new_cache(), eng.new_cache()
+        first = int(np.argmax(eng.prefill(prompt, ca)[-1]))
+        eng.prefill(prompt, cb)
+        host, t = [], first
+        for _ in range(8):
+            t = int(np.argmax(eng.decode([ca], [t])[0]))
+            host.append(t)
+        same = eng.greedy(cb, first, 8) == host
+        t0 = time.perf_counter()
+        eng.greedy(cb, host[-1], steps)
+        dg = (time.perf_counter() - t0) / steps
+        res["decode_b1_greedy"] = {"ms_per_token": round(dg * 1e3, 3), "tokens_per_s": round(1 / dg, 1),
+                                   "roofline_fraction": round(roof / dg, 3), "tokens_equal_host_loop": same}
+        log(f"  decode b1, device-resident greedy loop: {dg * 1e3:.3f} ms/token ({1 / dg:.1f} tok/s) -> "
+            f"{roof / dg:.1%} of the HBM roofline; its tokens = the host loop's: {same}")
     try:
         from fast.cuda import cuda_module
         tuned = cuda_module().tuned()
@@ -331,6 +350,9 @@ def main(argv=None) -> int:
         d1 = r["decode_b1"]
         line = (f"{rel:6s} decode b1 {d1['tokens_per_s']:8.1f} tok/s ({d1['roofline_fraction']:.1%} of roofline, "
                 f"{r['weight_bytes_per_token'] / 1e9:.2f} GB/token)")
+        if "decode_b1_greedy" in r:
+            g = r["decode_b1_greedy"]
+            line += f" | greedy loop {g['tokens_per_s']:.1f} tok/s ({g['roofline_fraction']:.1%})"
         for B, x in r["decode_batch"].items():
             line += f" | b{B} {x['tokens_per_s']:.1f} tok/s"
         if "prefill" in r:

@@ -73,6 +73,19 @@ GLM_DEV void pdl_enter() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// pdl_enter in two halves, for a kernel that reads memory no kernel writes (weights uploaded at load)
+// before it waits: pdl_release() first, pdl_wait() before anything a previous kernel may have written
+// (tests/test_cuda_sources.py checks that a kernel starting with pdl_release() calls pdl_wait()).
+GLM_DEV void pdl_release() {
+#if !defined(GLM_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+GLM_DEV void pdl_wait() {
+#if !defined(GLM_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // The engine's switches in the environment (GLM_PDL=0, GLM_CUDA_TUNE=0, ...): is `name` set to `value`?
 inline bool env_is(const char* name, const char* value) {

@@ -186,6 +186,21 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         .def_property_readonly("device_bytes", [](PyEngine& pe) { return pe.eng->device_bytes(); })
         .def_property_readonly("device_name", [](PyEngine& pe) { return pe.eng->device_name(); })
         .def_property_readonly("decode_path", [](PyEngine& pe) { return pe.eng->decode_path(); })
+        .def(
+            "greedy",
+            [](PyEngine& pe, int64_t seq, int32_t first, int n) {
+                std::vector<int32_t> r;
+                translate([&] {
+                    py::gil_scoped_release nogil;
+                    r = pe.eng->greedy(seq, first, n);
+                    return 0;
+                });
+                py::array_t<int32_t> a(static_cast<py::ssize_t>(r.size()));
+                if (!r.empty()) std::memcpy(a.mutable_data(), r.data(), r.size() * sizeof(int32_t));
+                return a;
+            },
+            py::arg("seq"), py::arg("first"), py::arg("n"),
+            "n greedy decode steps of one sequence on the device (first: its next token); the tokens produced.")
         .def("set_timing", [](PyEngine& pe, bool on) { pe.eng->set_timing(on); }, py::arg("on"))
         .def("reset_stage_times", [](PyEngine& pe) { pe.eng->reset_stage_times(); })
         .def("stage_times",
@@ -216,6 +231,13 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
     m.def("expf", expf_fn, py::arg("x"), py::arg("native") = false,
           "expf(x: f32 array) -> f32 array: the canonical expf computed on the device (native=True: CUDA's expf).");
     m.def("expf_device", expf_fn, py::arg("x"), py::arg("native") = false, "Alias of expf.");
+    m.def(
+        "argmax",
+        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
+            if (x.ndim() != 1 || x.size() < 1) bad("argmax: a non-empty 1-D array");
+            return translate([&] { return argmax_device(x.data(), static_cast<int>(x.size())); });
+        },
+        py::arg("x"), "The greedy rule of Engine.greedy on the device (np.argmax's: NaN first, then the lowest index).");
     m.def(
         "expf_device_bits",
         [](uint64_t lo, uint64_t n) {

@@ -74,8 +74,16 @@ class Scratch {
         return static_cast<T*>(upload(v.data(), v.size() * sizeof(T)));
     }
     void reset();
+    // Deferred mode (Engine::greedy): steps follow each other without a synchronization, so reset()
+    // restarts the device scratch only (stream order makes its reuse safe), keeps the pinned staging
+    // (the previous steps' uploads may still be pending) and retires extra buffers until end_deferred(),
+    // which the caller runs after synchronizing.
+    void begin_deferred() { deferred_ = true; }
+    void end_deferred();
 
    private:
+    bool deferred_ = false;
+    std::vector<DBuf> retired_;
     DBuf main_;
     std::vector<DBuf> extra_;
     size_t off_ = 0, need_ = 0;
@@ -204,6 +212,7 @@ void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const floa
             int cap_layer);                                                                             // moe.cu
 void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out);
 void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits);               // head.cu
+void argmax_into(const float* logits, int n, int* out);  // head.cu: the greedy token of one row, on the device
 void embed_rows(Step& s, const Lin& embed, int* d_tok, float* e, float* X);                                        // head.cu
 
 // Small elementwise kernels shared by the modules (norm.cu).

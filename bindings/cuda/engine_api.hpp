@@ -54,6 +54,11 @@ class Engine {
     void step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,
               const std::vector<uint8_t>& want_head, const std::vector<uint8_t>& cap_rows,
               const std::vector<uint8_t>& cap_mask, const Injection& inj, StepOutput& out);
+    // Greedy decoding of one sequence on the device: n steps, the first reading `first`, each next one
+    // the argmax of the previous step's logits (NaN first, else the lowest index of the maximum, as
+    // np.argmax), kept on the device; the host enqueues step i + 1 while step i runs and synchronizes
+    // once. Returns the n tokens produced (the argmax of each step's logits).
+    std::vector<int32_t> greedy(int64_t seq_id, int32_t first, int n);
 
     size_t weight_bytes() const;         // streamed bytes of the weights one decode token reads
     size_t device_bytes() const;         // device memory held for weights
@@ -117,6 +122,9 @@ std::vector<TunedShape> tuned_shapes();
 // that many distinct expert matrices, one pair each, as decode at batch 1).
 double linear_bench_device(const std::string& release, int64_t R, int64_t C, int experts, const std::string& kernel,
                            int reps, const std::string& decode = "auto");
+
+// The argmax of n floats on the device (the greedy rule of Engine::greedy), for tests.
+int argmax_device(const float* host, int n);
 
 // Page-locked host memory (cudaMallocHost / cudaFreeHost): the bindings hand decode-sized logits back
 // in it, so the device writes them straight into the returned array.

@@ -56,6 +56,61 @@ void embed_rows(Step& s, const Lin& embed, int* d_tok, float* e, float* X) {
     check_launch("streams");
 }
 
+// The greedy choice over n logits: the largest, the lowest index among equals, and a NaN over every
+// number (the first NaN): np.argmax's rule. (a, ia) is chosen over (b, ib); an index < 0 is no candidate.
+// The rule is a total order on (value, index) pairs, so the tree of the block reduction gives the same
+// index as a scan.
+GLM_DEV bool argmax_better(float a, int ia, float b, int ib) {
+    if (ia < 0) return false;
+    if (ib < 0) return true;
+    const bool na = a != a, nb = b != b;
+    if (na || nb) return na && (!nb || ia < ib);
+    return a > b || (a == b && ia < ib);
+}
+constexpr int kArgmaxThreads = 1024;
+__global__ void __launch_bounds__(kArgmaxThreads) k_argmax(const float* __restrict__ x, int n, int* out) {
+    pdl_enter();
+    __shared__ float sv[kArgmaxThreads];
+    __shared__ int si[kArgmaxThreads];
+    const int t = static_cast<int>(threadIdx.x);
+    float v = 0.0f;
+    int iv = -1;
+    for (int i = t; i < n; i += kArgmaxThreads) {
+        const float a = x[i];
+        if (argmax_better(a, i, v, iv)) {
+            v = a;
+            iv = i;
+        }
+    }
+    sv[t] = v;
+    si[t] = iv;
+    __syncthreads();
+    for (int w = kArgmaxThreads / 2; w >= 1; w /= 2) {
+        if (t < w && argmax_better(sv[t + w], si[t + w], sv[t], si[t])) {
+            sv[t] = sv[t + w];
+            si[t] = si[t + w];
+        }
+        __syncthreads();
+    }
+    if (t == 0) *out = si[0];
+}
+
+void argmax_into(const float* logits, int n, int* out) {
+    auto k = k_argmax;
+    GLM_LAUNCH(k, 1, kArgmaxThreads, 0, logits, n, out);
+    check_launch("argmax");
+}
+
+int argmax_device(const float* host, int n) {
+    if (n < 1) throw std::invalid_argument("argmax: needs at least one value");
+    DBuf x(static_cast<size_t>(n) * sizeof(float)), r(sizeof(int));
+    check(cudaMemcpy(x.p, host, static_cast<size_t>(n) * sizeof(float), cudaMemcpyHostToDevice), "argmax");
+    argmax_into(x.as<float>(), n, r.as<int>());
+    int idx = -1;
+    check(cudaMemcpy(&idx, r.p, sizeof(int), cudaMemcpyDeviceToHost), "argmax");
+    return idx;
+}
+
 void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits) {
     const Config& c = s.c;
     const int n = static_cast<int>(rows.size()), hc = static_cast<int>(c.hc_mult), D = static_cast<int>(c.hidden_size);

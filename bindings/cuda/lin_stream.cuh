@@ -22,9 +22,9 @@ namespace {
 // each), then group_fold. Only where the bytes wait changes.
 constexpr int kSmThreads = 256;
 constexpr int kSmWarps = kSmThreads / 32;
-template <int MINB>
-constexpr int sm_slots() {  // buffers per warp: 6 (one block per SM), 3 (two) or 2 (three)
-    return MINB == 1 ? 6 : (MINB == 2 ? 3 : 2);
+template <int MINB, bool XS = false>
+constexpr int sm_slots() {  // buffers per warp: 6 (one block per SM), 3 (two) or 2 (three); one less with x staged
+    return MINB == 1 ? (XS ? 5 : 6) : (MINB == 2 ? (XS ? 2 : 3) : 2);
 }
 template <int FMT>
 constexpr int sm_cps() {  // chunks per stage: 1 KB of each row
@@ -34,9 +34,9 @@ template <int FMT>
 constexpr int sm_pitch() {  // a buffer's row stride: consecutive rows on other banks
     return 1024 + (chunk_bytes<FMT>() < 64 ? chunk_bytes<FMT>() : 64);
 }
-template <int FMT, int MINB>
+template <int FMT, int MINB, bool XS = false>
 constexpr int sm_block_bytes() {
-    return kSmWarps * sm_slots<MINB>() * 4 * sm_pitch<FMT>();
+    return kSmWarps * sm_slots<MINB, XS>() * 4 * sm_pitch<FMT>();
 }
 
 // Unit u of the launch (four rows): which matrix, rows, x and y. Units run over (item, table, row
@@ -72,28 +72,36 @@ GLM_DEV int64_t weight_row(const LinArgs& a, int r) {
     return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
 }
 
-// MINB: blocks per SM the launch keeps resident (1, 2 or 3), so the registers fit that many.
-template <int FMT, bool EXPERT, int DEC, int MINB>
+// MINB: blocks per SM the launch keeps resident (1, 2 or 3), so the registers fit that many. XS: every
+// row reads one x row (row 0 of X), staged once per block after the rings: the chunk loop reads x from
+// shared memory instead of through L1.
+template <int FMT, bool EXPERT, int DEC, int MINB, bool XS>
 __global__ void __launch_bounds__(kSmThreads, MINB) k_linear_stream(LinArgs a) {
-    pdl_enter();
+    pdl_release();  // (pdl_wait() below: a.early requests the first stages' weights before it)
     GLM_DYN_SMEM(unsigned char, sm);
-    constexpr int CB = chunk_bytes<FMT>(), CPS = sm_cps<FMT>(), PITCH = sm_pitch<FMT>(), S = sm_slots<MINB>();
+    constexpr int CB = chunk_bytes<FMT>(), CPS = sm_cps<FMT>(), PITCH = sm_pitch<FMT>(), S = sm_slots<MINB, XS>();
     __shared__ uint64_t bars[kSmWarps][S];
     const int64_t C = a.C;
     const int64_t rbytes = row_bytes(FMT, C);
     const int nchunks = static_cast<int>(C / 64);
     const int nst = (nchunks + CPS - 1) / CPS;
     const int nrg = (a.R + 3) / 4;
-    const int nunits = EXPERT ? *a.n_items * (a.dtab2 ? 2 : 1) * nrg : nrg;
     const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31, i = lane >> 3, g = lane & 7;
     const int gw = static_cast<int>(blockIdx.x) * kSmWarps + warp, GW = static_cast<int>(gridDim.x) * kSmWarps;
-    const int K = gw < nunits ? (nunits - gw + GW - 1) / GW * nst : 0;  // this warp's stages, in order
     unsigned char* wsm = sm + warp * S * 4 * PITCH;
     uint64_t* wb = bars[warp];
     if (lane == 0)
         for (int s = 0; s < S; ++s) mbar_init(&wb[s], 1);
     mbar_init_fence();
     __syncthreads();
+    // Early (dense launches, a.early): the units and the weights depend on no kernel, so the first stages
+    // are requested before the wait for the previous kernel, under its tail. Everything else after it.
+    const bool early = !EXPERT && a.early;
+    int nunits = 0, K = 0;  // this warp's stages, in order
+    auto count = [&] {
+        nunits = EXPERT ? *a.n_items * (a.dtab2 ? 2 : 1) * nrg : nrg;
+        K = gw < nunits ? (nunits - gw + GW - 1) / GW * nst : 0;
+    };
 
     // The issue cursor: the next stage to request (its index, column stage, unit and buffer). The whole
     // warp runs it; lane 0 announces the bytes, lane r copies row r of the unit (1 KB or less).
@@ -118,7 +126,21 @@ __global__ void __launch_bounds__(kSmThreads, MINB) k_linear_stream(LinArgs a) {
         }
         if (++islot == S) islot = 0;
     };
-    while (ik < S && ik < K) issue_next();
+    if (early) {
+        count();
+        while (ik < S && ik < K) issue_next();
+    }
+    pdl_wait();
+    float* xsm = reinterpret_cast<float*>(sm + kSmWarps * S * 4 * PITCH);  // (XS) after every warp's ring
+    if constexpr (XS) {
+        for (int q = tid; q < static_cast<int>(C / 4); q += kSmThreads)
+            reinterpret_cast<float4*>(xsm)[q] = __ldg(reinterpret_cast<const float4*>(a.X) + q);
+        __syncthreads();
+    }
+    if (!early) {
+        count();
+        while (ik < S && ik < K) issue_next();
+    }
 
     float acc[8];
     zero8(acc);
@@ -140,7 +162,15 @@ __global__ void __launch_bounds__(kSmThreads, MINB) k_linear_stream(LinArgs a) {
         }
         const int c0 = s * CPS, nc = nchunks - c0 < CPS ? nchunks - c0 : CPS;
         const unsigned char* row = wsm + (slot * 4 + i) * PITCH + g * (CB / 8);
-        const float* xs = xr + 64 * static_cast<int64_t>(c0);
+        const float* xs = (XS ? xsm + 8 * g : xr) + 64 * static_cast<int64_t>(c0);
+        // FP8: the stage's scales (one per two chunks) loaded before the wait, so that their latency
+        // passes under it instead of inside the chunk loop
+        float sv[FMT == W_FP8 ? CPS / 2 : 1];
+        if constexpr (FMT == W_FP8) {
+            const float* sp = static_cast<const float*>(un.scale) + srow + c0 / 2;
+#pragma unroll
+            for (int q = 0; q < CPS / 2; ++q) sv[q] = 2 * q < nc ? __ldg(sp + q) : 0.0f;
+        }
         mbar_wait(&wb[slot], phase);
         if (live) {
             // chunk c with its scale (FP8: already times 2^120 for the integer decode, as scale_fp8 does)
@@ -154,8 +184,9 @@ __global__ void __launch_bounds__(kSmThreads, MINB) k_linear_stream(LinArgs a) {
                 } else {
                     decode_smem<FMT, DEC, 8>(row + c * CB, sc, w);
                 }
-                const float4 x0 = __ldg(reinterpret_cast<const float4*>(xs + 64 * c));
-                const float4 x1 = __ldg(reinterpret_cast<const float4*>(xs + 64 * c + 4));
+                const float4 x0 = XS ? *reinterpret_cast<const float4*>(xs + 64 * c) : __ldg(reinterpret_cast<const float4*>(xs + 64 * c));
+                const float4 x1 = XS ? *reinterpret_cast<const float4*>(xs + 64 * c + 4)
+                                     : __ldg(reinterpret_cast<const float4*>(xs + 64 * c + 4));
                 acc[0] = ffma(w[0], x0.x, acc[0]);
                 acc[1] = ffma(w[1], x0.y, acc[1]);
                 acc[2] = ffma(w[2], x0.z, acc[2]);
@@ -180,7 +211,7 @@ __global__ void __launch_bounds__(kSmThreads, MINB) k_linear_stream(LinArgs a) {
                 if constexpr (FMT == W_FP8) {
 #pragma unroll
                     for (int c = 0; c < CPS; c += 2) {
-                        const float sc = scale_of(c);
+                        const float sc = DEC == kDecInt ? fmul(sv[c / 2], 0x1p120f) : sv[c / 2];
                         chunk(c, sc);
                         chunk(c + 1, sc);
                     }

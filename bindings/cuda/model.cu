@@ -170,7 +170,20 @@ void* Scratch::upload(const void* host, size_t bytes) {
     return d;
 }
 
+void Scratch::end_deferred() {
+    deferred_ = false;
+    retired_.clear();
+    reset();
+}
+
 void Scratch::reset() {
+    if (deferred_) {
+        for (DBuf& b : extra_) retired_.push_back(std::move(b));
+        extra_.clear();
+        off_ = 0;
+        need_ = 0;
+        return;
+    }
     if (!extra_.empty() || need_ > main_.n) {
         extra_.clear();
         const size_t want = std::max(need_ + need_ / 4, main_.n);
@@ -964,10 +977,73 @@ size_t Engine::live_sequences() const { return p_->seqs.size(); }
 
 // ---- the step -------------------------------------------------------------------------------------
 
+namespace {
+// A step of the greedy loop: its token on the device, and where its argmax goes.
+struct GreedyIo {
+    const int* token;
+    int* next;
+};
+void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,
+             const std::vector<uint8_t>& want_head, const std::vector<uint8_t>& cap_rows,
+             const std::vector<uint8_t>& cap_mask, const Injection& inj, StepOutput& out, const GreedyIo* gio);
+}  // namespace
+
 void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,
                   const std::vector<uint8_t>& want_head, const std::vector<uint8_t>& cap_rows,
                   const std::vector<uint8_t>& cap_mask, const Injection& inj, StepOutput& out) {
+    step_on(*p_, seq_ids, tokens, want_head, cap_rows, cap_mask, inj, out, nullptr);
+}
+
+std::vector<int32_t> Engine::greedy(int64_t seq_id, int32_t first, int n) {
     Impl& E_ = *p_;
+    if (!E_.finalized) throw std::logic_error("the engine's weights are not finalized");
+    const Config& c = E_.cfg;
+    auto it = E_.seqs.find(seq_id);
+    if (it == E_.seqs.end()) throw std::invalid_argument("unknown sequence " + std::to_string(seq_id));
+    if (n < 1) throw std::invalid_argument("greedy: n must be at least 1");
+    if (first < 0 || first >= c.vocab_size)
+        throw std::invalid_argument("token id " + std::to_string(first) + " is outside the vocabulary [0, " +
+                                    std::to_string(c.vocab_size) + ")");
+    Sequence* sq = it->second.get();
+    if (sq->length + n > c.max_context)
+        throw std::invalid_argument("sequence " + std::to_string(seq_id) + ": " + std::to_string(sq->length + n) +
+                                    " positions exceed the maximum context of " + std::to_string(c.max_context));
+    reserve(E_, *sq, sq->length + n);  // the cache grows (and synchronizes) before the loop, not inside it
+    DBuf toks(static_cast<size_t>(n + 1) * sizeof(int));
+    check(cudaMemcpy(toks.p, &first, sizeof(int), cudaMemcpyHostToDevice), "greedy");
+    const int L = static_cast<int>(c.num_hidden_layers);
+    const std::vector<int64_t> ids{seq_id};
+    const std::vector<int32_t> tok{first};  // (validated; the steps read their token on the device)
+    const std::vector<uint8_t> head{1}, cap{0}, mask(static_cast<size_t>(L + 1) * S_COUNT, 0);
+    const bool timing = E_.timing;
+    E_.timing = false;  // (the stage events would be read before they complete)
+    E_.scratch.begin_deferred();
+    try {
+        for (int i = 0; i < n; ++i) {
+            StepOutput out;
+            const GreedyIo io{toks.as<int>() + i, toks.as<int>() + i + 1};
+            step_on(E_, ids, tok, head, cap, mask, Injection{}, out, &io);
+        }
+    } catch (...) {
+        cudaDeviceSynchronize();
+        E_.scratch.end_deferred();
+        E_.timing = timing;
+        throw;
+    }
+    check(cudaDeviceSynchronize(), "greedy");
+    E_.scratch.end_deferred();
+    E_.timing = timing;
+    std::vector<int32_t> res(static_cast<size_t>(n));
+    check(cudaMemcpy(res.data(), toks.as<int>() + 1, static_cast<size_t>(n) * sizeof(int), cudaMemcpyDeviceToHost),
+          "greedy");
+    return res;
+}
+
+namespace {
+
+void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,
+             const std::vector<uint8_t>& want_head, const std::vector<uint8_t>& cap_rows,
+             const std::vector<uint8_t>& cap_mask, const Injection& inj, StepOutput& out, const GreedyIo* gio) {
     if (!E_.finalized) throw std::logic_error("the engine's weights are not finalized");
     const Config& c = E_.cfg;
     const size_t T = seq_ids.size();
@@ -987,12 +1063,13 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
             throw std::invalid_argument("bad injection spec");
     }
 
-    // the scratch is released (after a synchronization) however the step ends
+    // the scratch is released (after a synchronization; in a greedy loop, without) however the step ends
     struct Guard {
         Scratch& s;
         EngineCore& e;
+        bool sync;
         ~Guard() {
-            cudaDeviceSynchronize();
+            if (sync) cudaDeviceSynchronize();
             e.marks.clear();
             e.event_next = 0;
             try {
@@ -1000,7 +1077,7 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
             } catch (...) {
             }
         }
-    } guard{E_.scratch, E_};
+    } guard{E_.scratch, E_, gio == nullptr};
 
     Step s(E_, E_.scratch);
     s.T = static_cast<int>(T);
@@ -1037,7 +1114,7 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
     const int Ti = static_cast<int>(T);
     s.d_pos = s.scratch.up(std::vector<int>(s.pos.begin(), s.pos.end()));
     s.d_seg = s.scratch.up(s.seg_of);
-    int* d_tok = s.scratch.up(tokens);
+    int* d_tok = gio ? const_cast<int*>(gio->token) : s.scratch.up(tokens);
     float* X = s.scratch.d<float>(T * hc * D);
     float* e = s.scratch.d<float>(T * D);
     embed_rows(s, E_.embed, d_tok, e, X);
@@ -1086,6 +1163,15 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
     out.head_rows.assign(hrows.begin(), hrows.end());
     const size_t V = static_cast<size_t>(c.vocab_size);
     float* dst = out.logits_out(hrows.size() * V);
+    if (gio) {  // the greedy loop: the next token stays on the device
+        float* logits = s.scratch.d<float>(V);
+        head_forward(s, X, hrows, logits);
+        argmax_into(logits, static_cast<int>(V), gio->next);
+        s.mark("end");
+        check(cudaGetLastError(), "step");
+        for (const Segment& g : s.segs) g.seq->length += g.n;
+        return;
+    }
     if (!hrows.empty()) {
         float* logits = s.scratch.d<float>(hrows.size() * V);
         head_forward(s, X, hrows, logits);
@@ -1121,6 +1207,8 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
         }
     }
 }
+
+}  // namespace
 
 // ---- numerics entry points --------------------------------------------------------------------------
 

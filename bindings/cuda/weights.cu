@@ -173,22 +173,35 @@ void launch_mt(const LinArgs& a, dim3 grid) {
 bool stream_applies(const LinArgs& a, bool expert) {
     return rows_copyable(a, expert) && a.xhs % 4 == 0 && (expert ? a.tile_pairs == 1 : a.T == 1);
 }
+// ... with x staged per block: every row of the launch reads row 0 of X (one token and no head-blocked
+// x; experts: every routed pair p < min(p_split, max_items) has p / xdiv = 0 and at most one shared pair),
+// and x fits beside the rings.
+bool stream_xs_applies(const LinArgs& a, bool expert, int minb) {
+    if (!stream_applies(a, expert)) return false;
+    const bool one_x = expert ? (a.ldx == 0 || (std::min(a.p_split, a.max_items) <= a.xdiv && a.max_items <= a.p_split + 1))
+                              : !(a.rh < a.R && a.xhs != 0);
+    const size_t ring = static_cast<size_t>(kSmWarps) * (minb == 1 ? 5 : 2) * 4 * (1024 + 64);
+    return one_x && minb <= 2 && a.C <= 4096 && (static_cast<size_t>(a.C) * 4 + ring) * static_cast<size_t>(minb) <= 220 * 1024;
+}
 
-template <int FMT, bool EXPERT, int DEC, int MINB>
+template <int FMT, bool EXPERT, int DEC, int MINB, bool XS>
 void launch_sm_dec(const LinArgs& a, dim3 g) {
-    auto k = k_linear_stream<FMT, EXPERT, DEC, MINB>;
-    constexpr size_t smem = static_cast<size_t>(sm_block_bytes<FMT, MINB>());
+    auto k = k_linear_stream<FMT, EXPERT, DEC, MINB, XS>;
+    const size_t smem = static_cast<size_t>(sm_block_bytes<FMT, MINB, XS>()) + (XS ? static_cast<size_t>(a.C) * 4 : 0);
     allow_smem(k, smem);
+    static const bool early = env_is("GLM_STREAM_EARLY", "1");  // (an A/B switch: off by default)
+    LinArgs b = a;
+    b.early = early && !EXPERT;
     // every unit's block resident at once: at most MINB blocks per SM (expert launches: as many units
     // as the largest work list could hold; blocks past the device's count of units exit at once)
     const int64_t units = (a.R + 3) / 4 * (EXPERT ? static_cast<int64_t>(a.max_items) * g.z : 1);
     const unsigned blocks =
         static_cast<unsigned>(std::min<int64_t>((units + kSmWarps - 1) / kSmWarps, static_cast<int64_t>(MINB) * sm_count()));
-    GLM_LAUNCH(k, blocks, kSmThreads, smem, a);
+    GLM_LAUNCH(k, blocks, kSmThreads, smem, b);
 }
-template <int FMT, bool EXPERT, int MINB>
+template <int FMT, bool EXPERT, int MINB, bool XS>
 void launch_sm(const LinArgs& a, dim3 g) {
-    with_dec<FMT, true>(a.dec, [&](auto dec) { launch_sm_dec<FMT, EXPERT, decltype(dec)::value, MINB>(a, g); });
+    with_dec<FMT, true>(a.dec, [&](auto dec) { launch_sm_dec<FMT, EXPERT, decltype(dec)::value, MINB, XS>(a, g); });
 }
 
 // minb 5 or 6 (one token): the variant bounded to that many 128-thread blocks per SM (<= 102 or 85
@@ -259,7 +272,7 @@ std::string choice_name(const StChoice& c) {
     }
     if (c.lpt == kTiledChoice) return "tiled";
     if (c.lpt == kRegOccChoice) return "register:occ" + std::to_string(c.rpb);
-    if (c.lpt == kStreamChoice) return "stream:" + std::to_string(c.rpb);
+    if (c.lpt == kStreamChoice) return "stream:" + std::to_string(c.rpb) + (c.xs == 1 ? "x" : "");
     if (c.lpt < 0) return "register";
     return "staged:" + std::to_string(c.lpt) + ":" + std::to_string(c.xs) +
            (c.rpb ? ":" + std::to_string(c.rpb) + ":" + std::to_string(c.cps) : "");
@@ -290,10 +303,16 @@ bool launch_one_token(const LinArgs& a, dim3 grid, const StChoice& c) {
         return true;
     }
     if (c.lpt == kStreamChoice) {
+        if (c.xs == 1) {
+            if (!stream_xs_applies(a, EXPERT, c.rpb)) return false;
+            if (c.rpb == 1) launch_sm<FMT, EXPERT, 1, true>(a, grid);
+            else launch_sm<FMT, EXPERT, 2, true>(a, grid);
+            return true;
+        }
         if (!stream_applies(a, EXPERT)) return false;
-        if (c.rpb == 1) launch_sm<FMT, EXPERT, 1>(a, grid);
-        else if (c.rpb == 2) launch_sm<FMT, EXPERT, 2>(a, grid);
-        else launch_sm<FMT, EXPERT, 3>(a, grid);
+        if (c.rpb == 1) launch_sm<FMT, EXPERT, 1, false>(a, grid);
+        else if (c.rpb == 2) launch_sm<FMT, EXPERT, 2, false>(a, grid);
+        else launch_sm<FMT, EXPERT, 3, false>(a, grid);
         return true;
     }
     if (c.lpt < 0) {
@@ -338,6 +357,10 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
             c.lpt = kStreamChoice;
             c.rpb = bps;
             cands.push_back(c);
+            if (stream_xs_applies(a, EXPERT, bps)) {
+                c.xs = 1;
+                cands.push_back(c);
+            }
         }
     }
     if (a.dec == kDecInt) {  // the same kernels with the hardware E4M3 conversion (MXFP4: the software decode)
@@ -588,7 +611,7 @@ bool e4m3_nan_free_device(const void* data, size_t n) {
 
 namespace {
 
-// kernel: "auto" | "register" | "register:occ5|6" | "stream:1|2|3" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
+// kernel: "auto" | "register" | "register:occ5|6" | "stream:1|2|3[x]" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
 // forced choice); "tiled" gives expert work items of tile_for(T) pairs, "tiled:1" of one pair.
 StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     StChoice c;
@@ -599,9 +622,11 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
         c.lpt = kRegOccChoice;
         c.rpb = kernel.back() - '0';
     }
-    if (kernel == "stream:1" || kernel == "stream:2" || kernel == "stream:3") {
+    if (kernel.size() >= 8 && kernel.rfind("stream:", 0) == 0 && kernel[7] >= '1' && kernel[7] <= '3' &&
+        (kernel.size() == 8 || (kernel.size() == 9 && kernel[8] == 'x'))) {
         c.lpt = kStreamChoice;
-        c.rpb = kernel.back() - '0';
+        c.rpb = kernel[7] - '0';
+        c.xs = kernel.size() == 9 ? 1 : -1;
     }
     if (kernel == "auto" || kernel == "register" || c.lpt == kRegOccChoice || c.lpt == kStreamChoice ||
         kernel == "tiled" || kernel == "tiled:1" || kernel == "staged")
@@ -631,7 +656,7 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
         }
     }
     throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occ5', 'register:occ6', "
-                                "'stream:1', 'stream:2', 'stream:3', 'tiled', "
+                                "'stream:1|2|3' (x: x staged), 'tiled', "
                                 "'tiled:1', 'staged' or "
                                 "'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
@@ -771,7 +796,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
         if (tiled && !tiled_applies(a, true))
             throw std::invalid_argument("linear: the tiled kernel does not apply to this shape");
-        if (choice.lpt == kStreamChoice && !stream_applies(a, true))
+        if (choice.lpt == kStreamChoice && !(choice.xs == 1 ? stream_xs_applies(a, true, choice.rpb) : stream_applies(a, true)))
             throw std::invalid_argument("linear: the stream kernel does not apply to this shape");
         run(a, true, tile, Nm{});
     } else {
@@ -781,7 +806,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
             throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
         if (tiled && !tiled_applies(a, false))
             throw std::invalid_argument("linear: the tiled kernel does not apply to this shape");
-        if (choice.lpt == kStreamChoice && !stream_applies(a, false))
+        if (choice.lpt == kStreamChoice && !(choice.xs == 1 ? stream_xs_applies(a, false, choice.rpb) : stream_applies(a, false)))
             throw std::invalid_argument("linear: the stream kernel does not apply to this shape");
         run(a, false, tile_for(T), Nm{});
     }

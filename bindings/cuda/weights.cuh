@@ -103,6 +103,7 @@ struct LinArgs {
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
     StChoice st;                               // a staged variant forced by a test or benchmark
     int dec = 0;                               // fp8 / mxfp4 decode path (weights.cu: Dec)
+    bool early = false;                        // streaming kernel, dense: first weights before the PDL wait
 };
 
 // True when every one of the n E8M0 scales (host) is at most 240: the MXFP4 placement decode folds 2^14
