@@ -12,6 +12,8 @@
 # after the benchmarks; PROFILE_ENV=GLM_PDL=0 times each kernel alone, since with programmatic launch a
 # kernel's time includes its wait for the previous one), LINEAR_BENCH=1 (tools/bench_linear.py at the end; LINEAR_ONLY, LINEAR_VARIANTS narrow it),
 # NCU=1 (ncu counters and warp stall reasons of the routed-expert kernels; NCU_ONLY, NCU_VARIANTS, NCU_COUNT for others),
+# NCU_KERNELS=REGEX (ncu --set full on the engine's kernels whose names match, in decode steps at batch 1:
+# details and per-SASS-instruction stall samples into $OUT; NCU_SKIP, NCU_KCOUNT: which launches), BENCH=0 (no benchmarks),
 # SASS=REGEX (cuobjdump of the kernels whose mangled names match, with each one's instruction mix), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
 # AB="VAR=VALUE ..." (decode again with each setting, e.g. GLM_PDL=0 GLM_EXPERT_TILE=4). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
 # after the main build (VARIANT_PREFILL=0: decode only).
@@ -168,6 +170,7 @@ else
   echo "skipped: no time left"
 fi
 
+if [ "${BENCH:-1}" != "0" ]; then
 phase "benchmarks (tools/bench_cuda.py)"
 PEER=""
 [ "${SKIP_PEER:-0}" = "1" ] && PEER="--no-peer"
@@ -194,6 +197,23 @@ if compgen -G ".variants/*.so" > /dev/null; then
       2>&1 | grep -v "one-token kernel"
   done
   cp /tmp/_cuda_main.so "$MOD"
+fi
+
+fi
+
+if [ -n "${NCU_KERNELS:-}" ] && command -v ncu > /dev/null; then
+  # the engine's own launches (not a kernel benchmark): every section, and the stall samples per SASS
+  # instruction (the source page) to say which instructions a latency-bound kernel waits on
+  phase "ncu: engine kernels /${NCU_KERNELS}/ in decode steps at batch 1 (${RELEASES%%,*})"
+  timeout 300 ncu --clock-control none --set full --kernel-name "regex:${NCU_KERNELS}" --launch-skip "${NCU_SKIP:-16}" \
+    --launch-count "${NCU_KCOUNT:-4}" -f -o "$OUT/ncu_engine" \
+    python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-${RELEASES%%,*}" --plain --steps 3 > "$OUT/ncu_engine.log" 2>&1
+  echo "ncu exit $?"; tail -3 "$OUT/ncu_engine.log"
+  ncu -i "$OUT/ncu_engine.ncu-rep" --page details > "$OUT/ncu_engine_details.txt" 2>&1
+  ncu -i "$OUT/ncu_engine.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_engine_sass.csv" 2>&1
+  grep -E "^  [a-z_]|Duration|DRAM Throughput|Issue Slots Busy|Executed Instructions  |Achieved Occupancy|Registers Per|Eligible Warps|Block Limit|Theoretical Occ" \
+    "$OUT/ncu_engine_details.txt" | head -60
+  wc -c "$OUT"/ncu_engine_*
 fi
 
 if [ "${PROFILE:-0}" = "1" ]; then

@@ -2,6 +2,7 @@
 """Kernel timeline of CUDA-engine decode steps (torch.profiler / CUPTI sees every kernel of the process).
 
     python tools/profile_cuda.py --checkpoint /tmp/slice/slice-fp8 [--steps 5] [--batch 1] [--trace OUT.json]
+    python tools/profile_cuda.py --checkpoint /tmp/slice/slice-fp8 --plain   # for ncu to wrap (gpu_check NCU_KERNELS)
 
 Prints, per decode step: wall time, summed kernel time, the idle gaps between kernels on the device,
 and a table of kernels (launches per step, device us per step, mean us) sorted by time. Says where a
@@ -36,10 +37,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--trace", default=None, help="write a chrome trace here")
+    p.add_argument("--prefill", type=int, default=0,
+                   help="profile --steps prefills of this many tokens (each into a new cache) instead of decode steps")
+    p.add_argument("--plain", action="store_true",
+                   help="no profiler: prefill, then --steps decode steps (a process for ncu to wrap)")
     a = p.parse_args(argv)
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from fast.cuda import CudaEngine
     from oracle.checkpoint import open_checkpoint
@@ -51,15 +53,27 @@ def main(argv=None) -> int:
     for c in caches:
         eng.prefill([int(v) for v in rng.integers(0, V, 16)], c)
     toks = [1] * a.batch
-    for _ in range(5):
+    for _ in range(5 if not a.plain else a.steps):
         toks = [int(np.argmax(r)) for r in eng.decode(caches, toks)]
+    if a.plain:
+        print(f"prefill of 16 tokens, then {a.steps} decode steps at batch {a.batch}: tokens {toks}")
+        return 0
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
 
     walls = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(a.steps):
             t0 = time.perf_counter()
-            toks = [int(np.argmax(r)) for r in eng.decode(caches, toks)]
+            if a.prefill:
+                c = eng.new_cache()
+                eng.prefill([int(v) for v in rng.integers(0, V, a.prefill)], c)
+                c.close()
+            else:
+                toks = [int(np.argmax(r)) for r in eng.decode(caches, toks)]
             walls.append(time.perf_counter() - t0)
     if a.trace:
         prof.export_chrome_trace(a.trace)
@@ -84,7 +98,8 @@ def main(argv=None) -> int:
     inner_idle = sum(gaps) - sum(step_gaps)
     n = a.steps
     wall_us = float(np.median(walls)) * 1e6
-    print(f"checkpoint {a.checkpoint}, batch {a.batch}, {n} decode steps")
+    what = f"prefills of {a.prefill} tokens" if a.prefill else f"decode steps at batch {a.batch}"
+    print(f"checkpoint {a.checkpoint}, {n} {what}")
     print(f"  wall per step (median): {wall_us:.1f} us")
     print(f"  kernels per step: {len(kern) / n:.1f}; device busy per step: {busy / n:.1f} us")
     print(f"  device idle between kernels inside steps, per step: {inner_idle / n:.1f} us "
