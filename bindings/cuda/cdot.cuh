@@ -168,8 +168,11 @@ GLM_DEV T cdot_serial(int n, bool seq, Get get) {
         return s;
     }
     if (n <= 8) {
-        // Only P[0][0..n) can be non-zero: the accumulator tree adds +0 three times to each lane of P[0]
-        // (P[4], then P[2], then P[1], all +0), then the lane tree. Same operations, no local memory.
+        // Only P[0][0..n) can be non-zero. The accumulator tree adds +0 (P[4][l], P[2][l], P[1][l]) three
+        // times to each lane of P[0]: the first addition turns a -0 into +0 and leaves every other value
+        // (NaN included: it comes out of an addition already) as it is, so the other two are identities;
+        // likewise the lane tree's additions of a lane l + w >= n, a +0, to a value that cannot be -0.
+        // The identities are skipped: the same value from every step the definition takes.
         T q[8];
 #pragma unroll
         for (int l = 0; l < 8; ++l) {
@@ -177,17 +180,15 @@ GLM_DEV T cdot_serial(int n, bool seq, Get get) {
             if (l < n) {
                 T a, b;
                 get(l, a, b);
-                q[l] = fma_(a, b, T(0));
+                q[l] = add(fma_(a, b, T(0)), T(0));
             }
-            q[l] = add(add(add(q[l], T(0)), T(0)), T(0));
         }
-        T q0 = add(q[0], q[4]);
-        T q1 = add(q[1], q[5]);
-        const T q2 = add(q[2], q[6]);
-        const T q3 = add(q[3], q[7]);
-        q0 = add(q0, q2);
-        q1 = add(q1, q3);
-        return add(q0, q1);
+#pragma unroll
+        for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+            for (int l = 0; l < w; ++l)
+                if (l + w < n) q[l] = add(q[l], q[l + w]);
+        return q[0];
     }
     T P[64];
     for (int k = 0; k < 64; ++k) P[k] = T(0);

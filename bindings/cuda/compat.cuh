@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <stdexcept>
 #include <string>
 
@@ -98,6 +99,39 @@ inline void check(cudaError_t e, const char* what) {
 }
 // After a launch: a launch-configuration error is reported here (execution errors at the next sync).
 inline void check_launch(const char* what) { check(cudaGetLastError(), what); }
+
+// Raise a kernel's dynamic shared memory limit to `bytes`, once per kernel.
+template <class K>
+void allow_smem(K kernel, size_t bytes) {
+    static std::map<const void*, size_t> done;
+    size_t& have = done[reinterpret_cast<const void*>(kernel)];  // (0 the first time)
+    if (have >= bytes) return;
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+          "smem attribute");
+    have = bytes;
+}
+
+// ---- cp.async: 16-byte copies global -> shared in commit groups (the emulation copies at issue) ----
+GLM_DEV void cp_async16(void* smem, const void* gmem) {
+#if defined(GLM_CUDA_EMU)
+    std::memcpy(smem, gmem, 16);
+#else
+    const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+#endif
+}
+GLM_DEV void cp_async_commit() {
+#if !defined(GLM_CUDA_EMU)
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+GLM_DEV void cp_async_wait() {
+#if !defined(GLM_CUDA_EMU)
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 
 // ---- arithmetic (all round-to-nearest-even, never fused unless written as an fma) ---------------
 GLM_DEV float fadd(float a, float b) { return __fadd_rn(a, b); }

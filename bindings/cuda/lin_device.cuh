@@ -292,26 +292,6 @@ GLM_DEV float fold_lanes(float (&acc)[LPT], int g, int h) {
     return acc[0];
 }
 
-GLM_DEV void cp_async16(void* smem, const void* gmem) {
-#if defined(GLM_CUDA_EMU)
-    std::memcpy(smem, gmem, 16);
-#else
-    const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
-#endif
-}
-GLM_DEV void cp_async_commit() {
-#if !defined(GLM_CUDA_EMU)
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-template <int N>
-GLM_DEV void cp_async_wait() {
-#if !defined(GLM_CUDA_EMU)
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
 // The cp.async pipeline of the staged kernels: stages 0 .. S-2 issued, then for each stage s in order:
 // wait for it, the block's barrier (stage s is in for every thread's copies; stage s - 1, whose buffer
 // the next issue refills, is read by all), issue stage s + S - 1, consume stage s. Every thread calls it.

@@ -9,13 +9,14 @@
 //   collapsed[d]  = bf16(cdot64(pre, [X_0[d], ..., X_{hc-1}[d]]))
 //   streams X'_j[d] = bf16(cdot64([post_j, C_0j, ..., C_{hc-1,j}], [u[d], X_0[d], ..., X_{hc-1}[d]]))
 //
-// The fast path (k_hc_mix, canonical dots, no injection into pre or collapsed): the long dots split
-// by accumulator group, one block per (group g, row r, token): it stages the columns of its eight
-// partial sums (64c + 8g + l) in shared memory with every thread, then eight threads run the chains.
-// The last block of a token to finish (a ticket per token) folds the partial sums of every row, forms
-// m, pre and post, the collapsed row and, when asked, its RMSNorm. The Sinkhorn (k_hc_coef: 39
-// dependent normalizations, ~15 us) is needed only by hc_expand, after the sublayer: it runs on a
-// side stream, overlapped with the sublayer, unless post or comb are captured or injected.
+// The fused paths (canonical dots, no injection into pre or collapsed) split the two long dots of a
+// site by accumulator group: blocks per (group g, rows of fn, token) stage the columns of their eight
+// partial sums (64c + 8g + l), eight lanes run each chain, and the last block of a token to finish (a
+// ticket per token) folds the partial sums it needs, forms pre, the collapsed row and, when asked, its
+// RMSNorm. k_hc_mix (a few tokens, decode) is shaped for latency; k_hc_mix_many (prefill) is the
+// one-row-per-block kernel of session 3. The Sinkhorn (k_hc_coef: 39 dependent normalizations,
+// ~15 us) and post are needed only by hc_expand, after the sublayer: k_hc_coef runs on a side stream,
+// overlapped with the sublayer, unless post or comb are captured or injected.
 //
 // The general path: k_hc_m, one block of 64 threads per (token, row of fn) for the two long dots
 // (block64_dot); k_hc_coef: one block per token, one thread per coefficient (hc <= 16);
@@ -114,20 +115,40 @@ GLM_DEV double csum64(const double* x, int n, int stride, bool seq) {
 // order, computed redundantly by each thread of the row/column from shared memory (the same bits), the
 // division by the owning thread; barriers between the reads of a pass and its writes. Row maxima of the
 // softmax likewise (same left-to-right scan). Identical operations to the one-thread definition.
-__global__ void __launch_bounds__(256) k_hc_coef(const double* __restrict__ m, int T, int R, int hc,
-                                                 const double* __restrict__ base, double s0, double s1, double s2,
-                                                 double eps, int iters, double* pre, double* post, double* comb,
-                                                 Nm nm, bool comb_only) {
+// m: the site's R values m_r (the general path, k_hc_m), or nullptr and part: k_hc_mix's partial sums
+// [T][R + 1][64], folded here (each row's 8x8 fold by one warp, as k_hc_mix's tail folds its rows) so
+// that the mix kernel's tail keeps only what the sublayer waits for. pre: written when write_pre
+// (the mix kernel writes it otherwise).
+constexpr int kCoefRows = 18 * kHcMax;  // R = (2 + hc) * hc
+
+__global__ void __launch_bounds__(256) k_hc_coef(const double* __restrict__ m, const double* __restrict__ part, int n,
+                                                 double rms_eps, int T, int R, int hc, const double* __restrict__ base,
+                                                 double s0, double s1, double s2, double eps, int iters, double* pre,
+                                                 double* post, double* comb, Nm nm, bool write_pre) {
     pdl_enter();
     __shared__ double C[kHcMax * kHcMax];
+    __shared__ double M[kCoefRows + 1];
     const int t = static_cast<int>(blockIdx.x);
     if (t >= T) return;
     const int tid = static_cast<int>(threadIdx.x);
     const bool own = tid < hc * hc;
     const int i = own ? tid / hc : 0, j = own ? tid % hc : 0;
-    const double* mt = m + static_cast<int64_t>(t) * R;
-    if (tid < hc && !comb_only) {
-        pre[static_cast<int64_t>(t) * hc + tid] = hc_pre(mt[tid], s0, base[tid], eps);
+    const double* mt = M;
+    if (!part) {
+        mt = m + static_cast<int64_t>(t) * R;
+    } else {
+        const double* pt = part + static_cast<int64_t>(t) * (R + 1) * 64;
+        const int lane = tid & 31, warps = static_cast<int>(blockDim.x) >> 5;
+        for (int q = tid >> 5; q <= R; q += warps) {
+            const double f = warp_fold64(__ldcg(pt + 64 * q + lane), __ldcg(pt + 64 * q + lane + 32));
+            if (lane == 0) M[q] = f;
+        }
+        __syncthreads();
+        for (int q = tid; q < R; q += static_cast<int>(blockDim.x)) M[q] = hc_m(M[q], M[R], n, rms_eps);
+        __syncthreads();
+    }
+    if (tid < hc) {
+        if (write_pre) pre[static_cast<int64_t>(t) * hc + tid] = hc_pre(mt[tid], s0, base[tid], eps);
         post[static_cast<int64_t>(t) * hc + tid] = hc_post(mt[hc + tid], s1, base[hc + tid]);
     }
     // z_ij, then e_ij = exp64(z_ij - max_j z_ij)
@@ -170,26 +191,222 @@ __global__ void __launch_bounds__(256) k_hc_coef(const double* __restrict__ m, i
     if (own) comb[static_cast<int64_t>(t) * hc * hc + tid] = v;
 }
 
-constexpr int kMixThreads = 256;
+// ---- few tokens (decode): k_hc_mix ----------------------------------------------------------------
+// Every sublayer of a decode step waits for its site's collapsed row, so this kernel is shaped for
+// latency. 512 threads per (group g, pair of fn rows, token): fn rows and x staged by asynchronous
+// copies, x converted to double once; one warp runs the three 256-step chains (two rows, and the sum
+// of squares in the first pair's blocks) side by side in its lanes. The last block of the token (a
+// ticket) folds only the rows pre needs (the sum of squares, fn rows 0 .. hc-1; k_hc_coef folds them
+// all for post and comb, off the critical path) and requests every load it makes at once: the partial
+// sums (one group), then the token's streams and norm_w (another), which arrive while pre is computed.
+// Measured on the H200 (session 6, phase times by GLM_HC_PROBE): copies 2-4.7 us, a chain 3.4 us
+// (23 cycles per step with the f32 -> f64 conversion in the loop, 15 without, 9 the DFMA latency),
+// the one-block tail 7.5 us at 256 threads (partials 1.7, pre 1.0, collapse 2.9, norm 1.9).
+#if defined(GLM_HC_PROBE) && !defined(GLM_CUDA_EMU)
+// (a measurement build, -DGLM_HC_PROBE: the last block prints the tail's phase times at T = 1)
+#define PROBE(...) __VA_ARGS__
+GLM_DEV unsigned long long gtime() {
+    unsigned long long v;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+    return v;
+}
+#else
+#define PROBE(...)
+#endif
+
+constexpr int kMixThreads = 512;
+constexpr int kMixRows = 2;  // rows of fn per block
 
 struct MixArgs {
     const float* X;    // [T][n] streams
     int n, R, hc, D;
     const double* fn;  // [R][n]
     const double* base;
-    double s0, s1, rms_eps, hc_eps;
+    double s0, rms_eps, hc_eps;
     double* part;           // [T][R + 1][64] partial sums (row R: cdot64(v, v))
     unsigned* tickets;      // [T], zero between launches
-    double* m;              // [T][R]
     double* pre;            // [T][hc]
-    double* post;           // [T][hc]
     float* collapsed;       // [T][D]
     const float* norm_w;    // RMSNorm of the collapsed row (nullptr: none)
     float norm_eps;
     float* xn;              // [T][D]
 };
 
-__global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
+// Shared memory. Main phase: fn [kMixRows][nch][8] and x [nch][8] in double, x [nch][8] as staged.
+// Tail: P [hc + 1][64] (row 0: the sum of squares, row 1 + i: fn row i), pre [hc], Q [64] floats, then
+// the token's streams [hc][D] (the collapsed row written over stream 0) and norm_w [D].
+size_t mix_bytes(int hc, int D, bool norm) {
+    const size_t nch = (static_cast<size_t>(hc) * D + 63) / 64;
+    const size_t main = nch * 8 * ((kMixRows + 1) * sizeof(double) + sizeof(float));
+    const size_t head = ((static_cast<size_t>(hc) + 1) * 64 + hc) * sizeof(double) + 64 * sizeof(float);
+    const size_t tail = (head + 15) / 16 * 16 + (static_cast<size_t>(hc) * D + (norm ? D : 0)) * sizeof(float);
+    return std::max(main, tail);
+}
+
+// k_hc_mix's collapse for a compile-time hc: columns d0 .. d0+3 per thread and pass, the hc streams'
+// values loaded (16 bytes each) before any is used, the result written over stream 0's.
+template <int HC>
+GLM_DEV void mix_collapse(float* rows, const double* pre_s, int D, float* __restrict__ col, int tid) {
+    double pr[HC];
+#pragma unroll
+    for (int i = 0; i < HC; ++i) pr[i] = pre_s[i];
+    for (int d0 = 4 * tid; d0 < D; d0 += 4 * kMixThreads) {
+        float4 v[HC];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) v[i] = *reinterpret_cast<const float4*>(rows + static_cast<int64_t>(i) * D + d0);
+        float o[4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            o[kk] = hc_collapse(pr, HC, false, [&](int i) {
+                return kk == 0 ? v[i].x : kk == 1 ? v[i].y : kk == 2 ? v[i].z : v[i].w;
+            });
+        *reinterpret_cast<float4*>(rows + d0) = make_float4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<float4*>(col + d0) = make_float4(o[0], o[1], o[2], o[3]);
+    }
+}
+
+__global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a) {
+    pdl_enter();
+    PROBE(unsigned long long tp[8]; tp[0] = gtime();)
+    GLM_DYN_SMEM(unsigned char, sm);
+    const int g = static_cast<int>(blockIdx.x), rb = static_cast<int>(blockIdx.y), t = static_cast<int>(blockIdx.z);
+    const int tid = static_cast<int>(threadIdx.x);
+    const int n = a.n, R = a.R, nch = n / 64;  // (n % 64 == 0: mix_applies)
+    const int r0 = kMixRows * rb, nr = R - r0 < kMixRows ? R - r0 : kMixRows, blocks = 8 * ((R + kMixRows - 1) / kMixRows);
+    double* fs = reinterpret_cast<double*>(sm);            // [kMixRows][nch][8]
+    double* xd = fs + kMixRows * 8 * nch;                  // [nch][8]
+    float* xs = reinterpret_cast<float*>(xd + 8 * nch);    // [nch][8]
+    const float* x = a.X + static_cast<int64_t>(t) * n;
+    const double* f = a.fn + static_cast<int64_t>(r0) * n;
+    // columns 64c + 8g + l (l < 8) of the fn rows and of x, in 16-byte pieces
+    for (int q = tid; q < 4 * nch * nr; q += kMixThreads) {
+        const int k = q / (4 * nch), c = (q >> 2) - k * nch, p = q & 3;
+        cp_async16(fs + 8 * (k * nch + c) + 2 * p, f + static_cast<int64_t>(k) * n + 64 * c + 8 * g + 2 * p);
+    }
+    for (int q = tid; q < 2 * nch; q += kMixThreads) cp_async16(xs + 4 * q, x + 64 * (q >> 1) + 8 * g + 4 * (q & 1));
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int q = tid; q < 8 * nch; q += kMixThreads) xd[q] = static_cast<double>(xs[q]);  // (exact)
+    __syncthreads();
+    // lane 8k + l: P[g][l] of cdot64(fn_{r0+k}, v) for k < nr, of cdot64(v, v) for k = kMixRows (rb 0)
+    const int k = tid >> 3, l = tid & 7;
+    if (k < nr || (k == kMixRows && rb == 0)) {
+        const double* w = k < nr ? fs + 8 * k * nch : xd;
+        double p = 0.0;
+#pragma unroll 8
+        for (int c = 0; c < nch; ++c) p = dfma(w[8 * c + l], xd[8 * c + l], p);
+        a.part[(static_cast<int64_t>(t) * (R + 1) + (k < nr ? r0 + k : R)) * 64 + 8 * g + l] = p;
+    }
+    // the last of the token's blocks goes on (the classic ticket: fence, then count)
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(a.tickets + t, 1u) == static_cast<unsigned>(blocks - 1);
+    __syncthreads();
+    if (!last) return;
+    PROBE(tp[1] = gtime();)
+    __threadfence();
+    if (tid == 0) a.tickets[t] = 0u;  // ready for the next launch
+    const int hc = a.hc, D = a.D, K = hc + 1;
+    double* P = reinterpret_cast<double*>(sm);  // [K][64]
+    double* pre_s = P + 64 * K;                 // [hc]
+    float* Q = reinterpret_cast<float*>(pre_s + hc);  // [64]
+    float* rows = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(Q + 64) + 15) & ~uintptr_t(15));  // [hc][D]
+    float* nw_s = rows + static_cast<size_t>(hc) * D;  // [D]
+    const double* __restrict__ pt = a.part + static_cast<int64_t>(t) * (R + 1) * 64;
+    for (int q = tid; q < K * 32; q += kMixThreads) {  // 16-byte pieces of rows R, 0, 1, .. hc-1
+        const int kk = q >> 5, row = kk == 0 ? R : kk - 1;
+        cp_async16(P + 64 * kk + 2 * (q & 31), pt + 64 * row + 2 * (q & 31));
+    }
+    cp_async_commit();
+    for (int q = tid; q < n / 4; q += kMixThreads) cp_async16(rows + 4 * q, x + 4 * q);
+    if (a.norm_w)
+        for (int q = tid; q < D / 4; q += kMixThreads) cp_async16(nw_s + 4 * q, a.norm_w + 4 * q);
+    cp_async_commit();
+    const double base_i = tid < hc ? __ldg(a.base + tid) : 0.0;
+    cp_async_wait<1>();
+    __syncthreads();
+    PROBE(tp[2] = gtime();)
+    {  // each row's 8x8 fold by one warp; the result in P[64 k]
+        const int lane = tid & 31;
+        for (int kk = tid >> 5; kk < K; kk += kMixThreads / 32) {
+            const double fo = warp_fold64(P[64 * kk + lane], P[64 * kk + lane + 32]);
+            if (lane == 0) P[64 * kk] = fo;
+        }
+    }
+    __syncthreads();
+    if (tid < hc) {
+        pre_s[tid] = hc_pre(hc_m(P[64 * (1 + tid)], P[0], n, a.rms_eps), a.s0, base_i, a.hc_eps);
+        a.pre[static_cast<int64_t>(t) * hc + tid] = pre_s[tid];
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    PROBE(tp[3] = gtime();)
+    // collapsed[d] = bf16(cdot64(pre, X[:, d])): four consecutive d per thread, written over stream 0's
+    // values of the same columns (read by this thread only, and already read)
+    float* __restrict__ col = a.collapsed + static_cast<int64_t>(t) * D;
+    switch (hc) {  // (hc known to the compiler: the streams' values and pre stay in registers)
+        case 4: mix_collapse<4>(rows, pre_s, D, col, tid); break;
+        case 2: mix_collapse<2>(rows, pre_s, D, col, tid); break;
+        case 8: mix_collapse<8>(rows, pre_s, D, col, tid); break;
+        default:
+            for (int d = tid; d < D; d += kMixThreads) {
+                const float o = hc_collapse(pre_s, hc, false, [&](int i) { return rows[static_cast<int64_t>(i) * D + d]; });
+                rows[d] = o;  // (column d is this thread's alone, and read)
+                col[d] = o;
+            }
+    }
+    if (a.norm_w) {
+        // RMSNorm of the collapsed row (k_rmsnorm's operations): ss = cdot(c, c) from shared memory
+        __syncthreads();
+        PROBE(tp[4] = gtime();)
+        if (tid < 64) {
+            float p = 0.0f;
+#pragma unroll 8
+            for (int i = tid; i < D; i += 64) p = ffma(rows[i], rows[i], p);
+            Q[tid] = p;
+        }
+        __syncthreads();
+        if (tid < 32) {
+            const float fo = warp_fold64(Q[tid], Q[tid + 32]);
+            if (tid == 0) Q[0] = fo;
+        }
+        __syncthreads();
+        const float inv = rms_inv(Q[0], D, a.norm_eps);
+        float* __restrict__ y = a.xn + static_cast<int64_t>(t) * D;
+#pragma unroll 4
+        for (int d = tid; d < D; d += kMixThreads) y[d] = rms_out(rows[d], inv, nw_s[d]);
+    }
+    PROBE(__syncthreads(); if (tid == 0 && gridDim.z == 1) {
+        tp[5] = gtime();
+        printf("hc_mix: chains + ticket %llu, partials %llu, pre + rows %llu, collapse %llu, norm %llu ns\n",
+               tp[1] - tp[0], tp[2] - tp[1], tp[3] - tp[2], tp[4] - tp[3], tp[5] - tp[4]);
+    })
+}
+
+// ---- many tokens (prefill): k_hc_mix_many ----------------------------------------------------------
+// One block per (group g, row r, token) of 256 threads; the last of a token's blocks folds every row,
+// writes m (k_hc_coef reads it) and pre, and makes the collapsed row and its norm.
+constexpr int kManyThreads = 256;
+
+struct ManyArgs {
+    const float* X;    // [T][n] streams
+    int n, R, hc, D;
+    const double* fn;  // [R][n]
+    const double* base;
+    double s0, rms_eps, hc_eps;
+    double* part;           // [T][R + 1][64] partial sums (row R: cdot64(v, v))
+    unsigned* tickets;      // [T], zero between launches
+    double* m;              // [T][R]
+    double* pre;            // [T][hc]
+    float* collapsed;       // [T][D]
+    const float* norm_w;    // RMSNorm of the collapsed row (nullptr: none)
+    float norm_eps;
+    float* xn;              // [T][D]
+};
+
+__global__ void __launch_bounds__(kManyThreads) k_hc_mix_many(ManyArgs a, bool vec) {
     pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
     const int g = static_cast<int>(blockIdx.x), r = static_cast<int>(blockIdx.y), t = static_cast<int>(blockIdx.z);
@@ -202,7 +419,7 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
     // stage columns 64c + 8g + l (l < 8) of x and of fn row r: 16-byte pieces when the rows allow it
     if (vec) {
 #pragma unroll 4
-        for (int q = tid; q < 6 * nch; q += kMixThreads) {
+        for (int q = tid; q < 6 * nch; q += kManyThreads) {
             const int c = q / 6, k = q % 6, col = 64 * c + 8 * g;
             if (k < 2) {
                 *reinterpret_cast<float4*>(xs + 8 * c + 4 * k) = __ldg(reinterpret_cast<const float4*>(x + col + 4 * k));
@@ -212,7 +429,7 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
             }
         }
     } else {
-        for (int q = tid; q < 8 * nch; q += kMixThreads) {
+        for (int q = tid; q < 8 * nch; q += kManyThreads) {
             const int i = 64 * (q / 8) + 8 * g + q % 8;
             xs[q] = i < n ? x[i] : 0.0f;
             fs[q] = i < n ? f[i] : 0.0;
@@ -253,18 +470,18 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
     {
         const double* __restrict__ pt = a.part + static_cast<int64_t>(t) * (R + 1) * 64;
 #pragma unroll 4
-        for (int q = tid; q < (R + 1) * 64; q += kMixThreads) P[q] = __ldcg(pt + q);
+        for (int q = tid; q < (R + 1) * 64; q += kManyThreads) P[q] = __ldcg(pt + q);
     }
     __syncthreads();
     {  // each row's 8x8 fold by one warp; the result in P[64 r]
         const int lane = tid & 31;
-        for (int q = tid >> 5; q <= R; q += kMixThreads / 32) {
+        for (int q = tid >> 5; q <= R; q += kManyThreads / 32) {
             const double f = warp_fold64(P[64 * q + lane], P[64 * q + lane + 32]);
             if (lane == 0) P[64 * q] = f;
         }
     }
     __syncthreads();
-    for (int q = tid; q < R; q += kMixThreads) {
+    for (int q = tid; q < R; q += kManyThreads) {
         mt[q] = hc_m(P[64 * q], P[64 * R], n, a.rms_eps);
         a.m[static_cast<int64_t>(t) * R + q] = mt[q];
     }
@@ -272,14 +489,13 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
     if (tid < hc) {
         pre_s[tid] = hc_pre(mt[tid], a.s0, a.base[tid], a.hc_eps);
         a.pre[static_cast<int64_t>(t) * hc + tid] = pre_s[tid];
-        a.post[static_cast<int64_t>(t) * hc + tid] = hc_post(mt[hc + tid], a.s1, a.base[hc + tid]);
     }
     __syncthreads();
     // collapsed[d] = bf16(cdot64(pre, X[:, d])): four consecutive d per thread, the streams' values
     // loaded (16 bytes each) before any is used
     float* __restrict__ col = a.collapsed + static_cast<int64_t>(t) * D;
     if (vec && D % 4 == 0 && hc <= 8) {
-        for (int d0 = 4 * tid; d0 < D; d0 += 4 * kMixThreads) {
+        for (int d0 = 4 * tid; d0 < D; d0 += 4 * kManyThreads) {
             float4 v[8] = {};
 #pragma unroll
             for (int i = 0; i < 8; ++i)
@@ -295,7 +511,7 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
             *reinterpret_cast<float4*>(col + d0) = make_float4(o[0], o[1], o[2], o[3]);
         }
     } else {
-        for (int d = tid; d < D; d += kMixThreads) {
+        for (int d = tid; d < D; d += kManyThreads) {
             cs[d] = hc_collapse(pre_s, hc, false, [&](int i) { return x[static_cast<int64_t>(i) * D + d]; });
             col[d] = cs[d];
         }
@@ -319,7 +535,7 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a, bool vec) {
     const float* __restrict__ nw = a.norm_w;
     float* __restrict__ y = a.xn + static_cast<int64_t>(t) * D;
 #pragma unroll 4
-    for (int d = tid; d < D; d += kMixThreads) y[d] = rms_out(cs[d], inv, __ldg(nw + d));
+    for (int d = tid; d < D; d += kManyThreads) y[d] = rms_out(cs[d], inv, __ldg(nw + d));
 }
 
 __global__ void k_hc_collapse(const float* __restrict__ X, const double* __restrict__ pre, int T, int hc, int D,
@@ -358,16 +574,29 @@ __global__ void k_hc_expand(float* X, const float* __restrict__ u, const double*
 }  // namespace
 
 namespace {
-// The fast path applies: canonical dots, no injection into pre or collapsed (they would have to land
-// between the kernel's steps), and its shared memory within bounds.
-bool mix_applies(const Step& s, int layer, int S_PRE, int hc, int n, int R, size_t& smem) {
-    if (s.nm.seq || hc > kHcMax || s.injects(layer, S_PRE) || s.injects(layer, S_PRE + 3)) return false;
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Which mHC kernels a site takes. The fused kernels need canonical dots and no injection into pre or
+// collapsed (they would have to land between the kernel's steps): k_hc_mix for a few tokens with
+// rows in 16-byte pieces and its shared memory within bounds, else k_hc_mix_many within its bounds;
+// else the general path (k_hc_m, k_hc_coef, k_hc_collapse).
+enum class HcPath { few, many, general };
+HcPath hc_path(const Step& s, int layer, int S_PRE, int hc, int D, const HcW& w, const float* X, const float* norm_w,
+               size_t& smem) {
+    const int n = hc * D;
+    if (s.nm.seq || hc > kHcMax || s.injects(layer, S_PRE) || s.injects(layer, S_PRE + 3)) return HcPath::general;
+    if (s.T <= 8 && hc <= 8 && n % 64 == 0 && D % 4 == 0 && aligned16(X) && aligned16(w.fn) &&
+        (!norm_w || aligned16(norm_w))) {
+        smem = mix_bytes(hc, D, norm_w != nullptr);
+        if (smem <= 200 * 1024) return HcPath::few;
+    }
+    const size_t R = static_cast<size_t>(hc) * (hc + 2);
     const size_t nch = (static_cast<size_t>(n) + 63) / 64;
     const size_t stage = nch * 8 * (sizeof(double) + sizeof(float));
-    const size_t tail = (static_cast<size_t>(R) + 1) * 64 * sizeof(double) + (R + hc) * sizeof(double) +
-                        (64 + static_cast<size_t>(n / hc) + 4) * sizeof(float);
+    const size_t tail = (R + 1) * 64 * sizeof(double) + (R + hc) * sizeof(double) +
+                        (64 + static_cast<size_t>(D) + 4) * sizeof(float);
     smem = std::max(stage, tail);
-    return smem <= 96 * 1024;
+    return smem <= 96 * 1024 ? HcPath::many : HcPath::general;
 }
 }  // namespace
 
@@ -377,11 +606,13 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
     const int T = s.T, hc = static_cast<int>(c.hc_mult), D = static_cast<int>(c.hidden_size);
     const int n = hc * D, R = static_cast<int>(c.hc_dim());
     const int S_PRE = ffn ? S_FFN_HC_PRE : S_ATTN_HC_PRE;
-    double* m = s.scratch.d<double>(static_cast<size_t>(T) * R);
     size_t smem = 0;
-    const bool mix = mix_applies(s, layer, S_PRE, hc, n, R, smem);
+    const HcPath path = hc_path(s, layer, S_PRE, hc, D, w, X, norm_w, smem);
+    const bool mix = path != HcPath::general;
     const bool norm = mix && norm_w != nullptr;
-    if (mix) {
+    double* m = nullptr;     // m_r, by k_hc_m or k_hc_mix_many
+    double* part = nullptr;  // k_hc_mix's partial sums (k_hc_coef folds them)
+    if (path == HcPath::few) {
         MixArgs a{};
         a.X = X;
         a.n = n;
@@ -391,51 +622,64 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
         a.fn = w.fn;
         a.base = w.base;
         a.s0 = w.scale[0];
-        a.s1 = w.scale[1];
+        a.rms_eps = c.rms_norm_eps;
+        a.hc_eps = c.hc_eps;
+        part = s.scratch.d<double>(static_cast<size_t>(T) * (R + 1) * 64);
+        a.part = part;
+        a.tickets = s.E.hc_tickets(T);
+        a.pre = pre;
+        a.collapsed = collapsed;
+        a.norm_w = norm ? norm_w : nullptr;
+        a.norm_eps = norm_eps;
+        a.xn = xn;
+        auto k = k_hc_mix;
+        allow_smem(k, smem);
+        GLM_LAUNCH(k, dim3(8, (R + kMixRows - 1) / kMixRows, T), kMixThreads, smem, a);
+        check_launch("hc_mix");
+    } else if (path == HcPath::many) {
+        m = s.scratch.d<double>(static_cast<size_t>(T) * R);
+        ManyArgs a{};
+        a.X = X;
+        a.n = n;
+        a.R = R;
+        a.hc = hc;
+        a.D = D;
+        a.fn = w.fn;
+        a.base = w.base;
+        a.s0 = w.scale[0];
         a.rms_eps = c.rms_norm_eps;
         a.hc_eps = c.hc_eps;
         a.part = s.scratch.d<double>(static_cast<size_t>(T) * (R + 1) * 64);
         a.tickets = s.E.hc_tickets(T);
         a.m = m;
         a.pre = pre;
-        a.post = post;
         a.collapsed = collapsed;
         a.norm_w = norm ? norm_w : nullptr;
         a.norm_eps = norm_eps;
         a.xn = xn;
-        const bool vec = n % 64 == 0 && reinterpret_cast<uintptr_t>(X) % 16 == 0 &&
-                         reinterpret_cast<uintptr_t>(w.fn) % 16 == 0;
-        auto k = k_hc_mix;
-        static bool attr_set = false;
-        if (!attr_set) {
-            check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024), "smem attribute");
-            attr_set = true;
-        }
-        GLM_LAUNCH(k, dim3(8, R, T), kMixThreads, smem, a, vec);
-        check_launch("hc_mix");
+        const bool vec = n % 64 == 0 && aligned16(X) && aligned16(w.fn);
+        auto k = k_hc_mix_many;
+        allow_smem(k, 96 * 1024);
+        GLM_LAUNCH(k, dim3(8, R, T), kManyThreads, smem, a, vec);
+        check_launch("hc_mix_many");
     } else {
+        m = s.scratch.d<double>(static_cast<size_t>(T) * R);
         auto k = k_hc_m;
         GLM_LAUNCH(k, dim3(R, T), 64, 0, X, n, w.fn, c.rms_norm_eps, m, R, s.nm);
         check_launch("hc_m");
     }
-    // the Sinkhorn: off the critical path on the side stream when nothing observes post or comb before
-    // hc_expand (which waits for it)
+    // the Sinkhorn and post (after k_hc_mix, with the fold of their rows): off the critical path on the
+    // side stream when nothing observes post or comb before hc_expand (which waits for it)
     const bool side = mix && !s.wants_any(layer, S_PRE + 1) && !s.wants_any(layer, S_PRE + 2) &&
                       !s.injects(layer, S_PRE + 1) && !s.injects(layer, S_PRE + 2);
     {
         auto k = k_hc_coef;
-        const unsigned threads = (hc * hc + 31) / 32 * 32;
-        if (side) {
-            cudaStream_t st = s.E.side.fork();
-            GLM_LAUNCH_ON(st, k, T, threads, 0, m, T, R, hc, w.base, w.scale[0], w.scale[1], w.scale[2], c.hc_eps,
-                          static_cast<int>(c.hc_sinkhorn_iters), pre, post, comb, s.nm, true);
-            check_launch("hc_coef");
-            s.E.side.join_later();
-        } else {
-            GLM_LAUNCH(k, T, threads, 0, m, T, R, hc, w.base, w.scale[0], w.scale[1], w.scale[2], c.hc_eps,
-                       static_cast<int>(c.hc_sinkhorn_iters), pre, post, comb, s.nm, mix);
-            check_launch("hc_coef");
-        }
+        const unsigned threads = part ? 256u : static_cast<unsigned>((hc * hc + 31) / 32 * 32);
+        cudaStream_t st = side ? s.E.side.fork() : cudaStream_t(0);
+        GLM_LAUNCH_ON(st, k, T, threads, 0, m, part, n, c.rms_norm_eps, T, R, hc, w.base, w.scale[0], w.scale[1],
+                      w.scale[2], c.hc_eps, static_cast<int>(c.hc_sinkhorn_iters), pre, post, comb, s.nm, !mix);
+        check_launch("hc_coef");
+        if (side) s.E.side.join_later();
     }
     s.emit(layer, S_PRE, pre, hc, {hc});
     s.emit(layer, S_PRE + 1, post, hc, {hc});

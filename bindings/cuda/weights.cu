@@ -95,17 +95,6 @@ void with_dec(int dec, F&& f) {
     }
 }
 
-// Raise a kernel's dynamic shared memory limit to `bytes`, once per kernel.
-template <class K>
-void allow_smem(K kernel, size_t bytes) {
-    static std::map<const void*, size_t> done;
-    size_t& have = done[reinterpret_cast<const void*>(kernel)];  // (0 the first time)
-    if (have >= bytes) return;
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-          "smem attribute");
-    have = bytes;
-}
-
 template <int FMT, bool EXPERT, int LPT, bool XS, int DEC>
 void launch_st_dec(const LinArgs& a, dim3 grid, int rpb, int cps, size_t smem) {
     auto k = k_linear_st<FMT, EXPERT, DEC, LPT, XS>;
