@@ -120,6 +120,11 @@ class CudaEngine(Engine):
         self._check_ids(np.zeros(n, np.int64), cache.length)  # the context holds them all
         return [int(v) for v in self._core.greedy(cache._id, int(first[0]), int(n))]
 
+    def _greedy_tail(self, cache, first_token: int, n: int):
+        if self._inject_core is not None or os.environ.get("GLM_DEVICE_GREEDY", "1") == "0":
+            return None  # (injections run through decode(); GLM_DEVICE_GREEDY=0: the host loop, for A/B)
+        return self.greedy(cache, first_token, n)
+
     def set_timing(self, on: bool = True) -> None:
         """Bracket each module's kernels with device events (stage_times sums them per module)."""
         self._core.set_timing(bool(on))

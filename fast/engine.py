@@ -545,6 +545,11 @@ class Engine:
             return list(capture)
         raise EngineInputError(f"capture must be None, a Capture or a list of {n} Captures")
 
+    def _greedy_tail(self, cache, first_token: int, n: int):
+        """n greedy decode steps of one cache in one call, or None where the engine has no such path
+        (generate then steps through the host loop)."""
+        return None
+
     def generate(self, prompts, max_new_tokens: int, capture=None, *, chunk: int | None = None,
                  max_batch: int | None = None, arrivals: Sequence[int] | None = None,
                  return_logits: bool = False):
@@ -554,7 +559,9 @@ class Engine:
         `chunk` tokens (None: the whole rest) for requests still in prefill, one token for the others.
         Requests join when their arrival step comes (`arrivals`, default all 0) and a slot is free
         (`max_batch` active requests, default unlimited), and leave when they have max_new_tokens.
-        A single prompt (list of ints) is accepted too and returns a single list.
+        A single prompt (list of ints) is accepted too and returns a single list. Once one request is
+        left with its prompt fed (and no capture or logits asked), an engine with a device-resident
+        greedy loop (CUDA) produces its remaining tokens without a host round trip per token.
         """
         single = len(prompts) > 0 and all(_is_int(v) for v in prompts) if isinstance(prompts, (list, tuple)) else False
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
@@ -595,6 +602,19 @@ class Engine:
             if not active:
                 step_no = arrivals[pending[0]]
                 continue
+            if len(active) == 1 and not pending and not return_logits:
+                # the last request, its prompt fed and nothing to capture: the rest of its tokens in
+                # one call where the engine can keep them on the device (same tokens; CudaEngine)
+                r = active[0]
+                i = r["i"]
+                rest = max_new_tokens - len(out[i])
+                if r["fed"] == ids[i].size and out[i] and rest > 0 and caps[i] is None:
+                    toks = self._greedy_tail(r["cache"], out[i][-1], rest)
+                    if toks is not None:
+                        out[i].extend(toks)
+                        r["cache"].close()
+                        active = []
+                        continue
             segs, kinds = [], []
             for r in active:
                 i, p = r["i"], ids[r["i"]]

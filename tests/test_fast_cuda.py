@@ -209,6 +209,23 @@ def test_greedy_loop_matches_decode(name, cuda_engines):
         eng.greedy(b, 1, 0)
 
 
+@pytest.mark.parametrize("name", ["tiny-fp8"])
+def test_generate_hands_the_tail_to_the_device_loop(name, cuda_engines, cpu_engines, monkeypatch):
+    """generate() runs a lone request's remaining tokens through greedy() (one call), with the CPU
+    engine's tokens; with a capture, or GLM_DEVICE_GREEDY=0, it keeps the host loop."""
+    eng, ref = cuda_engines(name), cpu_engines(name)
+    p = prompt(eng.config.vocab_size, 11, 7)
+    want = ref.generate(p, 6)
+    calls = []
+    real = eng.greedy
+    monkeypatch.setattr(eng, "greedy", lambda *a: calls.append(a[2]) or real(*a))
+    assert eng.generate(p, 6) == want and calls == [5]
+    assert eng.generate([p, p[:4]], 6, arrivals=[0, 2]) == [want, ref.generate(p[:4], 6)] and len(calls) == 2
+    assert eng.generate(p, 6, capture=Capture()) == want and len(calls) == 2
+    monkeypatch.setenv("GLM_DEVICE_GREEDY", "0")
+    assert eng.generate(p, 6) == want and len(calls) == 2
+
+
 def test_device_argmax_rule():
     """The greedy rule on the device is np.argmax's: the lowest index of the maximum, a NaN first."""
     cu = cuda_module()
