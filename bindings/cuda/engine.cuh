@@ -204,7 +204,12 @@ void layer_norm_rows(Step& s, const float* X, int rows, int n, const float* w, c
 // ran (returns true; otherwise the caller normalizes).
 bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double* pre, double* post, double* comb,
              float* collapsed, const float* norm_w, float norm_eps, float* xn);                          // mhc.cu
-void hc_expand(Step& s, int layer, bool ffn, float* X, const float* u, const double* post, const double* comb);
+// The streams after the sublayer (hc_expand): returns the buffer that holds them from now on: X (made in
+// place), or spare when the next hc_site's k_hc_mix makes them (few tokens, nothing observing them in
+// between; `last`: no next site). hc_flush makes a deferred one now.
+float* hc_expand(Step& s, int layer, bool ffn, float* X, float* spare, const float* u, const double* post,
+                 const double* comb, bool last);
+void hc_flush(Step& s);
 void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out);                       // kda.cu
 void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out);                       // mla.cu
 void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const float* q_lat);             // indexer.cu
@@ -256,6 +261,17 @@ struct Step {
     int64_t* d_sel_off = nullptr;         // device [T]
     int* d_sel_n = nullptr;               // device [T]
     bool have_sel = false;
+
+    // An hc_expand deferred into the next site's k_hc_mix (mhc.cu): the streams before it, their buffer
+    // after it, the sublayer's output, post and comb; in == nullptr when none.
+    struct HcPending {
+        const float* in = nullptr;
+        float* out = nullptr;
+        const float* u = nullptr;
+        const double* post = nullptr;
+        const double* comb = nullptr;
+    };
+    HcPending hc_pending;
 
     Step(EngineCore& e, Scratch& sc);
 

@@ -1116,6 +1116,7 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
     s.d_seg = s.scratch.up(s.seg_of);
     int* d_tok = gio ? const_cast<int*>(gio->token) : s.scratch.up(tokens);
     float* X = s.scratch.d<float>(T * hc * D);
+    float* Xspare = T <= 8 ? s.scratch.d<float>(T * hc * D) : nullptr;  // (hc_expand: the fused path's output)
     float* e = s.scratch.d<float>(T * D);
     embed_rows(s, E_.embed, d_tok, e, X);
 
@@ -1140,7 +1141,10 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
             mla_forward(s, l, w.m, xn, u);
         }
         s.mark("mhc");
-        hc_expand(s, l, false, X, u, post, comb);
+        if (float* Xn = hc_expand(s, l, false, X, Xspare, u, post, comb, false); Xn != X) {
+            Xspare = X;
+            X = Xn;
+        }
         // feed-forward sublayer
         if (!hc_site(s, l, true, w.ffn_hc, X, pre, post, comb, xin, w.ffn_norm, eps, xn))
             rms_norm_rows(s, xin, D, Ti, D, w.ffn_norm, eps, xn, D);
@@ -1153,8 +1157,12 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
             s.emit(l, S_MLP_OUT, u, D, {D});
         }
         s.mark("mhc");
-        hc_expand(s, l, true, X, u, post, comb);
+        if (float* Xn = hc_expand(s, l, true, X, Xspare, u, post, comb, l + 1 == L); Xn != X) {
+            Xspare = X;
+            X = Xn;
+        }
     }
+    hc_flush(s);  // (none is left pending after the last layer; kept as the rule for readers of X)
 
     // head, for the rows that want logits
     std::vector<int> hrows;
