@@ -200,6 +200,45 @@ __global__ void __launch_bounds__(256) k_hc_coef(const double* __restrict__ m, c
     if (own) comb[static_cast<int64_t>(t) * hc * hc + tid] = v;
 }
 
+// What both fused kernels take (hc_site fills it once).
+struct SiteArgs {
+    const float* X = nullptr;  // [T][n] streams
+    int n = 0, R = 0, hc = 0, D = 0;
+    const double* fn = nullptr;  // [R][n]
+    const double* base = nullptr;
+    double s0 = 0, rms_eps = 0, hc_eps = 0;
+    double* part = nullptr;        // [T][R + 1][64] partial sums (row R: cdot64(v, v))
+    unsigned* tickets = nullptr;   // [T], zero between launches
+    double* pre = nullptr;         // [T][hc]
+    float* collapsed = nullptr;    // [T][D]
+    const float* norm_w = nullptr; // RMSNorm of the collapsed row (nullptr: none)
+    float norm_eps = 0;
+    float* xn = nullptr;           // [T][D]
+};
+
+// The fused kernels' RMSNorm of the collapsed row c [D] (shared memory) into y, k_rmsnorm's operations:
+// ss = cdot(c, c) by 64 threads, the 8x8 fold by one warp; Q: 64 floats of shared memory; nw(d): the
+// weight. Every thread of the block calls it.
+template <int THREADS, class Nw>
+GLM_DEV void norm_collapsed(const float* c, int D, float eps, Nw nw, float* Q, float* __restrict__ y, int tid) {
+    __syncthreads();
+    if (tid < 64) {
+        float p = 0.0f;
+#pragma unroll 8
+        for (int i = tid; i < D; i += 64) p = ffma(c[i], c[i], p);
+        Q[tid] = p;
+    }
+    __syncthreads();
+    if (tid < 32) {
+        const float fo = warp_fold64(Q[tid], Q[tid + 32]);
+        if (tid == 0) Q[0] = fo;
+    }
+    __syncthreads();
+    const float inv = rms_inv(Q[0], D, eps);
+#pragma unroll 4
+    for (int d = tid; d < D; d += THREADS) y[d] = rms_out(c[d], inv, nw(d));
+}
+
 // ---- few tokens (decode): k_hc_mix ----------------------------------------------------------------
 // Every sublayer of a decode step waits for its site's collapsed row, so this kernel is shaped for
 // latency. 512 threads per (group g, pair of fn rows, token): fn rows and x staged by asynchronous
@@ -226,25 +265,14 @@ GLM_DEV unsigned long long gtime() {
 constexpr int kMixThreads = 512;
 constexpr int kMixRows = 2;  // rows of fn per block
 
-struct MixArgs {
-    const float* X;    // [T][n] streams (the tail reads them; written by this kernel's first blocks when
-                       // it makes them: expand)
-    const float* Xin;  // [T][n] the previous site's streams, before its hc_expand (expand only)
-    float* Xout;       // = X, writable (expand only)
-    const float* u;    // [T][D] the previous site's sublayer output: this kernel makes its hc_expand (or nullptr)
-    const double* post_prev;  // [T][hc] and [T][hc][hc]: that site's post and comb
-    const double* comb_prev;
-    int n, R, hc, D;
-    const double* fn;  // [R][n]
-    const double* base;
-    double s0, rms_eps, hc_eps;
-    double* part;           // [T][R + 1][64] partial sums (row R: cdot64(v, v))
-    unsigned* tickets;      // [T], zero between launches
-    double* pre;            // [T][hc]
-    float* collapsed;       // [T][D]
-    const float* norm_w;    // RMSNorm of the collapsed row (nullptr: none)
-    float norm_eps;
-    float* xn;              // [T][D]
+struct MixArgs : SiteArgs {
+    const float* Xin = nullptr;  // [T][n] the previous site's streams, before its hc_expand (expand only;
+                                 // X, written by this kernel's first blocks, then holds them after it)
+    float* Xout = nullptr;       // = X, writable (expand only)
+    const float* u = nullptr;    // [T][D] the previous site's sublayer output: this kernel makes its
+                                 // hc_expand (or nullptr)
+    const double* post_prev = nullptr;  // [T][hc] and [T][hc][hc]: that site's post and comb
+    const double* comb_prev = nullptr;
 };
 
 // Shared memory. Main phase: fn [kMixRows][nch][8] and x [nch][8] in double, x [nch][8] as staged; with
@@ -417,27 +445,10 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a) {
                 col[d] = o;
             }
     }
-    if (a.norm_w) {
-        // RMSNorm of the collapsed row (k_rmsnorm's operations): ss = cdot(c, c) from shared memory
-        __syncthreads();
-        PROBE(tp[4] = gtime();)
-        if (tid < 64) {
-            float p = 0.0f;
-#pragma unroll 8
-            for (int i = tid; i < D; i += 64) p = ffma(rows[i], rows[i], p);
-            Q[tid] = p;
-        }
-        __syncthreads();
-        if (tid < 32) {
-            const float fo = warp_fold64(Q[tid], Q[tid + 32]);
-            if (tid == 0) Q[0] = fo;
-        }
-        __syncthreads();
-        const float inv = rms_inv(Q[0], D, a.norm_eps);
-        float* __restrict__ y = a.xn + static_cast<int64_t>(t) * D;
-#pragma unroll 4
-        for (int d = tid; d < D; d += kMixThreads) y[d] = rms_out(rows[d], inv, nw_s[d]);
-    }
+    PROBE(tp[4] = gtime();)
+    if (a.norm_w)
+        norm_collapsed<kMixThreads>(rows, D, a.norm_eps, [&](int d) { return nw_s[d]; }, Q,
+                                    a.xn + static_cast<int64_t>(t) * D, tid);
     PROBE(__syncthreads(); if (tid == 0 && gridDim.z == 1) {
         tp[5] = gtime();
         printf("hc_mix: chains + ticket %llu, partials %llu, pre + rows %llu, collapse %llu, norm %llu ns\n",
@@ -450,20 +461,8 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a) {
 // writes m (k_hc_coef reads it) and pre, and makes the collapsed row and its norm.
 constexpr int kManyThreads = 256;
 
-struct ManyArgs {
-    const float* X;    // [T][n] streams
-    int n, R, hc, D;
-    const double* fn;  // [R][n]
-    const double* base;
-    double s0, rms_eps, hc_eps;
-    double* part;           // [T][R + 1][64] partial sums (row R: cdot64(v, v))
-    unsigned* tickets;      // [T], zero between launches
-    double* m;              // [T][R]
-    double* pre;            // [T][hc]
-    float* collapsed;       // [T][D]
-    const float* norm_w;    // RMSNorm of the collapsed row (nullptr: none)
-    float norm_eps;
-    float* xn;              // [T][D]
+struct ManyArgs : SiteArgs {
+    double* m = nullptr;  // [T][R]
 };
 
 __global__ void __launch_bounds__(kManyThreads) k_hc_mix_many(ManyArgs a, bool vec) {
@@ -576,27 +575,11 @@ __global__ void __launch_bounds__(kManyThreads) k_hc_mix_many(ManyArgs a, bool v
             col[d] = cs[d];
         }
     }
-    if (!a.norm_w) return;
-    // RMSNorm of the collapsed row (k_rmsnorm's operations): ss = cdot(c, c) from shared memory
-    __syncthreads();
-    if (tid < 64) {
-        float p = 0.0f;
-#pragma unroll 8
-        for (int i = tid; i < D; i += 64) p = ffma(cs[i], cs[i], p);
-        Q[tid] = p;
-    }
-    __syncthreads();
-    if (tid < 32) {
-        const float f = warp_fold64(Q[tid], Q[tid + 32]);
-        if (tid == 0) Q[0] = f;
-    }
-    __syncthreads();
-    const float inv = rms_inv(Q[0], D, a.norm_eps);
-    const float* __restrict__ nw = a.norm_w;
-    float* __restrict__ y = a.xn + static_cast<int64_t>(t) * D;
-#pragma unroll 4
-    for (int d = tid; d < D; d += kManyThreads) y[d] = rms_out(cs[d], inv, __ldg(nw + d));
+    if (a.norm_w)
+        norm_collapsed<kManyThreads>(cs, D, a.norm_eps, [&](int d) { return __ldg(a.norm_w + d); }, Q,
+                                     a.xn + static_cast<int64_t>(t) * D, tid);
 }
+
 
 __global__ void k_hc_collapse(const float* __restrict__ X, const double* __restrict__ pre, int T, int hc, int D,
                               float* collapsed, Nm nm) {
@@ -667,11 +650,32 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
     const bool norm = mix && norm_w != nullptr;
     double* m = nullptr;     // m_r, by k_hc_m or k_hc_mix_many
     double* part = nullptr;  // k_hc_mix's partial sums (k_hc_coef folds them)
+    SiteArgs sa{};
+    if (mix) {
+        sa.X = X;
+        sa.n = n;
+        sa.R = R;
+        sa.hc = hc;
+        sa.D = D;
+        sa.fn = w.fn;
+        sa.base = w.base;
+        sa.s0 = w.scale[0];
+        sa.rms_eps = c.rms_norm_eps;
+        sa.hc_eps = c.hc_eps;
+        sa.part = s.scratch.d<double>(static_cast<size_t>(T) * (R + 1) * 64);
+        sa.tickets = s.E.hc_tickets(T);
+        sa.pre = pre;
+        sa.collapsed = collapsed;
+        sa.norm_w = norm ? norm_w : nullptr;
+        sa.norm_eps = norm_eps;
+        sa.xn = xn;
+    }
     const bool fuse = s.hc_pending.in != nullptr && path == HcPath::few;
     if (s.hc_pending.in && !fuse) hc_flush(s);
     if (path == HcPath::few) {
         MixArgs a{};
-        a.X = X;
+        static_cast<SiteArgs&>(a) = sa;
+        part = sa.part;
         if (fuse) {  // the previous site's hc_expand, made here (X is its output buffer)
             s.E.side.join();  // (that site's post and comb, when they ran on the side stream)
             a.Xin = s.hc_pending.in;
@@ -681,23 +685,6 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
             a.comb_prev = s.hc_pending.comb;
             s.hc_pending = {};
         }
-        a.n = n;
-        a.R = R;
-        a.hc = hc;
-        a.D = D;
-        a.fn = w.fn;
-        a.base = w.base;
-        a.s0 = w.scale[0];
-        a.rms_eps = c.rms_norm_eps;
-        a.hc_eps = c.hc_eps;
-        part = s.scratch.d<double>(static_cast<size_t>(T) * (R + 1) * 64);
-        a.part = part;
-        a.tickets = s.E.hc_tickets(T);
-        a.pre = pre;
-        a.collapsed = collapsed;
-        a.norm_w = norm ? norm_w : nullptr;
-        a.norm_eps = norm_eps;
-        a.xn = xn;
         auto k = k_hc_mix;
         allow_smem(k, smem);
         GLM_LAUNCH(k, dim3(8, (R + kMixRows - 1) / kMixRows, T), kMixThreads, smem, a);
@@ -705,24 +692,8 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
     } else if (path == HcPath::many) {
         m = s.scratch.d<double>(static_cast<size_t>(T) * R);
         ManyArgs a{};
-        a.X = X;
-        a.n = n;
-        a.R = R;
-        a.hc = hc;
-        a.D = D;
-        a.fn = w.fn;
-        a.base = w.base;
-        a.s0 = w.scale[0];
-        a.rms_eps = c.rms_norm_eps;
-        a.hc_eps = c.hc_eps;
-        a.part = s.scratch.d<double>(static_cast<size_t>(T) * (R + 1) * 64);
-        a.tickets = s.E.hc_tickets(T);
+        static_cast<SiteArgs&>(a) = sa;
         a.m = m;
-        a.pre = pre;
-        a.collapsed = collapsed;
-        a.norm_w = norm ? norm_w : nullptr;
-        a.norm_eps = norm_eps;
-        a.xn = xn;
         const bool vec = n % 64 == 0 && aligned16(X) && aligned16(w.fn);
         auto k = k_hc_mix_many;
         allow_smem(k, 96 * 1024);
