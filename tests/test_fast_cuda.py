@@ -377,6 +377,8 @@ CONFIG_VARIANTS = [
     ("shared-2", "fp8", dict(n_shared_experts=2)),  # shared expert wider than the routed: its own launches
     # whole 64-column chunks: the experts' decode steps (and the shared expert's) take the staged kernel
     ("width-128-experts-64", "fp8", dict(hidden_size=128, moe_intermediate_size=64)),
+    # the shared expert's gate | up placed as one matrix (whole 128-row blocks) and still in the tables
+    ("shared-joint-fp8", "fp8", dict(hidden_size=128, moe_intermediate_size=128)),
     ("width-90-fp8", "fp8", dict(hidden_size=90, linear_head_dim=13, index_head_dim=11, kv_lora_rank=37)),
     ("hc-7-shared-chain", "bf16", dict(hc_mult=7, layer_types=["linear_attention", "indexed_attention",
                                                                "indexed_attention", "indexed_attention",

@@ -134,6 +134,7 @@ struct FfnW {
     std::vector<Lin> e_gate, e_up, e_down;  // per expert (host view)
     ExpertTable t_gate, t_up, t_down;       // device pointer tables (finalize)
     Lin s_gate, s_up, s_down;
+    Lin s_gu;  // the shared expert's gate and up as one matrix (a joint group; empty when not placed so)
     // The shared expert is entry E of the tables (same format and shape as the routed experts): it runs
     // as more work items of the routed launches instead of three launches of its own (moe.cu).
     bool shared_in_tables = false;
@@ -213,8 +214,9 @@ void hc_flush(Step& s);
 void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out);                       // kda.cu
 void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out);                       // mla.cu
 void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const float* q_lat);             // indexer.cu
+// gate_up: gate and up as one matrix (joint rows), one launch for one row; may be empty.
 void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const float* x, int rows, float* y,
-            int cap_layer);                                                                             // moe.cu
+            int cap_layer, const Lin& gate_up = Lin{});                                                 // moe.cu
 void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out);
 void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits);               // head.cu
 void argmax_into(const float* logits, int n, int* out);  // head.cu: the greedy token of one row, on the device

@@ -511,6 +511,7 @@ constexpr JointRole kJointRoles[] = {
     {"kda.f_a_proj", "kda.fbg", 0},        {"kda.b_proj", "kda.fbg", 1},     {"kda.g_a_proj", "kda.fbg", 2},
     {"indexer.wk", "idx.kgw", 0},          {"indexer.kpool_gate", "idx.kgw", 1},
     {"indexer.weights_proj", "idx.kgw", 2},
+    {"moe.shared.gate_proj", "moe.shared_gu", 0}, {"moe.shared.up_proj", "moe.shared_gu", 1},
 };
 const JointRole* joint_role(const std::string& role) {
     for (const JointRole& j : kJointRoles)
@@ -524,6 +525,10 @@ std::vector<int64_t> joint_rows(const std::string& group, const Config& c) {
     const int64_t di = c.index_head_dim, ni = c.index_n_heads;
     if (group == "kda.qkv") return {P, P, P};
     if (group == "kda.fbg") return {d, H, d};
+    if (group == "moe.shared_gu") {
+        const int64_t Is = c.moe_intermediate_size * c.n_shared_experts;
+        return {Is, Is};
+    }
     return {di, di, ni};
 }
 
@@ -706,8 +711,9 @@ ExpertTable make_table(EngineCore& E_, const std::vector<Lin>& ls, const std::st
             throw std::invalid_argument(what + " (layer " + std::to_string(layer) + "): expert " + std::to_string(e) +
                                         " is stored as " + wfmt_name(ls[e].fmt) + " but expert 0 as " +
                                         wfmt_name(t.fmt) + "; the CUDA engine needs one format per layer");
-        d[e] = ls[e].data;
-        s[e] = ls[e].scale;
+        // (a member of a joint group starts at its row0, which starts a scale block: joint_slot)
+        d[e] = static_cast<const char*>(ls[e].data) + ls[e].row0 * row_bytes(t.fmt, t.C);
+        s[e] = ls[e].scale ? static_cast<const char*>(ls[e].scale) + scale_bytes(t.fmt, ls[e].row0, t.C) : nullptr;
     }
     E_.tables.emplace_back(d.size() * sizeof(void*));
     check(cudaMemcpy(E_.tables.back().p, d.data(), d.size() * sizeof(void*), cudaMemcpyHostToDevice), "table");
@@ -812,7 +818,7 @@ void Engine::finalize() {
         if (w.f.moe) {
             FfnW& f = w.f;
             auto fits = [](const Lin& s, const std::vector<Lin>& es) {
-                return !es.empty() && s.row0 == 0 && s.fmt == es[0].fmt && s.R == es[0].R && s.C == es[0].C;
+                return !es.empty() && s.fmt == es[0].fmt && s.R == es[0].R && s.C == es[0].C;
             };
             f.shared_in_tables = fits(f.s_gate, f.e_gate) && fits(f.s_up, f.e_up) && fits(f.s_down, f.e_down);
             auto with_shared = [&](std::vector<Lin> es, const Lin& s) {
@@ -823,6 +829,7 @@ void Engine::finalize() {
             f.t_gate = make_table(E_, with_shared(f.e_gate, f.s_gate), "moe.expert.gate_proj", l);
             f.t_up = make_table(E_, with_shared(f.e_up, f.s_up), "moe.expert.up_proj", l);
             f.t_down = make_table(E_, with_shared(f.e_down, f.s_down), "moe.expert.down_proj", l);
+            f.s_gu = joint_lin(E_, l, "moe.shared_gu");
         }
     }
     check(cudaDeviceSynchronize(), "finalize");
