@@ -619,8 +619,8 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // rows in 16-byte pieces and its shared memory within bounds, else k_hc_mix_many within its bounds;
 // else the general path (k_hc_m, k_hc_coef, k_hc_collapse).
 enum class HcPath { few, many, general };
-HcPath hc_path(const Step& s, int layer, int S_PRE, int hc, int D, const HcW& w, const float* X, const float* norm_w,
-               size_t& smem) {
+HcPath hc_path(const Step& s, int layer, int S_PRE, int hc, int D, int R, const HcW& w, const float* X,
+               const float* norm_w, size_t& smem) {
     const int n = hc * D;
     if (s.nm.seq || hc > kHcMax || s.injects(layer, S_PRE) || s.injects(layer, S_PRE + 3)) return HcPath::general;
     if (s.T <= 8 && hc <= 8 && n % 64 == 0 && D % 4 == 0 && aligned16(X) && aligned16(w.fn) &&
@@ -628,10 +628,9 @@ HcPath hc_path(const Step& s, int layer, int S_PRE, int hc, int D, const HcW& w,
         smem = mix_bytes(hc, D, norm_w != nullptr);
         if (smem <= 200 * 1024) return HcPath::few;
     }
-    const size_t R = static_cast<size_t>(hc) * (hc + 2);
     const size_t nch = (static_cast<size_t>(n) + 63) / 64;
     const size_t stage = nch * 8 * (sizeof(double) + sizeof(float));
-    const size_t tail = (R + 1) * 64 * sizeof(double) + (R + hc) * sizeof(double) +
+    const size_t tail = (static_cast<size_t>(R) + 1) * 64 * sizeof(double) + (static_cast<size_t>(R) + hc) * sizeof(double) +
                         (64 + static_cast<size_t>(D) + 4) * sizeof(float);
     smem = std::max(stage, tail);
     return smem <= 96 * 1024 ? HcPath::many : HcPath::general;
@@ -645,7 +644,7 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
     const int n = hc * D, R = static_cast<int>(c.hc_dim());
     const int S_PRE = ffn ? S_FFN_HC_PRE : S_ATTN_HC_PRE;
     size_t smem = 0;
-    const HcPath path = hc_path(s, layer, S_PRE, hc, D, w, X, norm_w, smem);
+    const HcPath path = hc_path(s, layer, S_PRE, hc, D, R, w, X, norm_w, smem);
     const bool mix = path != HcPath::general;
     const bool norm = mix && norm_w != nullptr;
     double* m = nullptr;     // m_r, by k_hc_m or k_hc_mix_many
