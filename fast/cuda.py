@@ -21,8 +21,6 @@ from __future__ import annotations
 import importlib
 import os
 
-import numpy as np
-
 from oracle.checkpoint import Checkpoint, open_checkpoint
 from oracle.stages import ALL_STAGE_NAMES
 
@@ -117,7 +115,8 @@ class CudaEngine(Engine):
         if not _is_int(n) or n < 1:
             raise EngineInputError(f"n must be an int >= 1, got {n!r}")
         first = self._check_ids([first_token], cache.length)
-        self._check_ids(np.zeros(n, np.int64), cache.length)  # the context holds them all
+        if cache.length + n > self.max_context:  # (the n steps feed n positions)
+            raise EngineInputError(f"{cache.length + n} positions exceed the maximum context of {self.max_context}")
         return [int(v) for v in self._core.greedy(cache._id, int(first[0]), int(n))]
 
     def _greedy_tail(self, cache, first_token: int, n: int):

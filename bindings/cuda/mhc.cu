@@ -191,6 +191,45 @@ __global__ void __launch_bounds__(256) k_hc_coef(const double* __restrict__ m, c
     if (own) comb[static_cast<int64_t>(t) * hc * hc + tid] = v;
 }
 
+// What both fused kernels take (hc_site fills it once).
+struct SiteArgs {
+    const float* X = nullptr;  // [T][n] streams
+    int n = 0, R = 0, hc = 0, D = 0;
+    const double* fn = nullptr;  // [R][n]
+    const double* base = nullptr;
+    double s0 = 0, rms_eps = 0, hc_eps = 0;
+    double* part = nullptr;        // [T][R + 1][64] partial sums (row R: cdot64(v, v))
+    unsigned* tickets = nullptr;   // [T], zero between launches
+    double* pre = nullptr;         // [T][hc]
+    float* collapsed = nullptr;    // [T][D]
+    const float* norm_w = nullptr; // RMSNorm of the collapsed row (nullptr: none)
+    float norm_eps = 0;
+    float* xn = nullptr;           // [T][D]
+};
+
+// The fused kernels' RMSNorm of the collapsed row c [D] (shared memory) into y, k_rmsnorm's operations:
+// ss = cdot(c, c) by 64 threads, the 8x8 fold by one warp; Q: 64 floats of shared memory; nw(d): the
+// weight. Every thread of the block calls it.
+template <int THREADS, class Nw>
+GLM_DEV void norm_collapsed(const float* c, int D, float eps, Nw nw, float* Q, float* __restrict__ y, int tid) {
+    __syncthreads();
+    if (tid < 64) {
+        float p = 0.0f;
+#pragma unroll 8
+        for (int i = tid; i < D; i += 64) p = ffma(c[i], c[i], p);
+        Q[tid] = p;
+    }
+    __syncthreads();
+    if (tid < 32) {
+        const float fo = warp_fold64(Q[tid], Q[tid + 32]);
+        if (tid == 0) Q[0] = fo;
+    }
+    __syncthreads();
+    const float inv = rms_inv(Q[0], D, eps);
+#pragma unroll 4
+    for (int d = tid; d < D; d += THREADS) y[d] = rms_out(c[d], inv, nw(d));
+}
+
 // ---- few tokens (decode): k_hc_mix ----------------------------------------------------------------
 // Every sublayer of a decode step waits for its site's collapsed row, so this kernel is shaped for
 // latency. 512 threads per (group g, pair of fn rows, token): fn rows and x staged by asynchronous
@@ -216,21 +255,6 @@ GLM_DEV unsigned long long gtime() {
 
 constexpr int kMixThreads = 512;
 constexpr int kMixRows = 2;  // rows of fn per block
-
-struct MixArgs {
-    const float* X;    // [T][n] streams
-    int n, R, hc, D;
-    const double* fn;  // [R][n]
-    const double* base;
-    double s0, rms_eps, hc_eps;
-    double* part;           // [T][R + 1][64] partial sums (row R: cdot64(v, v))
-    unsigned* tickets;      // [T], zero between launches
-    double* pre;            // [T][hc]
-    float* collapsed;       // [T][D]
-    const float* norm_w;    // RMSNorm of the collapsed row (nullptr: none)
-    float norm_eps;
-    float* xn;              // [T][D]
-};
 
 // Shared memory. Main phase: fn [kMixRows][nch][8] and x [nch][8] in double, x [nch][8] as staged.
 // Tail: P [hc + 1][64] (row 0: the sum of squares, row 1 + i: fn row i), pre [hc], Q [64] floats, then
@@ -265,7 +289,7 @@ GLM_DEV void mix_collapse(float* rows, const double* pre_s, int D, float* __rest
     }
 }
 
-__global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a) {
+__global__ void __launch_bounds__(kMixThreads) k_hc_mix(SiteArgs a) {
     pdl_enter();
     PROBE(unsigned long long tp[8]; tp[0] = gtime();)
     GLM_DYN_SMEM(unsigned char, sm);
@@ -357,27 +381,10 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a) {
                 col[d] = o;
             }
     }
-    if (a.norm_w) {
-        // RMSNorm of the collapsed row (k_rmsnorm's operations): ss = cdot(c, c) from shared memory
-        __syncthreads();
-        PROBE(tp[4] = gtime();)
-        if (tid < 64) {
-            float p = 0.0f;
-#pragma unroll 8
-            for (int i = tid; i < D; i += 64) p = ffma(rows[i], rows[i], p);
-            Q[tid] = p;
-        }
-        __syncthreads();
-        if (tid < 32) {
-            const float fo = warp_fold64(Q[tid], Q[tid + 32]);
-            if (tid == 0) Q[0] = fo;
-        }
-        __syncthreads();
-        const float inv = rms_inv(Q[0], D, a.norm_eps);
-        float* __restrict__ y = a.xn + static_cast<int64_t>(t) * D;
-#pragma unroll 4
-        for (int d = tid; d < D; d += kMixThreads) y[d] = rms_out(rows[d], inv, nw_s[d]);
-    }
+    PROBE(tp[4] = gtime();)
+    if (a.norm_w)
+        norm_collapsed<kMixThreads>(rows, D, a.norm_eps, [&](int d) { return nw_s[d]; }, Q,
+                                    a.xn + static_cast<int64_t>(t) * D, tid);
     PROBE(__syncthreads(); if (tid == 0 && gridDim.z == 1) {
         tp[5] = gtime();
         printf("hc_mix: chains + ticket %llu, partials %llu, pre + rows %llu, collapse %llu, norm %llu ns\n",
@@ -390,20 +397,8 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a) {
 // writes m (k_hc_coef reads it) and pre, and makes the collapsed row and its norm.
 constexpr int kManyThreads = 256;
 
-struct ManyArgs {
-    const float* X;    // [T][n] streams
-    int n, R, hc, D;
-    const double* fn;  // [R][n]
-    const double* base;
-    double s0, rms_eps, hc_eps;
-    double* part;           // [T][R + 1][64] partial sums (row R: cdot64(v, v))
-    unsigned* tickets;      // [T], zero between launches
-    double* m;              // [T][R]
-    double* pre;            // [T][hc]
-    float* collapsed;       // [T][D]
-    const float* norm_w;    // RMSNorm of the collapsed row (nullptr: none)
-    float norm_eps;
-    float* xn;              // [T][D]
+struct ManyArgs : SiteArgs {
+    double* m = nullptr;  // [T][R]
 };
 
 __global__ void __launch_bounds__(kManyThreads) k_hc_mix_many(ManyArgs a, bool vec) {
@@ -516,27 +511,11 @@ __global__ void __launch_bounds__(kManyThreads) k_hc_mix_many(ManyArgs a, bool v
             col[d] = cs[d];
         }
     }
-    if (!a.norm_w) return;
-    // RMSNorm of the collapsed row (k_rmsnorm's operations): ss = cdot(c, c) from shared memory
-    __syncthreads();
-    if (tid < 64) {
-        float p = 0.0f;
-#pragma unroll 8
-        for (int i = tid; i < D; i += 64) p = ffma(cs[i], cs[i], p);
-        Q[tid] = p;
-    }
-    __syncthreads();
-    if (tid < 32) {
-        const float f = warp_fold64(Q[tid], Q[tid + 32]);
-        if (tid == 0) Q[0] = f;
-    }
-    __syncthreads();
-    const float inv = rms_inv(Q[0], D, a.norm_eps);
-    const float* __restrict__ nw = a.norm_w;
-    float* __restrict__ y = a.xn + static_cast<int64_t>(t) * D;
-#pragma unroll 4
-    for (int d = tid; d < D; d += kManyThreads) y[d] = rms_out(cs[d], inv, __ldg(nw + d));
+    if (a.norm_w)
+        norm_collapsed<kManyThreads>(cs, D, a.norm_eps, [&](int d) { return __ldg(a.norm_w + d); }, Q,
+                                     a.xn + static_cast<int64_t>(t) * D, tid);
 }
+
 
 __global__ void k_hc_collapse(const float* __restrict__ X, const double* __restrict__ pre, int T, int hc, int D,
                               float* collapsed, Nm nm) {
@@ -581,8 +560,8 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // rows in 16-byte pieces and its shared memory within bounds, else k_hc_mix_many within its bounds;
 // else the general path (k_hc_m, k_hc_coef, k_hc_collapse).
 enum class HcPath { few, many, general };
-HcPath hc_path(const Step& s, int layer, int S_PRE, int hc, int D, const HcW& w, const float* X, const float* norm_w,
-               size_t& smem) {
+HcPath hc_path(const Step& s, int layer, int S_PRE, int hc, int D, int R, const HcW& w, const float* X,
+               const float* norm_w, size_t& smem) {
     const int n = hc * D;
     if (s.nm.seq || hc > kHcMax || s.injects(layer, S_PRE) || s.injects(layer, S_PRE + 3)) return HcPath::general;
     if (s.T <= 8 && hc <= 8 && n % 64 == 0 && D % 4 == 0 && aligned16(X) && aligned16(w.fn) &&
@@ -590,10 +569,9 @@ HcPath hc_path(const Step& s, int layer, int S_PRE, int hc, int D, const HcW& w,
         smem = mix_bytes(hc, D, norm_w != nullptr);
         if (smem <= 200 * 1024) return HcPath::few;
     }
-    const size_t R = static_cast<size_t>(hc) * (hc + 2);
     const size_t nch = (static_cast<size_t>(n) + 63) / 64;
     const size_t stage = nch * 8 * (sizeof(double) + sizeof(float));
-    const size_t tail = (R + 1) * 64 * sizeof(double) + (R + hc) * sizeof(double) +
+    const size_t tail = (static_cast<size_t>(R) + 1) * 64 * sizeof(double) + (static_cast<size_t>(R) + hc) * sizeof(double) +
                         (64 + static_cast<size_t>(D) + 4) * sizeof(float);
     smem = std::max(stage, tail);
     return smem <= 96 * 1024 ? HcPath::many : HcPath::general;
@@ -607,56 +585,42 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
     const int n = hc * D, R = static_cast<int>(c.hc_dim());
     const int S_PRE = ffn ? S_FFN_HC_PRE : S_ATTN_HC_PRE;
     size_t smem = 0;
-    const HcPath path = hc_path(s, layer, S_PRE, hc, D, w, X, norm_w, smem);
+    const HcPath path = hc_path(s, layer, S_PRE, hc, D, R, w, X, norm_w, smem);
     const bool mix = path != HcPath::general;
     const bool norm = mix && norm_w != nullptr;
     double* m = nullptr;     // m_r, by k_hc_m or k_hc_mix_many
     double* part = nullptr;  // k_hc_mix's partial sums (k_hc_coef folds them)
+    SiteArgs sa{};
+    if (mix) {
+        sa.X = X;
+        sa.n = n;
+        sa.R = R;
+        sa.hc = hc;
+        sa.D = D;
+        sa.fn = w.fn;
+        sa.base = w.base;
+        sa.s0 = w.scale[0];
+        sa.rms_eps = c.rms_norm_eps;
+        sa.hc_eps = c.hc_eps;
+        sa.part = s.scratch.d<double>(static_cast<size_t>(T) * (R + 1) * 64);
+        sa.tickets = s.E.hc_tickets(T);
+        sa.pre = pre;
+        sa.collapsed = collapsed;
+        sa.norm_w = norm ? norm_w : nullptr;
+        sa.norm_eps = norm_eps;
+        sa.xn = xn;
+    }
     if (path == HcPath::few) {
-        MixArgs a{};
-        a.X = X;
-        a.n = n;
-        a.R = R;
-        a.hc = hc;
-        a.D = D;
-        a.fn = w.fn;
-        a.base = w.base;
-        a.s0 = w.scale[0];
-        a.rms_eps = c.rms_norm_eps;
-        a.hc_eps = c.hc_eps;
-        part = s.scratch.d<double>(static_cast<size_t>(T) * (R + 1) * 64);
-        a.part = part;
-        a.tickets = s.E.hc_tickets(T);
-        a.pre = pre;
-        a.collapsed = collapsed;
-        a.norm_w = norm ? norm_w : nullptr;
-        a.norm_eps = norm_eps;
-        a.xn = xn;
+        part = sa.part;
         auto k = k_hc_mix;
         allow_smem(k, smem);
-        GLM_LAUNCH(k, dim3(8, (R + kMixRows - 1) / kMixRows, T), kMixThreads, smem, a);
+        GLM_LAUNCH(k, dim3(8, (R + kMixRows - 1) / kMixRows, T), kMixThreads, smem, sa);
         check_launch("hc_mix");
     } else if (path == HcPath::many) {
         m = s.scratch.d<double>(static_cast<size_t>(T) * R);
         ManyArgs a{};
-        a.X = X;
-        a.n = n;
-        a.R = R;
-        a.hc = hc;
-        a.D = D;
-        a.fn = w.fn;
-        a.base = w.base;
-        a.s0 = w.scale[0];
-        a.rms_eps = c.rms_norm_eps;
-        a.hc_eps = c.hc_eps;
-        a.part = s.scratch.d<double>(static_cast<size_t>(T) * (R + 1) * 64);
-        a.tickets = s.E.hc_tickets(T);
+        static_cast<SiteArgs&>(a) = sa;
         a.m = m;
-        a.pre = pre;
-        a.collapsed = collapsed;
-        a.norm_w = norm ? norm_w : nullptr;
-        a.norm_eps = norm_eps;
-        a.xn = xn;
         const bool vec = n % 64 == 0 && aligned16(X) && aligned16(w.fn);
         auto k = k_hc_mix_many;
         allow_smem(k, 96 * 1024);

@@ -1169,7 +1169,6 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
         if (want_head[t]) hrows.push_back(static_cast<int>(t));
     out.head_rows.assign(hrows.begin(), hrows.end());
     const size_t V = static_cast<size_t>(c.vocab_size);
-    float* dst = out.logits_out(hrows.size() * V);
     if (gio) {  // the greedy loop: the next token stays on the device
         float* logits = s.scratch.d<float>(V);
         head_forward(s, X, hrows, logits);
@@ -1179,6 +1178,7 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
         for (const Segment& g : s.segs) g.seq->length += g.n;
         return;
     }
+    float* dst = out.logits_out(hrows.size() * V);  // (not in a greedy loop: no host logits there)
     if (!hrows.empty()) {
         float* logits = s.scratch.d<float>(hrows.size() * V);
         head_forward(s, X, hrows, logits);
