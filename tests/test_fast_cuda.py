@@ -226,6 +226,29 @@ def test_generate_hands_the_tail_to_the_device_loop(name, cuda_engines, cpu_engi
     assert eng.generate(p, 6) == want and len(calls) == 2
 
 
+@pytest.mark.parametrize("release,hc", [("fp8", 4), ("mxfp4", 2), ("bf16", 4)])
+def test_decode_with_and_without_the_streams_observed(tmp_path, release, hc):
+    """A decode step's hc_expand is made by the next site's mHC kernel (few tokens, a width of whole
+    64-column chunks) unless the streams are captured: the logits are the CPU engine's either way, also
+    with one site's streams captured and the others fused, and in batches."""
+    from oracle.zoo import make_checkpoint
+    path = str(tmp_path / f"w128-{release}")
+    make_checkpoint("tiny", release, path, hidden_size=128, hc_mult=hc)
+    eng, ref = CudaEngine(path), fast.Engine(path, device="cpu")
+    p = prompt(eng.config.vocab_size, 7, 3)
+    for stages, layers in ((None, None), ({"ffn_hc.streams"}, {0}), ({"attn_hc.streams"}, None)):
+        cap = None if stages is None else [Capture(stages=stages, layers=layers) for _ in range(3)]
+        a, b = [eng.new_cache() for _ in range(3)], [ref.new_cache() for _ in range(3)]
+        for i in range(3):
+            eng.prefill(p[:4 + i], a[i])
+            ref.prefill(p[:4 + i], b[i])
+        toks = [5, 6, 7]
+        for _ in range(3):
+            got, want = eng.decode(a, toks, capture=cap), ref.decode(b, toks)
+            assert np.array_equal(bits(got), bits(want))
+            toks = [int(np.argmax(w)) for w in want]
+
+
 def test_device_argmax_rule():
     """The greedy rule on the device is np.argmax's: the lowest index of the maximum, a NaN first."""
     cu = cuda_module()
@@ -354,6 +377,8 @@ CONFIG_VARIANTS = [
     ("shared-2", "fp8", dict(n_shared_experts=2)),  # shared expert wider than the routed: its own launches
     # whole 64-column chunks: the experts' decode steps (and the shared expert's) take the staged kernel
     ("width-128-experts-64", "fp8", dict(hidden_size=128, moe_intermediate_size=64)),
+    # the shared expert's gate | up placed as one matrix (whole 128-row blocks) and still in the tables
+    ("shared-joint-fp8", "fp8", dict(hidden_size=128, moe_intermediate_size=128)),
     ("width-90-fp8", "fp8", dict(hidden_size=90, linear_head_dim=13, index_head_dim=11, kv_lora_rank=37)),
     ("hc-7-shared-chain", "bf16", dict(hc_mult=7, layer_types=["linear_attention", "indexed_attention",
                                                                "indexed_attention", "indexed_attention",

@@ -134,6 +134,7 @@ struct FfnW {
     std::vector<Lin> e_gate, e_up, e_down;  // per expert (host view)
     ExpertTable t_gate, t_up, t_down;       // device pointer tables (finalize)
     Lin s_gate, s_up, s_down;
+    Lin s_gu;  // the shared expert's gate and up as one matrix (a joint group; empty when not placed so)
     // The shared expert is entry E of the tables (same format and shape as the routed experts): it runs
     // as more work items of the routed launches instead of three launches of its own (moe.cu).
     bool shared_in_tables = false;
@@ -204,12 +205,18 @@ void layer_norm_rows(Step& s, const float* X, int rows, int n, const float* w, c
 // ran (returns true; otherwise the caller normalizes).
 bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double* pre, double* post, double* comb,
              float* collapsed, const float* norm_w, float norm_eps, float* xn);                          // mhc.cu
-void hc_expand(Step& s, int layer, bool ffn, float* X, const float* u, const double* post, const double* comb);
+// The streams after the sublayer (hc_expand): returns the buffer that holds them from now on: X (made in
+// place), or spare when the next hc_site's k_hc_mix makes them (few tokens, nothing observing them in
+// between; `last`: no next site). hc_flush makes a deferred one now.
+float* hc_expand(Step& s, int layer, bool ffn, float* X, float* spare, const float* u, const double* post,
+                 const double* comb, bool last);
+void hc_flush(Step& s);
 void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out);                       // kda.cu
 void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out);                       // mla.cu
 void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const float* q_lat);             // indexer.cu
+// gate_up: gate and up as one matrix (joint rows), one launch for one row; may be empty.
 void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const float* x, int rows, float* y,
-            int cap_layer);                                                                             // moe.cu
+            int cap_layer, const Lin& gate_up = Lin{});                                                 // moe.cu
 void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out);
 void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits);               // head.cu
 void argmax_into(const float* logits, int n, int* out);  // head.cu: the greedy token of one row, on the device
@@ -256,6 +263,17 @@ struct Step {
     int64_t* d_sel_off = nullptr;         // device [T]
     int* d_sel_n = nullptr;               // device [T]
     bool have_sel = false;
+
+    // An hc_expand deferred into the next site's k_hc_mix (mhc.cu): the streams before it, their buffer
+    // after it, the sublayer's output, post and comb; in == nullptr when none.
+    struct HcPending {
+        const float* in = nullptr;
+        float* out = nullptr;
+        const float* u = nullptr;
+        const double* post = nullptr;
+        const double* comb = nullptr;
+    };
+    HcPending hc_pending;
 
     Step(EngineCore& e, Scratch& sc);
 

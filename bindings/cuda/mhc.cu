@@ -47,6 +47,15 @@ GLM_DEV float hc_collapse(const double* pre, int hc, bool seq, X x_of) {
     }));
 }
 
+// stream j's new value at one column: bf16(cdot64([post_j, C_0j, ..., C_{hc-1,j}], row)), row = [u[d],
+// X_0[d], ..., X_{hc-1}[d]] in double
+GLM_DEV float hc_expand_one(const double* row, int hc, int j, const double* po, const double* co, bool seq) {
+    return bf16r64(cdot_serial<double>(hc + 1, seq, [&](int i, double& a, double& b) {
+        a = row[i];
+        b = i == 0 ? po[j] : co[(i - 1) * hc + j];
+    }));
+}
+
 // 64 threads per (token, row r): thread k owns partial sums P[k/8][k%8] of both dots (cdot64(v, v) and
 // cdot64(fn_r, v)), loads issued kU chunks ahead; the two 8x8 folds in thread 0.
 constexpr int kU = 16;
@@ -256,12 +265,24 @@ GLM_DEV unsigned long long gtime() {
 constexpr int kMixThreads = 512;
 constexpr int kMixRows = 2;  // rows of fn per block
 
-// Shared memory. Main phase: fn [kMixRows][nch][8] and x [nch][8] in double, x [nch][8] as staged.
+struct MixArgs : SiteArgs {
+    const float* Xin = nullptr;  // [T][n] the previous site's streams, before its hc_expand (expand only;
+                                 // X, written by this kernel's first blocks, then holds them after it)
+    float* Xout = nullptr;       // = X, writable (expand only)
+    const float* u = nullptr;    // [T][D] the previous site's sublayer output: this kernel makes its
+                                 // hc_expand (or nullptr)
+    const double* post_prev = nullptr;  // [T][hc] and [T][hc][hc]: that site's post and comb
+    const double* comb_prev = nullptr;
+};
+
+// Shared memory. Main phase: fn [kMixRows][nch][8] and x [nch][8] in double, x [nch][8] as staged; with
+// expand, the previous site's u [D/64][8], post [hc] and comb [hc][hc].
 // Tail: P [hc + 1][64] (row 0: the sum of squares, row 1 + i: fn row i), pre [hc], Q [64] floats, then
 // the token's streams [hc][D] (the collapsed row written over stream 0) and norm_w [D].
 size_t mix_bytes(int hc, int D, bool norm) {
     const size_t nch = (static_cast<size_t>(hc) * D + 63) / 64;
-    const size_t main = nch * 8 * ((kMixRows + 1) * sizeof(double) + sizeof(float));
+    const size_t main = nch * 8 * ((kMixRows + 1) * sizeof(double) + sizeof(float)) + D / 8 * sizeof(float) +
+                        (static_cast<size_t>(hc) + hc * hc) * sizeof(double);
     const size_t head = ((static_cast<size_t>(hc) + 1) * 64 + hc) * sizeof(double) + 64 * sizeof(float);
     const size_t tail = (head + 15) / 16 * 16 + (static_cast<size_t>(hc) * D + (norm ? D : 0)) * sizeof(float);
     return std::max(main, tail);
@@ -289,7 +310,26 @@ GLM_DEV void mix_collapse(float* rows, const double* pre_s, int D, float* __rest
     }
 }
 
-__global__ void __launch_bounds__(kMixThreads) k_hc_mix(SiteArgs a) {
+// The previous site's hc_expand for this block's columns: flat element 64c + 8g + l of the streams is
+// stream j = c / (D/64) at column d = 64 (c % (D/64)) + 8g + l (D % 64 == 0), so the block staged every
+// stream's value of its columns: each thread makes the HC new values of one column in place.
+template <int HC>
+GLM_DEV void mix_expand(float* xs, const float* us, const double* pc, int dc, int tid) {
+    for (int col = tid; col < 8 * dc; col += kMixThreads) {
+        const int c0 = col >> 3, l = col & 7;
+        double row[HC + 1];
+        row[0] = static_cast<double>(us[col]);
+#pragma unroll
+        for (int i = 0; i < HC; ++i) row[1 + i] = static_cast<double>(xs[8 * (i * dc + c0) + l]);
+        float o[HC];
+#pragma unroll
+        for (int j = 0; j < HC; ++j) o[j] = hc_expand_one(row, HC, j, pc, pc + HC, false);
+#pragma unroll
+        for (int j = 0; j < HC; ++j) xs[8 * (j * dc + c0) + l] = o[j];
+    }
+}
+
+__global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a) {
     pdl_enter();
     PROBE(unsigned long long tp[8]; tp[0] = gtime();)
     GLM_DYN_SMEM(unsigned char, sm);
@@ -300,6 +340,8 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(SiteArgs a) {
     double* fs = reinterpret_cast<double*>(sm);            // [kMixRows][nch][8]
     double* xd = fs + kMixRows * 8 * nch;                  // [nch][8]
     float* xs = reinterpret_cast<float*>(xd + 8 * nch);    // [nch][8]
+    float* us = xs + 8 * nch;                              // [D/64][8] (expand)
+    double* pc = reinterpret_cast<double*>(us + a.D / 8);  // post [hc], comb [hc][hc] (expand)
     const float* x = a.X + static_cast<int64_t>(t) * n;
     const double* f = a.fn + static_cast<int64_t>(r0) * n;
     // columns 64c + 8g + l (l < 8) of the fn rows and of x, in 16-byte pieces
@@ -307,10 +349,32 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(SiteArgs a) {
         const int k = q / (4 * nch), c = (q >> 2) - k * nch, p = q & 3;
         cp_async16(fs + 8 * (k * nch + c) + 2 * p, f + static_cast<int64_t>(k) * n + 64 * c + 8 * g + 2 * p);
     }
-    for (int q = tid; q < 2 * nch; q += kMixThreads) cp_async16(xs + 4 * q, x + 64 * (q >> 1) + 8 * g + 4 * (q & 1));
+    const float* xsrc = a.u ? a.Xin + static_cast<int64_t>(t) * n : x;
+    for (int q = tid; q < 2 * nch; q += kMixThreads) cp_async16(xs + 4 * q, xsrc + 64 * (q >> 1) + 8 * g + 4 * (q & 1));
+    const int dc = a.D / 64;
+    if (a.u) {
+        const float* ut = a.u + static_cast<int64_t>(t) * a.D;
+        for (int q = tid; q < 2 * dc; q += kMixThreads) cp_async16(us + 4 * q, ut + 64 * (q >> 1) + 8 * g + 4 * (q & 1));
+        const int hc = a.hc;
+        if (tid < hc + hc * hc)
+            pc[tid] = tid < hc ? a.post_prev[static_cast<int64_t>(t) * hc + tid]
+                               : a.comb_prev[static_cast<int64_t>(t) * hc * hc + tid - hc];
+    }
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
+    if (a.u) {  // the previous site's hc_expand (the first row pair's blocks write the new streams back)
+        if (a.hc == 4)
+            mix_expand<4>(xs, us, pc, dc, tid);
+        else
+            mix_expand<2>(xs, us, pc, dc, tid);
+        __syncthreads();
+        if (rb == 0) {
+            float* xo = a.Xout + static_cast<int64_t>(t) * n;
+            for (int q = tid; q < 2 * nch; q += kMixThreads)
+                *reinterpret_cast<float4*>(xo + 64 * (q >> 1) + 8 * g + 4 * (q & 1)) = *reinterpret_cast<const float4*>(xs + 4 * q);
+        }
+    }
     for (int q = tid; q < 8 * nch; q += kMixThreads) xd[q] = static_cast<double>(xs[q]);  // (exact)
     __syncthreads();
     // lane 8k + l: P[g][l] of cdot64(fn_{r0+k}, v) for k < nr, of cdot64(v, v) for k = kMixRows (rb 0)
@@ -528,26 +592,21 @@ __global__ void k_hc_collapse(const float* __restrict__ X, const double* __restr
     collapsed[k] = hc_collapse(p, hc, nm.seq, [&](int i) { return xt[i * D + d]; });
 }
 
-__global__ void k_hc_expand(float* X, const float* __restrict__ u, const double* __restrict__ post,
+__global__ void k_hc_expand(const float* Xin, float* Xout, const float* __restrict__ u, const double* __restrict__ post,
                             const double* __restrict__ comb, int T, int hc, int D, Nm nm) {
     pdl_enter();
     const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (k >= static_cast<int64_t>(T) * D) return;
     const int64_t t = k / D, d = k % D;
-    float* xt = X + t * hc * D;
+    const float* xt = Xin + t * hc * D;  // (Xout may be Xin: each thread reads its column before writing it)
     double row[kHcMax + 1];
     row[0] = static_cast<double>(u[t * D + d]);
     for (int i = 0; i < hc; ++i) row[1 + i] = static_cast<double>(xt[i * D + d]);
     const double* po = post + t * hc;
     const double* co = comb + t * hc * hc;
     float out[kHcMax];
-    for (int j = 0; j < hc; ++j) {
-        out[j] = bf16r64(cdot_serial<double>(hc + 1, nm.seq, [&](int i, double& a, double& b) {
-            a = row[i];
-            b = i == 0 ? po[j] : co[(i - 1) * hc + j];
-        }));
-    }
-    for (int j = 0; j < hc; ++j) xt[j * D + d] = out[j];
+    for (int j = 0; j < hc; ++j) out[j] = hc_expand_one(row, hc, j, po, co, nm.seq);
+    for (int j = 0; j < hc; ++j) Xout[t * hc * D + j * D + d] = out[j];
 }
 
 }  // namespace
@@ -610,11 +669,24 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
         sa.norm_eps = norm_eps;
         sa.xn = xn;
     }
+    const bool fuse = s.hc_pending.in != nullptr && path == HcPath::few;
+    if (s.hc_pending.in && !fuse) hc_flush(s);
     if (path == HcPath::few) {
+        MixArgs a{};
+        static_cast<SiteArgs&>(a) = sa;
         part = sa.part;
+        if (fuse) {  // the previous site's hc_expand, made here (X is its output buffer)
+            s.E.side.join();  // (that site's post and comb, when they ran on the side stream)
+            a.Xin = s.hc_pending.in;
+            a.Xout = s.hc_pending.out;
+            a.u = s.hc_pending.u;
+            a.post_prev = s.hc_pending.post;
+            a.comb_prev = s.hc_pending.comb;
+            s.hc_pending = {};
+        }
         auto k = k_hc_mix;
         allow_smem(k, smem);
-        GLM_LAUNCH(k, dim3(8, (R + kMixRows - 1) / kMixRows, T), kMixThreads, smem, sa);
+        GLM_LAUNCH(k, dim3(8, (R + kMixRows - 1) / kMixRows, T), kMixThreads, smem, a);
         check_launch("hc_mix");
     } else if (path == HcPath::many) {
         m = s.scratch.d<double>(static_cast<size_t>(T) * R);
@@ -658,15 +730,39 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
     return norm;
 }
 
-void hc_expand(Step& s, int layer, bool ffn, float* X, const float* u, const double* post, const double* comb) {
-    s.E.side.join();  // the site's Sinkhorn, when it ran on the side stream
-    const Config& c = s.c;
-    const int T = s.T, hc = static_cast<int>(c.hc_mult), D = static_cast<int>(c.hidden_size);
+namespace {
+void launch_expand(Step& s, const float* Xin, float* Xout, const float* u, const double* post, const double* comb) {
+    s.E.side.join();  // the site's Sinkhorn and post, when they ran on the side stream
+    const int T = s.T, hc = static_cast<int>(s.c.hc_mult), D = static_cast<int>(s.c.hidden_size);
     const int64_t total = static_cast<int64_t>(T) * D;
     auto k = k_hc_expand;
-    GLM_LAUNCH(k, static_cast<unsigned>((total + 127) / 128), 128, 0, X, u, post, comb, T, hc, D, s.nm);
+    GLM_LAUNCH(k, static_cast<unsigned>((total + 127) / 128), 128, 0, Xin, Xout, u, post, comb, T, hc, D, s.nm);
     check_launch("hc_expand");
-    s.emit(layer, ffn ? S_FFN_HC_STREAMS : S_ATTN_HC_STREAMS, X, static_cast<int64_t>(hc) * D, {hc, D});
+}
+}  // namespace
+
+void hc_flush(Step& s) {
+    if (!s.hc_pending.in) return;
+    const Step::HcPending p = s.hc_pending;
+    s.hc_pending = {};
+    launch_expand(s, p.in, p.out, p.u, p.post, p.comb);
+}
+
+float* hc_expand(Step& s, int layer, bool ffn, float* X, float* spare, const float* u, const double* post,
+                 const double* comb, bool last) {
+    const int hc = static_cast<int>(s.c.hc_mult), D = static_cast<int>(s.c.hidden_size);
+    const int stage = ffn ? S_FFN_HC_STREAMS : S_ATTN_HC_STREAMS;
+    // deferred into the next site's k_hc_mix (which reads X and writes the new streams into spare) when
+    // nothing observes the streams in between; that site launches it here after all if it cannot
+    static const bool fuse_on = !env_is("GLM_HC_FUSE", "0");  // (an A/B switch)
+    if (fuse_on && spare && !last && s.T <= 8 && !s.nm.seq && (hc == 2 || hc == 4) && D % 64 == 0 &&
+        !s.wants_any(layer, stage) && !s.injects(layer, stage) && aligned16(X) && aligned16(spare) && aligned16(u)) {
+        s.hc_pending = {X, spare, u, post, comb};
+        return spare;
+    }
+    launch_expand(s, X, X, u, post, comb);
+    s.emit(layer, stage, X, static_cast<int64_t>(hc) * D, {hc, D});
+    return X;
 }
 
 }  // namespace glm::cuda

@@ -511,6 +511,7 @@ constexpr JointRole kJointRoles[] = {
     {"kda.f_a_proj", "kda.fbg", 0},        {"kda.b_proj", "kda.fbg", 1},     {"kda.g_a_proj", "kda.fbg", 2},
     {"indexer.wk", "idx.kgw", 0},          {"indexer.kpool_gate", "idx.kgw", 1},
     {"indexer.weights_proj", "idx.kgw", 2},
+    {"moe.shared.gate_proj", "moe.shared_gu", 0}, {"moe.shared.up_proj", "moe.shared_gu", 1},
 };
 const JointRole* joint_role(const std::string& role) {
     for (const JointRole& j : kJointRoles)
@@ -524,6 +525,10 @@ std::vector<int64_t> joint_rows(const std::string& group, const Config& c) {
     const int64_t di = c.index_head_dim, ni = c.index_n_heads;
     if (group == "kda.qkv") return {P, P, P};
     if (group == "kda.fbg") return {d, H, d};
+    if (group == "moe.shared_gu") {
+        const int64_t Is = c.moe_intermediate_size * c.n_shared_experts;
+        return {Is, Is};
+    }
     return {di, di, ni};
 }
 
@@ -706,8 +711,9 @@ ExpertTable make_table(EngineCore& E_, const std::vector<Lin>& ls, const std::st
             throw std::invalid_argument(what + " (layer " + std::to_string(layer) + "): expert " + std::to_string(e) +
                                         " is stored as " + wfmt_name(ls[e].fmt) + " but expert 0 as " +
                                         wfmt_name(t.fmt) + "; the CUDA engine needs one format per layer");
-        d[e] = ls[e].data;
-        s[e] = ls[e].scale;
+        // (a member of a joint group starts at its row0, which starts a scale block: joint_slot)
+        d[e] = static_cast<const char*>(ls[e].data) + ls[e].row0 * row_bytes(t.fmt, t.C);
+        s[e] = ls[e].scale ? static_cast<const char*>(ls[e].scale) + scale_bytes(t.fmt, ls[e].row0, t.C) : nullptr;
     }
     E_.tables.emplace_back(d.size() * sizeof(void*));
     check(cudaMemcpy(E_.tables.back().p, d.data(), d.size() * sizeof(void*), cudaMemcpyHostToDevice), "table");
@@ -812,7 +818,7 @@ void Engine::finalize() {
         if (w.f.moe) {
             FfnW& f = w.f;
             auto fits = [](const Lin& s, const std::vector<Lin>& es) {
-                return !es.empty() && s.row0 == 0 && s.fmt == es[0].fmt && s.R == es[0].R && s.C == es[0].C;
+                return !es.empty() && s.fmt == es[0].fmt && s.R == es[0].R && s.C == es[0].C;
             };
             f.shared_in_tables = fits(f.s_gate, f.e_gate) && fits(f.s_up, f.e_up) && fits(f.s_down, f.e_down);
             auto with_shared = [&](std::vector<Lin> es, const Lin& s) {
@@ -823,6 +829,7 @@ void Engine::finalize() {
             f.t_gate = make_table(E_, with_shared(f.e_gate, f.s_gate), "moe.expert.gate_proj", l);
             f.t_up = make_table(E_, with_shared(f.e_up, f.s_up), "moe.expert.up_proj", l);
             f.t_down = make_table(E_, with_shared(f.e_down, f.s_down), "moe.expert.down_proj", l);
+            f.s_gu = joint_lin(E_, l, "moe.shared_gu");
         }
     }
     check(cudaDeviceSynchronize(), "finalize");
@@ -1116,6 +1123,7 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
     s.d_seg = s.scratch.up(s.seg_of);
     int* d_tok = gio ? const_cast<int*>(gio->token) : s.scratch.up(tokens);
     float* X = s.scratch.d<float>(T * hc * D);
+    float* Xspare = T <= 8 ? s.scratch.d<float>(T * hc * D) : nullptr;  // (hc_expand: the fused path's output)
     float* e = s.scratch.d<float>(T * D);
     embed_rows(s, E_.embed, d_tok, e, X);
 
@@ -1140,7 +1148,10 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
             mla_forward(s, l, w.m, xn, u);
         }
         s.mark("mhc");
-        hc_expand(s, l, false, X, u, post, comb);
+        if (float* Xn = hc_expand(s, l, false, X, Xspare, u, post, comb, false); Xn != X) {
+            Xspare = X;
+            X = Xn;
+        }
         // feed-forward sublayer
         if (!hc_site(s, l, true, w.ffn_hc, X, pre, post, comb, xin, w.ffn_norm, eps, xn))
             rms_norm_rows(s, xin, D, Ti, D, w.ffn_norm, eps, xn, D);
@@ -1153,8 +1164,12 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
             s.emit(l, S_MLP_OUT, u, D, {D});
         }
         s.mark("mhc");
-        hc_expand(s, l, true, X, u, post, comb);
+        if (float* Xn = hc_expand(s, l, true, X, Xspare, u, post, comb, l + 1 == L); Xn != X) {
+            Xspare = X;
+            X = Xn;
+        }
     }
+    hc_flush(s);  // (none is left pending after the last layer; kept as the rule for readers of X)
 
     // head, for the rows that want logits
     std::vector<int> hrows;

@@ -304,13 +304,22 @@ int expert_tile_override() {
 }  // namespace
 
 void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const float* x, int rows, float* y,
-            int cap_layer) {
+            int cap_layer, const Lin& gate_up) {
     const int I = static_cast<int>(gate.R), D = static_cast<int>(down.R), Din = static_cast<int>(gate.C);
     const float L = static_cast<float>(s.c.swiglu_limit);
-    float* g = s.scratch.d<float>(static_cast<size_t>(rows) * I);
-    float* u = s.scratch.d<float>(static_cast<size_t>(rows) * I);
-    linear(gate, x, Din, g, I, rows, true, s.nm, s.hw8);
-    linear(up, x, Din, u, I, rows, true, s.nm, s.hw8);
+    float* g;
+    float* u;
+    if (rows == 1 && s.T == 1 && !gate_up.empty()) {  // one launch for both (the same rows, the same dots)
+        float* o[2];
+        linear_same_x(s, gate_up, {&gate, &up}, x, Din, o);
+        g = o[0];
+        u = o[1];
+    } else {
+        g = s.scratch.d<float>(static_cast<size_t>(rows) * I);
+        u = s.scratch.d<float>(static_cast<size_t>(rows) * I);
+        linear(gate, x, Din, g, I, rows, true, s.nm, s.hw8);
+        linear(up, x, Din, u, I, rows, true, s.nm, s.hw8);
+    }
     if (cap_layer >= 0) {  // the dense MLP's stages (the experts' are not stages)
         s.emit(cap_layer, S_MLP_GATE, g, I, {I});
         s.emit(cap_layer, S_MLP_UP, u, I, {I});
@@ -409,7 +418,7 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     if (!w.shared_in_tables) {
         s.mark("moe.shared");
         shared = s.scratch.d<float>(static_cast<size_t>(T) * D);
-        swiglu(s, w.s_gate, w.s_up, w.s_down, x, T, shared, -1);
+        swiglu(s, w.s_gate, w.s_up, w.s_down, x, T, shared, -1, w.s_gu);
     }
     s.emit(layer, S_MOE_SHARED, shared, D, {D});
     // moe.out = bf16(routed + shared)
