@@ -100,6 +100,12 @@ class CudaEngine(Engine):
         """Streamed bytes of the weights one decode token reads (active experts only)."""
         return int(self._core.weight_bytes)
 
+    def decode_weight_bytes(self, position: int) -> int:
+        """Bytes of the weights a one-token decode step at `position` reads: `weight_bytes` less the
+        indexer's query projection while the query selects every position it sees (position + 1 <=
+        index_topk), where the engine does not make the query."""
+        return int(self._core.decode_weight_bytes(int(position)))
+
     @property
     def device_bytes(self) -> int:
         return int(self._core.device_bytes)

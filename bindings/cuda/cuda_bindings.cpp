@@ -183,6 +183,7 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         .def_property_readonly("live_sequences", [](PyEngine& pe) { return pe.eng->live_sequences(); })
         .def_property_readonly("threads", [](PyEngine& pe) { return pe.threads; })
         .def_property_readonly("weight_bytes", [](PyEngine& pe) { return pe.eng->weight_bytes(); })
+        .def("decode_weight_bytes", [](PyEngine& pe, int64_t position) { return pe.eng->weight_bytes(position < 0 ? 0 : position); })
         .def_property_readonly("device_bytes", [](PyEngine& pe) { return pe.eng->device_bytes(); })
         .def_property_readonly("device_name", [](PyEngine& pe) { return pe.eng->device_name(); })
         .def_property_readonly("decode_path", [](PyEngine& pe) { return pe.eng->decode_path(); })

@@ -60,7 +60,9 @@ class Engine {
     // once. Returns the n tokens produced (the argmax of each step's logits).
     std::vector<int32_t> greedy(int64_t seq_id, int32_t first, int n);
 
-    size_t weight_bytes() const;         // streamed bytes of the weights one decode token reads
+    // streamed bytes of the weights one decode token reads; at a position (>= 0), what a one-token step
+    // there reads: while its query selects every position, the indexer's wq_b is not read
+    size_t weight_bytes(int64_t position = -1) const;
     size_t device_bytes() const;         // device memory held for weights
     std::string device_name() const;
     std::string decode_path() const;     // how FP8 codes are decoded ("hardware cvt" or "software")

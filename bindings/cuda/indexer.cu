@@ -140,10 +140,22 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
     const int ni = static_cast<int>(c.index_n_heads), di = static_cast<int>(c.index_head_dim);
     const int kp = static_cast<int>(c.index_kpool), budget = static_cast<int>(c.index_topk / c.index_kpool);
 
+    // Dense (every query sees at most `budget` pools, so each selects every position it sees) and
+    // nothing observing q, the weights or the scores: those three only rank pools, so they are not
+    // made (the query's wq_b read, the scaling and the scoring launches). k and gate still go to the
+    // cache: later queries score the pools they form. Same selection, same bits.
+    bool dense = true;
+    for (int t = 0; t < T; ++t) dense = dense && (s.pos[static_cast<size_t>(t)] + 1) / kp <= budget;
+    auto observed = [&](int stage) { return s.wants_any(layer, stage) || s.injects(layer, stage); };
+    const bool lean = dense && !observed(S_IDX_Q) && !observed(S_IDX_WEIGHTS) && !observed(S_IDX_SCORES);
+
     // indexer.q = lin(wq_b, q_lat)
-    float* q = s.scratch.d<float>(static_cast<size_t>(T) * ni * di);
-    linear(w.wq_b, q_lat, rq, q, static_cast<int64_t>(ni) * di, T, true, nm, s.hw8);
-    s.emit(layer, S_IDX_Q, q, static_cast<int64_t>(ni) * di, {static_cast<int64_t>(ni) * di});
+    float* q = nullptr;
+    if (!lean) {
+        q = s.scratch.d<float>(static_cast<size_t>(T) * ni * di);
+        linear(w.wq_b, q_lat, rq, q, static_cast<int64_t>(ni) * di, T, true, nm, s.hw8);
+        s.emit(layer, S_IDX_Q, q, static_cast<int64_t>(ni) * di, {static_cast<int64_t>(ni) * di});
+    }
     // wk, kpool_gate and weights_proj of x (one launch for one token when they are one matrix)
     float* kgw[3];
     linear_same_x(s, w.kgw, {&w.wk, &w.kpool_gate, &w.weights_proj}, x, D, kgw);
@@ -155,13 +167,13 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
     // indexer.gate = lin(index_kpool_compress_gate, x)
     s.emit(layer, S_IDX_GATE, gate, di, {di});
     // indexer.weights = lin(weights_proj, x) * (float)(n_i^-1/2), f32
-    {
+    if (!lean) {
         auto kk = k_scale;
         const int64_t n = static_cast<int64_t>(T) * ni;
         GLM_LAUNCH(kk, blocks(n, 256), 256, 0, wts, n, static_cast<float>(1.0 / std::sqrt(static_cast<double>(ni))));
         check_launch("idx_weights");
     }
-    s.emit(layer, S_IDX_WEIGHTS, wts, ni, {ni});
+    if (!lean) s.emit(layer, S_IDX_WEIGHTS, wts, ni, {ni});
 
     // cache k and gate, then compress the pools that completed in this step
     append_rows(s, layer, k, di, di, 1);
@@ -196,8 +208,8 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
         max_np = std::max(max_np, np);
     }
     float* scores = s.scratch.d<float>(static_cast<size_t>(std::max<int64_t>(total, 1)));
-    int64_t* d_off = s.scratch.up(off);
-    if (max_np > 0) {
+    int64_t* d_off = lean ? nullptr : s.scratch.up(off);  // (the dense selection reads no scores)
+    if (max_np > 0 && !lean) {
         auto kk = k_idx_scores;
         // pools per block: one while there are few (latency), eight once there are many (q reuse)
         const int PT = static_cast<int64_t>(max_np) * T >= 1024 ? 8 : 1;
@@ -206,7 +218,7 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
                    scores, nm);
         check_launch("idx_scores");
     }
-    s.emit_var(layer, S_IDX_SCORES, scores, off, shapes);
+    if (!lean) s.emit_var(layer, S_IDX_SCORES, scores, off, shapes);
 
     // the selection
     s.sel_off.assign(static_cast<size_t>(T), 0);

@@ -836,8 +836,9 @@ void Engine::finalize() {
     E_.finalized = true;
 }
 
-size_t Engine::weight_bytes() const {
+size_t Engine::weight_bytes(int64_t position) const {
     const Impl& E_ = *p_;
+    const bool dense = position >= 0 && (position + 1) / E_.cfg.index_kpool <= E_.cfg.index_topk / E_.cfg.index_kpool;
     size_t b = static_cast<size_t>(E_.embed.C) * 2 + E_.lm_head.bytes();
     for (const LayerW& w : E_.layers) {
         if (w.kda) {
@@ -847,7 +848,7 @@ size_t Engine::weight_bytes() const {
         } else {
             for (const Lin* l : {&w.m.q_a, &w.m.q_b, &w.m.kv_a, &w.m.kv_b, &w.m.o_proj, &w.m.wq_b, &w.m.wk,
                                  &w.m.weights_proj, &w.m.kpool_gate})
-                b += l->bytes();
+                if (!(dense && l == &w.m.wq_b)) b += l->bytes();  // (indexer_select: no query while dense)
         }
         if (w.f.moe) {
             b += w.f.router.bytes() + w.f.s_gate.bytes() + w.f.s_up.bytes() + w.f.s_down.bytes();
