@@ -273,16 +273,19 @@ __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict
     }
 }
 
+// moe.routed; with `shared` given, moe.out = bf16(routed + shared) made from it in the same thread
+// (when nothing observes routed: one launch fewer).
 __global__ void k_moe_routed(const float* __restrict__ ys, const float* __restrict__ wts, int T, int k, int D,
-                             float* routed, Nm nm) {
+                             const float* __restrict__ shared, float* out, Nm nm) {
     pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= static_cast<int64_t>(T) * D) return;
     const int64_t t = i / D, d = i % D;
-    routed[i] = bf16r(cdot_serial<float>(k, nm.seq, [&](int j, float& a, float& b) {
+    const float routed = bf16r(cdot_serial<float>(k, nm.seq, [&](int j, float& a, float& b) {
         a = ys[(t * k + j) * D + d];
         b = wts[t * k + j];
     }));
+    out[i] = shared ? bf16r(fadd(routed, shared[i])) : routed;
 }
 
 __global__ void k_add_bf16(const float* __restrict__ a, const float* __restrict__ b, float* out, int64_t n) {
@@ -404,15 +407,17 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     s.emit(layer, S_MOE_EXPERTS, ys, static_cast<int64_t>(k) * D, {k, D});
 
     s.mark("moe.combine");
-    // moe.routed[d] = bf16(cdot over j of (y_j[d], w_j))
-    float* routed = s.scratch.d<float>(static_cast<size_t>(T) * D);
-    {
-        const int64_t n = static_cast<int64_t>(T) * D;
+    const int64_t n = static_cast<int64_t>(T) * D;
+    // moe.routed[d] = bf16(cdot over j of (y_j[d], w_j)); made with moe.out below when nothing observes it
+    const bool apart = s.wants_any(layer, S_MOE_ROUTED) || s.injects(layer, S_MOE_ROUTED);
+    float* routed = nullptr;
+    if (apart) {
+        routed = s.scratch.d<float>(static_cast<size_t>(T) * D);
         auto kk = k_moe_routed;
-        GLM_LAUNCH(kk, blocks(n, 256), 256, 0, ys, wts, T, k, D, routed, nm);
+        GLM_LAUNCH(kk, blocks(n, 256), 256, 0, ys, wts, T, k, D, nullptr, routed, nm);
         check_launch("moe_routed");
+        s.emit(layer, S_MOE_ROUTED, routed, D, {D});
     }
-    s.emit(layer, S_MOE_ROUTED, routed, D, {D});
     // moe.shared (emitted in place: moe.out reads the emitted rows, injection included)
     float* shared = ys + static_cast<int64_t>(npairs) * D;
     if (!w.shared_in_tables) {
@@ -422,10 +427,13 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     }
     s.emit(layer, S_MOE_SHARED, shared, D, {D});
     // moe.out = bf16(routed + shared)
-    {
-        const int64_t n = static_cast<int64_t>(T) * D;
+    if (apart) {
         auto kk = k_add_bf16;
         GLM_LAUNCH(kk, blocks(n, 256), 256, 0, routed, shared, out, n);
+        check_launch("moe_out");
+    } else {
+        auto kk = k_moe_routed;
+        GLM_LAUNCH(kk, blocks(n, 256), 256, 0, ys, wts, T, k, D, shared, out, nm);
         check_launch("moe_out");
     }
     s.emit(layer, S_MOE_OUT, out, D, {D});
