@@ -569,6 +569,8 @@ LINEAR_EMU_CASES = [
     ("emu-fp8-bigscale", "fp8", 260, 256, 1, False, True, True),
     ("emu-mxfp4-bigscale", "mxfp4", 36, 320, 1, False, True, True),
     ("emu-fp8-long", "fp8", 40, 1088, 1, False, True, True),  # 17 chunks: a full batch and the rest
+    ("emu-fp8-wide", "fp8", 24, 2560, 1, False, True, True),  # 40 chunks: the wide kernel's batch of 32 and the rest
+    ("emu-bf16-wide", "bf16", 12, 1152, 1, False, True, False),  # 18 chunks: its BF16 batch of 16 and the rest
     ("emu-fp8-tiled", "fp8", 70, 192, 5, False, False, True),
     ("emu-bf16-tiled", "bf16", 40, 320, 3, False, False, False),
     ("emu-mxfp4-experts-tiled", "mxfp4", 48, 256, 11, True, True, True),
@@ -629,7 +631,9 @@ def test_linear_kernels_match_cpu(case):
     # the streaming kernel (persistent warps, bulk copies) at 1, 2 and 3 blocks per SM, one token or one-pair items
     stream = ["stream:1", "stream:2", "stream:3"] if (T == 1 or expert) and C % 64 == 0 else []
     stream += ["stream:1x", "stream:2x"] if T == 1 and C % 64 == 0 and C <= 4096 else []  # x staged per block
-    kernels = ["auto", "register"] + occ + stream + tiled + (variants if staged else [])
+    # the wide register kernel (16 or 32 threads per row): one token, dense, FP8 or BF16 rows of whole chunks
+    wide = ["register:w4", "register:w2"] if T == 1 and not expert and release in ("fp8", "bf16") and C % 64 == 0 else []
+    kernels = ["auto", "register"] + occ + wide + stream + tiled + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data);
     # MXFP4: the software decode and the f16-pair placement (scales <= 240)
     # (scales past the fold exclude the placement: auto takes the other, 'int' is refused)
@@ -639,7 +643,8 @@ def test_linear_kernels_match_cpu(case):
         with pytest.raises(ValueError, match="scales (below 2|of at most 240)"):
             cuda_module().linear(release, data, scale, X, round=rnd, decode="int")
     for kernel in kernels:
-        full = ("auto", "register", "register:occ5", "register:occ6", "stream:1", "stream:2", "stream:3", "stream:1x",
+        full = ("auto", "register", "register:occ5", "register:occ6", "register:w4", "register:w2", "stream:1", "stream:2",
+                "stream:3", "stream:1x",
                 "stream:2x", "tiled", "tiled:1",
                 "staged:4:1", "staged:2:0")
         for decode in decodes if kernel in full else ("auto",):
@@ -654,6 +659,9 @@ def test_linear_kernels_match_cpu(case):
     if not tiled:
         with pytest.raises(ValueError, match="tiled kernel does not apply"):
             cu.linear(release, data, scale, X, round=rnd, kernel="tiled", expert=expert)
+    if not wide:
+        with pytest.raises(ValueError, match="wide register kernel does not apply"):
+            cu.linear(release, data, scale, X, round=rnd, kernel="register:w4", expert=expert)
     if not stream:
         with pytest.raises(ValueError, match="stream kernel does not apply"):
             cu.linear(release, data, scale, X, round=rnd, kernel="stream:2", expert=expert)

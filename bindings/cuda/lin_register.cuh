@@ -161,6 +161,128 @@ __global__ void __launch_bounds__(rows_per_block<TT>() * 8, MINB) k_linear(LinAr
     }
 }
 
+// ---- the wide register kernel (one token, dense): 64 / LPT threads per row --------------------
+//
+// Thread (g, h) of a row holds lanes [h*LPT, (h+1)*LPT) of accumulator g (fold_lanes' layout): chunk c's
+// weights 64c + 8g + LPT*h .. + LPT - 1, in increasing chunk order as every kernel. Short wide matrices
+// (4096 output rows over K = 8192 or 16384: the attention output projections) give the eight-thread
+// kernel ~8 warps per SM, each running a long serial stream of decode instructions; two or four times
+// the threads per row split that stream, with as many bytes in flight per SM. 128 threads per block.
+template <int FMT, int LPT>
+using WideWord = std::conditional_t<FMT == W_BF16 && LPT == 4, uint2, uint32_t>;
+
+template <int FMT, int LPT>
+GLM_DEV WideWord<FMT, LPT> wide_load(const void* __restrict__ data, int64_t ar, int64_t C, int64_t col) {
+    if constexpr (FMT == W_BF16) {
+        const uint16_t* p = static_cast<const uint16_t*>(data) + ar * C + col;
+        if constexpr (LPT == 4) return __ldg(reinterpret_cast<const uint2*>(p));
+        else return __ldg(reinterpret_cast<const uint32_t*>(p));
+    } else {  // W_FP8
+        const uint8_t* p = static_cast<const uint8_t*>(data) + ar * C + col;
+        if constexpr (LPT == 4) return __ldg(reinterpret_cast<const uint32_t*>(p));
+        else return static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(p)));
+    }
+}
+
+// LPT weights from their raw word, exactly as decode_raw decodes eight (s: the FP8 block scale).
+template <int FMT, int DEC, int LPT>
+GLM_DEV void wide_decode(const WideWord<FMT, LPT>& v, float s, float (&w)[LPT]) {
+    if constexpr (FMT == W_BF16) {
+        uint32_t u[LPT / 2];
+        if constexpr (LPT == 4) {
+            u[0] = v.x;
+            u[1] = v.y;
+        } else {
+            u[0] = v;
+        }
+#pragma unroll
+        for (int k = 0; k < LPT / 2; ++k) {
+            w[2 * k] = f32_from_bits(u[k] << 16);
+            w[2 * k + 1] = f32_from_bits(u[k] & 0xFFFF0000u);
+        }
+    } else {
+        if constexpr (DEC == kDecInt) {
+            w[0] = e4m3_int<0>(v);
+            w[1] = e4m3_int<1>(v);
+            if constexpr (LPT == 4) {
+                w[2] = e4m3_int<2>(v);
+                w[3] = e4m3_int<3>(v);
+            }
+        } else {
+            e4m3x2<DEC == kDecHw>(v & 0xFFFFu, w[0], w[1]);
+            if constexpr (LPT == 4) e4m3x2<DEC == kDecHw>(v >> 16, w[2], w[3]);
+        }
+        scale_fp8<DEC>(w, s);
+    }
+}
+
+template <int LPT>
+GLM_DEV void wide_load_x(const float* __restrict__ x, float (&v)[LPT]) {
+    if constexpr (LPT == 4) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(x));
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    } else {
+        const float2 a = __ldg(reinterpret_cast<const float2*>(x));
+        v[0] = a.x; v[1] = a.y;
+    }
+}
+
+constexpr int kWideThreads = 128;
+template <int FMT, int DEC, int LPT>
+__global__ void __launch_bounds__(kWideThreads, 1) k_linear_wide(LinArgs a) {
+    pdl_enter();
+    constexpr int SUB = 8 / LPT, TPR = 8 * SUB, RPB = kWideThreads / TPR;
+    constexpr int U = FMT == W_BF16 ? 16 : 32;  // chunks whose loads are in flight together
+    const int tid = static_cast<int>(threadIdx.x), q = tid % TPR, g = q / SUB, h = q % SUB;
+    const int grp = static_cast<int>(blockIdx.x) * RPB + tid / TPR;
+    const bool live = grp < a.R;
+    const int r = live ? grp : a.R - 1;
+    const int head = r / a.rh;
+    const int64_t ar = a.row0 + static_cast<int64_t>(head) * a.hstride + a.woff + (r % a.rh);
+    const int64_t C = a.C, nch = C / 64;
+    const float* xr = a.X + static_cast<int64_t>(head) * a.xhs + 8 * g + LPT * h;
+    const int64_t col0 = 8 * g + LPT * h;
+    const float* srow = FMT == W_FP8 ? static_cast<const float*>(a.scale) + (ar / 128) * ((C + 127) / 128) : nullptr;
+    float acc[LPT];
+#pragma unroll
+    for (int l = 0; l < LPT; ++l) acc[l] = 0.0f;
+    auto step = [&](const WideWord<FMT, LPT>& raw, float sc, int64_t c) {
+        float w[LPT], x[LPT];
+        wide_decode<FMT, DEC, LPT>(raw, sc, w);
+        wide_load_x<LPT>(xr + 64 * c, x);
+#pragma unroll
+        for (int l = 0; l < LPT; ++l) acc[l] = ffma(w[l], x[l], acc[l]);
+    };
+    int64_t c = 0;
+    for (; c + U <= nch; c += U) {
+        WideWord<FMT, LPT> raw[U];
+        float sc[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            raw[u] = wide_load<FMT, LPT>(a.data, ar, C, 64 * (c + u) + col0);
+            sc[u] = FMT == W_FP8 ? __ldg(srow + (c + u) / 2) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) step(raw[u], sc[u], c + u);
+    }
+    for (; c < nch; c += 8) {  // the rest in predicated batches of eight
+        WideWord<FMT, LPT> raw[8];
+        float sc[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            if (c + u < nch) {
+                raw[u] = wide_load<FMT, LPT>(a.data, ar, C, 64 * (c + u) + col0);
+                sc[u] = FMT == W_FP8 ? __ldg(srow + (c + u) / 2) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+            if (c + u < nch) step(raw[u], sc[u], c + u);
+    }
+    const float y = fold_lanes<LPT>(acc, g, h);
+    if (live && q == 0) a.Y[r] = a.round ? bf16r(y) : y;
+}
+
 // dot="sequential": one thread per (row, token), decoded element by element, s = s + w*x.
 template <bool EXPERT>
 __global__ void k_linear_seq(LinArgs a, int tile) {

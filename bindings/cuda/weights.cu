@@ -210,6 +210,25 @@ void launch_reg(const LinArgs& a, dim3 grid, int minb) {
     GLM_LAUNCH(k, grid, threads, 0, a);
 }
 
+// The wide register kernel: one token, dense and not head-blocked, FP8 or BF16 rows of whole chunks, x
+// aligned for its vector loads.
+bool wide_applies(const LinArgs& a, bool expert) {
+    return !expert && a.T == 1 && (a.fmt == W_FP8 || a.fmt == W_BF16) && a.C % 64 == 0 && a.rh >= a.R &&
+           reinterpret_cast<uintptr_t>(a.X) % 16 == 0;
+}
+template <int FMT>
+void launch_wide(const LinArgs& a, int lpt) {
+    if constexpr (FMT == W_FP8 || FMT == W_BF16) {
+        const int rpb = kWideThreads / (64 / lpt);
+        const unsigned nb = static_cast<unsigned>((a.R + rpb - 1) / rpb);
+        with_dec<FMT, true>(a.dec, [&](auto dec) {
+            constexpr int DEC = decltype(dec)::value;
+            auto k = lpt == 4 ? k_linear_wide<FMT, DEC, 4> : k_linear_wide<FMT, DEC, 2>;
+            GLM_LAUNCH(k, nb, kWideThreads, 0, a);
+        });
+    }
+}
+
 // minb (one token): the register-bounded variants (tuning candidates)
 // (MXFP4 with several tokens: the software decode)
 template <int FMT, int TT, bool EXPERT>
@@ -262,6 +281,7 @@ std::string choice_name(const StChoice& c) {
     if (c.lpt == kTiledChoice) return "tiled";
     if (c.lpt == kRegOccChoice) return "register:occ" + std::to_string(c.rpb);
     if (c.lpt == kStreamChoice) return "stream:" + std::to_string(c.rpb) + (c.xs == 1 ? "x" : "");
+    if (c.lpt == kWideChoice) return "register:w" + std::to_string(c.rpb);
     if (c.lpt < 0) return "register";
     return "staged:" + std::to_string(c.lpt) + ":" + std::to_string(c.xs) +
            (c.rpb ? ":" + std::to_string(c.rpb) + ":" + std::to_string(c.cps) : "");
@@ -304,6 +324,11 @@ bool launch_one_token(const LinArgs& a, dim3 grid, const StChoice& c) {
         else launch_sm<FMT, EXPERT, 3, false>(a, grid);
         return true;
     }
+    if (c.lpt == kWideChoice) {
+        if (!wide_applies(a, EXPERT)) return false;
+        launch_wide<FMT>(a, c.rpb);
+        return true;
+    }
     if (c.lpt < 0) {
         launch_register<FMT, 1, EXPERT>(a, grid, c.lpt == kRegOccChoice ? c.rpb : 1);
         return true;
@@ -339,6 +364,14 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
         c.lpt = kRegOccChoice;
         c.rpb = minb;
         cands.push_back(c);
+    }
+    if (wide_applies(a, EXPERT)) {
+        for (int lpt : {4, 2}) {
+            StChoice c;
+            c.lpt = kWideChoice;
+            c.rpb = lpt;
+            cands.push_back(c);
+        }
     }
     if (stream_applies(a, EXPERT)) {
         for (int bps : {1, 2, 3}) {
@@ -611,13 +644,17 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
         c.lpt = kRegOccChoice;
         c.rpb = kernel.back() - '0';
     }
+    if (kernel == "register:w4" || kernel == "register:w2") {
+        c.lpt = kWideChoice;
+        c.rpb = kernel.back() - '0';
+    }
     if (kernel.size() >= 8 && kernel.rfind("stream:", 0) == 0 && kernel[7] >= '1' && kernel[7] <= '3' &&
         (kernel.size() == 8 || (kernel.size() == 9 && kernel[8] == 'x'))) {
         c.lpt = kStreamChoice;
         c.rpb = kernel[7] - '0';
         c.xs = kernel.size() == 9 ? 1 : -1;
     }
-    if (kernel == "auto" || kernel == "register" || c.lpt == kRegOccChoice || c.lpt == kStreamChoice ||
+    if (kernel == "auto" || kernel == "register" || c.lpt == kRegOccChoice || c.lpt == kStreamChoice || c.lpt == kWideChoice ||
         kernel == "tiled" || kernel == "tiled:1" || kernel == "staged")
         return c;
     int v[4] = {0, -1, 0, 0};
@@ -645,6 +682,7 @@ StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_
         }
     }
     throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occ5', 'register:occ6', "
+                                "'register:w4', 'register:w2' (one token, dense, FP8 or BF16), "
                                 "'stream:1|2|3' (x: x staged), 'tiled', "
                                 "'tiled:1', 'staged' or "
                                 "'staged:LPT:XS[:RPB:CPS]' "
@@ -787,6 +825,8 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
             throw std::invalid_argument("linear: the tiled kernel does not apply to this shape");
         if (choice.lpt == kStreamChoice && !(choice.xs == 1 ? stream_xs_applies(a, true, choice.rpb) : stream_applies(a, true)))
             throw std::invalid_argument("linear: the stream kernel does not apply to this shape");
+        if (choice.lpt == kWideChoice)
+            throw std::invalid_argument("linear: the wide register kernel does not apply to this shape");
         run(a, true, tile, Nm{});
     } else {
         a.data = dd;
@@ -797,6 +837,8 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
             throw std::invalid_argument("linear: the tiled kernel does not apply to this shape");
         if (choice.lpt == kStreamChoice && !(choice.xs == 1 ? stream_xs_applies(a, false, choice.rpb) : stream_applies(a, false)))
             throw std::invalid_argument("linear: the stream kernel does not apply to this shape");
+        if (choice.lpt == kWideChoice && !wide_applies(a, false))
+            throw std::invalid_argument("linear: the wide register kernel does not apply to this shape");
         run(a, false, tile_for(T), Nm{});
     }
     std::vector<float> y(static_cast<size_t>(T) * R);

@@ -61,6 +61,7 @@ struct ExpertTable {
 constexpr int kTiledChoice = -2;   // StChoice::lpt of the tiled kernel (k_linear_mt with one token)
 constexpr int kRegOccChoice = -3;  // StChoice::lpt of the register kernel bounded to rpb (5 or 6) blocks per SM
 constexpr int kStreamChoice = -4;  // StChoice::lpt of the streaming kernel with rpb (1, 2 or 3) blocks per SM
+constexpr int kWideChoice = -5;    // StChoice::lpt of the wide register kernel with rpb (4 or 2) lanes per thread
 struct StChoice {
     int lpt = 0;   // 8, 4 or 2 lanes of one accumulator per thread (-1 register, kTiledChoice tiled, kStreamChoice)
     int xs = -1;   // stage x too (1) or read it through L1 (0)
