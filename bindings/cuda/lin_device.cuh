@@ -196,23 +196,71 @@ GLM_DEV void e4m3x2(uint32_t pair, float& a, float& b) {
     b = e4m3_sw((pair >> 8) & 0xFFu);
 }
 
+// The raw bytes of LPT (4 or 2) consecutive FP8 or BF16 weights, and their decoding: what a thread of
+// the wide register kernel loads per chunk, and what decode_smem reads for fewer than eight lanes.
+template <int FMT, int LPT>
+using WideWord = std::conditional_t<FMT == W_BF16 && LPT == 4, uint2, uint32_t>;
+
+template <int FMT, int LPT>
+GLM_DEV WideWord<FMT, LPT> wide_load(const void* __restrict__ data, int64_t ar, int64_t C, int64_t col) {
+    if constexpr (FMT == W_BF16) {
+        const uint16_t* p = static_cast<const uint16_t*>(data) + ar * C + col;
+        if constexpr (LPT == 4) return __ldg(reinterpret_cast<const uint2*>(p));
+        else return __ldg(reinterpret_cast<const uint32_t*>(p));
+    } else {  // W_FP8
+        const uint8_t* p = static_cast<const uint8_t*>(data) + ar * C + col;
+        if constexpr (LPT == 4) return __ldg(reinterpret_cast<const uint32_t*>(p));
+        else return static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(p)));
+    }
+}
+
+// LPT weights from their raw word, exactly as decode_raw decodes eight (s: the FP8 block scale).
+template <int FMT, int DEC, int LPT>
+GLM_DEV void wide_decode(const WideWord<FMT, LPT>& v, float s, float (&w)[LPT]) {
+    if constexpr (FMT == W_BF16) {
+        uint32_t u[LPT / 2];
+        if constexpr (LPT == 4) {
+            u[0] = v.x;
+            u[1] = v.y;
+        } else {
+            u[0] = v;
+        }
+#pragma unroll
+        for (int k = 0; k < LPT / 2; ++k) {
+            w[2 * k] = f32_from_bits(u[k] << 16);
+            w[2 * k + 1] = f32_from_bits(u[k] & 0xFFFF0000u);
+        }
+    } else {
+        if constexpr (DEC == kDecInt) {
+            w[0] = e4m3_int<0>(v);
+            w[1] = e4m3_int<1>(v);
+            if constexpr (LPT == 4) {
+                w[2] = e4m3_int<2>(v);
+                w[3] = e4m3_int<3>(v);
+            }
+        } else {
+            e4m3x2<DEC == kDecHw>(v & 0xFFFFu, w[0], w[1]);
+            if constexpr (LPT == 4) e4m3x2<DEC == kDecHw>(v >> 16, w[2], w[3]);
+        }
+        scale_fp8<DEC>(w, s);
+    }
+}
+
 // LPT consecutive weights of a row from shared memory (p: their first byte), decoded exactly as
 // decode_raw does for eight: BF16 bits, F32, E4M3 * scale (one f32 multiply), E2M1 * E8M0 scale.
 template <int FMT, int DEC, int LPT>
 GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
-    if constexpr (FMT == W_BF16) {
-        uint32_t u[LPT / 2];
-        if constexpr (LPT == 8) {
-            const uint4 v = *reinterpret_cast<const uint4*>(p);
-            u[0] = v.x; u[1] = v.y; u[2] = v.z; u[3] = v.w;
-        } else if constexpr (LPT == 4) {
-            const uint2 v = *reinterpret_cast<const uint2*>(p);
-            u[0] = v.x; u[1] = v.y;
-        } else {
-            u[0] = *reinterpret_cast<const uint32_t*>(p);
-        }
+    if constexpr ((FMT == W_BF16 || FMT == W_FP8) && LPT < 8) {
+        WideWord<FMT, LPT> v;
+        if constexpr (FMT == W_BF16 && LPT == 4) v = *reinterpret_cast<const uint2*>(p);
+        else if constexpr (FMT == W_BF16 || LPT == 4) v = *reinterpret_cast<const uint32_t*>(p);
+        else v = *reinterpret_cast<const uint16_t*>(p);
+        wide_decode<FMT, DEC, LPT>(v, s, w);
+    } else if constexpr (FMT == W_BF16) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int k = 0; k < LPT / 2; ++k) {
+        for (int k = 0; k < 4; ++k) {
             w[2 * k] = f32_from_bits(u[k] << 16);
             w[2 * k + 1] = f32_from_bits(u[k] & 0xFFFF0000u);
         }
@@ -223,29 +271,9 @@ GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
             w[k] = v.x;
             w[k + 1] = v.y;
         }
-    } else if constexpr (FMT == W_FP8) {
-        if constexpr (LPT == 8) {
-            const uint2 v = *reinterpret_cast<const uint2*>(p);
-            float t[8];
-            e4m3_words<DEC>(v.x, v.y, t);
-#pragma unroll
-            for (int l = 0; l < 8; ++l) w[l] = t[l];
-        } else if constexpr (DEC == kDecInt) {
-            const uint32_t v = LPT == 4 ? *reinterpret_cast<const uint32_t*>(p) : *reinterpret_cast<const uint16_t*>(p);
-            w[0] = e4m3_int<0>(v);
-            w[1] = e4m3_int<1>(v);
-            if constexpr (LPT == 4) {
-                w[2] = e4m3_int<2>(v);
-                w[3] = e4m3_int<3>(v);
-            }
-        } else if constexpr (LPT == 4) {
-            const uint32_t v = *reinterpret_cast<const uint32_t*>(p);
-            e4m3x2<DEC == kDecHw>(v & 0xFFFFu, w[0], w[1]);
-            e4m3x2<DEC == kDecHw>(v >> 16, w[2], w[3]);
-        } else {
-            const uint32_t v = *reinterpret_cast<const uint16_t*>(p);
-            e4m3x2<DEC == kDecHw>(v, w[0], w[1]);
-        }
+    } else if constexpr (FMT == W_FP8) {  // (eight lanes)
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        e4m3_words<DEC>(v.x, v.y, w);
         scale_fp8<DEC>(w, s);
     } else if constexpr (LPT == 8 && DEC == kDecInt) {  // s: the folded scale (e8m0_folded)
         mxfp4_int8(*reinterpret_cast<const uint32_t*>(p), s, w);

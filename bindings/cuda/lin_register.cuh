@@ -168,54 +168,6 @@ __global__ void __launch_bounds__(rows_per_block<TT>() * 8, MINB) k_linear(LinAr
 // (4096 output rows over K = 8192 or 16384: the attention output projections) give the eight-thread
 // kernel ~8 warps per SM, each running a long serial stream of decode instructions; two or four times
 // the threads per row split that stream, with as many bytes in flight per SM. 128 threads per block.
-template <int FMT, int LPT>
-using WideWord = std::conditional_t<FMT == W_BF16 && LPT == 4, uint2, uint32_t>;
-
-template <int FMT, int LPT>
-GLM_DEV WideWord<FMT, LPT> wide_load(const void* __restrict__ data, int64_t ar, int64_t C, int64_t col) {
-    if constexpr (FMT == W_BF16) {
-        const uint16_t* p = static_cast<const uint16_t*>(data) + ar * C + col;
-        if constexpr (LPT == 4) return __ldg(reinterpret_cast<const uint2*>(p));
-        else return __ldg(reinterpret_cast<const uint32_t*>(p));
-    } else {  // W_FP8
-        const uint8_t* p = static_cast<const uint8_t*>(data) + ar * C + col;
-        if constexpr (LPT == 4) return __ldg(reinterpret_cast<const uint32_t*>(p));
-        else return static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(p)));
-    }
-}
-
-// LPT weights from their raw word, exactly as decode_raw decodes eight (s: the FP8 block scale).
-template <int FMT, int DEC, int LPT>
-GLM_DEV void wide_decode(const WideWord<FMT, LPT>& v, float s, float (&w)[LPT]) {
-    if constexpr (FMT == W_BF16) {
-        uint32_t u[LPT / 2];
-        if constexpr (LPT == 4) {
-            u[0] = v.x;
-            u[1] = v.y;
-        } else {
-            u[0] = v;
-        }
-#pragma unroll
-        for (int k = 0; k < LPT / 2; ++k) {
-            w[2 * k] = f32_from_bits(u[k] << 16);
-            w[2 * k + 1] = f32_from_bits(u[k] & 0xFFFF0000u);
-        }
-    } else {
-        if constexpr (DEC == kDecInt) {
-            w[0] = e4m3_int<0>(v);
-            w[1] = e4m3_int<1>(v);
-            if constexpr (LPT == 4) {
-                w[2] = e4m3_int<2>(v);
-                w[3] = e4m3_int<3>(v);
-            }
-        } else {
-            e4m3x2<DEC == kDecHw>(v & 0xFFFFu, w[0], w[1]);
-            if constexpr (LPT == 4) e4m3x2<DEC == kDecHw>(v >> 16, w[2], w[3]);
-        }
-        scale_fp8<DEC>(w, s);
-    }
-}
-
 template <int LPT>
 GLM_DEV void wide_load_x(const float* __restrict__ x, float (&v)[LPT]) {
     if constexpr (LPT == 4) {
