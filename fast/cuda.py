@@ -49,12 +49,31 @@ def cuda_available() -> bool:
         return False
 
 
+def _emulated(cu) -> bool:
+    return cu.__name__.endswith("_emu")
+
+
+def _use_rank_device(cu, ep) -> None:
+    """One GPU per rank of expert parallelism: LOCAL_RANK under a launcher, else the rank (driver mode
+    starts its ranks on this host). torch (NCCL) is pointed at the same device."""
+    if ep.ranks <= 1 or _emulated(cu):
+        return
+    local = int(os.environ.get("LOCAL_RANK", ep.rank)) if ep.mode == "spmd" else ep.rank
+    n = cu.device_count()
+    if local >= n:
+        raise EngineInputError(f"expert parallelism: rank {ep.rank} needs GPU {local} of this host, which has {n}")
+    cu.set_device(local)
+    import torch
+    torch.cuda.set_device(local)
+
+
 class CudaEngine(Engine):
     """The exact CUDA engine over one checkpoint (fast.Engine's API; weights resident on the GPU)."""
 
     def __init__(self, path, device: str = "cuda", threads: int | None = None, *, dot: str = "canonical",
                  expf: str = "canonical", inject=None, max_context: int | None = None,
-                 parallel_work: int | None = None):
+                 parallel_work: int | None = None, ranks: int | None = None, expert_ranges=None,
+                 memory_limit: int | None = None, verify_ranks: bool = False, _ep_member=None):
         # threads and parallel_work are accepted for fast.Engine's API; the GPU work split is the grid's
         if device not in ("cuda", "cuda:0", "gpu"):
             raise EngineInputError(f"device {device!r}: this engine runs on 'cuda'")
@@ -65,18 +84,44 @@ class CudaEngine(Engine):
         if [tuple(s) for s in cu.ENGINE_STAGES] != [tuple(s) for s in _core().ENGINE_STAGES]:
             raise RuntimeError("the CUDA and CPU engines' stage tables differ")  # pragma: no cover
         self.cuda = cu
-        self.checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+        # expert parallelism (docs/ep.md, "GPU"): one GPU per rank, the routed experts split over ranks
+        ep = None
+        if (ranks is not None or expert_ranges is not None or memory_limit is not None or _ep_member is not None
+                or os.environ.get("GLM_EP") == "1"):
+            from .distributed import EPSetup
+            ep = EPSetup.resolve(ranks, expert_ranges, memory_limit, verify_ranks, _ep_member)
+            _use_rank_device(cu, ep)
+            if ep.memory_limit is None:  # the device's memory (the emulation: no limit)
+                ep.memory_limit = None if _emulated(cu) else int(cu.device_memory()[1])
+        self.ep = ep
+        self.checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path, verify=ep is None)
         self.config = cfg = self.checkpoint.config
         self.max_context = limit = _context_limit(cfg, max_context)
         self.options = {"dot": dot, "expf": expf, "threads": int(threads), "device": "cuda"}
-        try:
-            self._core = cu._Engine(_engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf)
-        except RuntimeError as e:
-            raise EngineInputError(f"device 'cuda': {e}") from None
+        if ep is not None:
+            ep.plan(self.checkpoint, limit, 1, device="cuda")  # prints the plan; refuses before allocating
+            self.options["ranks"] = ep.ranks
         self.release = {}
         self.loaded = {"tensors": 0, "experts": set()}  # what this process read from the checkpoint
-        _load_tensors(self, self._core)
-        self._core.finalize()
+
+        def make_local():
+            try:
+                c = cu._Engine(_engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf)
+            except RuntimeError as e:
+                raise EngineInputError(f"device 'cuda': {e}") from None
+            if ep is not None:
+                c.set_expert_partition(ep.rank, ep.ranks, ep.bounds)
+            _load_tensors(self, c, None if ep is None else ep.owns)
+            c.finalize()
+            return c
+
+        if ep is None:
+            self._core = make_local()
+        else:
+            kw = {"device": "cuda", "threads": int(threads), "dot": dot, "expf": expf, "max_context": limit,
+                  "parallel_work": parallel_work, "ranks": ep.ranks, "expert_ranges": ep.ranges,
+                  "memory_limit": ep.memory_limit, "verify_ranks": ep.verify}
+            self._core = ep.build(make_local, self.checkpoint.path, kw)
         self._stage_index = {name: i for i, (name, _) in enumerate(cu.ENGINE_STAGES)}
         missing = set(ALL_STAGE_NAMES) - set(self._stage_index)
         if missing:  # pragma: no cover - the two stage tables must agree
@@ -133,6 +178,13 @@ class CudaEngine(Engine):
     def set_timing(self, on: bool = True) -> None:
         """Bracket each module's kernels with device events (stage_times sums them per module)."""
         self._core.set_timing(bool(on))
+
+    def set_exchange_timing(self, on: bool = True) -> None:
+        """Expert parallelism: bracket this rank's collectives with device events (ep_stats()'s
+        collective_device_seconds sums them)."""
+        exchange = getattr(self._core, "exchange", None)
+        if exchange is not None and hasattr(exchange, "timing"):
+            exchange.timing = bool(on)
 
     def stage_times(self) -> dict[str, float]:
         """Device milliseconds per module since the last reset_stage_times()."""

@@ -298,6 +298,76 @@ class _Exchange:
         self.calls += 1
 
 
+# NCCL, PyTorch and NVSHMEM without NVLink multicast (a program using it can take a shared host's GPUs
+# out of service): kept as the environment has them, set where it has not.
+_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class _CudaBuffer:
+    """A device address as an array torch can view without a copy (__cuda_array_interface__)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (int(ptr), False),
+                                         "version": 2}
+
+
+class _DeviceExchange:
+    """The CUDA executor's exchange hook (docs/ep.md, "GPU"): send u16[rows, D] and recv u16[ranks, rows,
+    D] are device addresses; an all-gather of bytes into recv on an NCCL group, on torch's current
+    stream, which is the engine's (the legacy default stream): ordered after the engine's packing and
+    before its unpacking with no host synchronization. Never a reduction. The NCCL group is made at the
+    first exchange, which every rank reaches at the same point of the same step. Under the CPU
+    emulation (fast._cuda_emu) the addresses are host memory and the rows go through the gloo group.
+
+    With `timing` on, CUDA events bracket each collective on the stream; collective_seconds() sums them
+    (it synchronizes)."""
+
+    def __init__(self, torch, dist, group, ranks: int, emulated: bool):
+        self.torch, self.dist, self.group, self.ranks, self.emulated = torch, dist, group, ranks, emulated
+        self.pg = None
+        self.seconds = 0.0  # host time inside the hook (enqueueing on the GPU)
+        self.calls = 0
+        self.timing = False
+        self._events: list = []
+
+    def __call__(self, layer: int, send: int, recv: int, rows: int, D: int) -> None:
+        torch, dist = self.torch, self.dist
+        n = int(rows) * int(D) * 2
+        t0 = time.perf_counter()
+        if self.emulated:
+            import ctypes
+            snd = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(int(send)))
+            rcv = np.ctypeslib.as_array((ctypes.c_uint8 * (n * self.ranks)).from_address(int(recv)))
+            outs = [torch.from_numpy(rcv[r * n:(r + 1) * n]) for r in range(self.ranks)]
+            dist.all_gather(outs, torch.from_numpy(snd), group=self.group)
+        else:
+            if self.pg is None:
+                for k, v in _NO_MULTICAST.items():  # (shared hosts: NVLink multicast stays off)
+                    os.environ.setdefault(k, v)
+                self.pg = dist.new_group(backend="nccl")
+            dev = torch.device("cuda", torch.cuda.current_device())
+            snd = torch.as_tensor(_CudaBuffer(send, n), device=dev)
+            rcv = torch.as_tensor(_CudaBuffer(recv, n * self.ranks), device=dev)
+            if self.timing:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+            dist.all_gather_into_tensor(rcv, snd, group=self.pg)
+            if self.timing:
+                b.record()
+                self._events.append((a, b))
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+
+    def collective_seconds(self) -> float:
+        """Device time of the collectives recorded while `timing` was on (synchronizes; then clears)."""
+        if not self._events:
+            return 0.0
+        self.torch.cuda.synchronize()
+        total = sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        self._events.clear()
+        return total
+
+
 def _digest(result) -> str:
     """What a rank computed in one step: logits and every captured row (sorted), injected count."""
     head_rows, logits, caps, injected = result
@@ -324,7 +394,11 @@ class _RankCore:
         self._deferred: list[int] = []
         self.exchange = None
         if group is not None and group.ranks > 1:
-            self.exchange = _Exchange(group.torch, group.dist, group.pg, group.ranks)
+            if getattr(local, "device_exchange", False):  # the CUDA executor: device buffers
+                emulated = type(local).__module__.endswith("_emu")
+                self.exchange = _DeviceExchange(group.torch, group.dist, group.pg, group.ranks, emulated)
+            else:
+                self.exchange = _Exchange(group.torch, group.dist, group.pg, group.ranks)
             local.set_exchange(self.exchange)
         self.steps = 0
 
@@ -370,6 +444,8 @@ class _RankCore:
         d.update(rank=rank, ranks=ranks, experts=(bounds[rank], bounds[rank + 1]) if bounds else None,
                  collective_seconds=self.exchange.seconds if self.exchange else 0.0,
                  collective_calls=self.exchange.calls if self.exchange else 0, steps=self.steps)
+        if isinstance(self.exchange, _DeviceExchange):  # (collective_seconds: the host's enqueueing there)
+            d["collective_device_seconds"] = self.exchange.collective_seconds()
         return d
 
     def reset_stats(self) -> None:
@@ -425,6 +501,11 @@ class _DriverCore(_RankCore):
         self._check()
         self.cluster.send(("step", self.eid, args, self.verify))
         return self.run_step(args, self.verify)
+
+    def greedy(self, *args):  # (the CUDA executor's device-resident loop: every step exchanges rows)
+        self._check()
+        self.cluster.send(("greedy", self.eid, args))
+        return self.local.greedy(*args)
 
     def rank_stats(self) -> list[dict]:
         self._check()
@@ -626,6 +707,11 @@ def _worker_main(rank: int, ranks: int, port: int, timeout_s: float) -> None:
                 core.run_step(args, verify)
             except Exception:  # noqa: BLE001 - rank 0 computes the same step and raises the same error
                 pass
+        elif op == "greedy":
+            try:
+                engines[cmd[1]]._core.local.greedy(*cmd[2])
+            except Exception:  # noqa: BLE001 - rank 0 runs the same loop and raises the same error
+                pass
         elif op == "stats":
             group.gather(engines[cmd[1]]._core.stats() | {"desync": list(desync)})
         elif op == "reset_stats":
@@ -683,14 +769,14 @@ class EPSetup:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.ranks)) if self.mode == "spmd" else self.ranks
         return max(1, cores // max(1, local))
 
-    def plan(self, ck, context: int, threads: int = 1) -> None:
+    def plan(self, ck, context: int, threads: int = 1, device: str = "cpu") -> None:
         """Validate the ranges, compute every rank's memory plan, print it (rank 0), refuse what cannot fit."""
         E = ck.config.n_routed_experts
         self.ranges = (even_ranges(E, self.ranks) if self.ranges is None
                        else check_ranges(self.ranges, E, self.ranks))
         self.plans = memory_plans(ck, self.ranges, context=context, limit=self.memory_limit, threads=threads)
         if self.rank == 0 and os.environ.get("GLM_EP_QUIET", "") in ("", "0"):
-            print(format_plans(self.plans), file=sys.stderr, flush=True)
+            print(format_plans(self.plans, device), file=sys.stderr, flush=True)
         over = [p for p in self.plans if not p.fits]
         if over:
             p = over[0]

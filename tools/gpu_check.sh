@@ -15,7 +15,8 @@
 # NCU_KERNELS=REGEX (ncu --set full on the engine's kernels whose names match, in decode steps at batch 1:
 # details and per-SASS-instruction stall samples into $OUT; NCU_SKIP, NCU_KCOUNT: which launches), BENCH=0 (no benchmarks),
 # SASS=REGEX (cuobjdump of the kernels whose mangled names match, with each one's instruction mix), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
-# AB="VAR=VALUE ..." (decode again with each setting, e.g. GLM_PDL=0 GLM_EXPERT_TILE=4). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
+# AB="VAR=VALUE ..." (decode again with each setting, e.g. GLM_PDL=0 GLM_EXPERT_TILE=4), EP=0 (no expert-parallel
+# tests and benchmark where the host has 2+ GPUs; EP_RANKS: ranks of its benchmark, default every GPU). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
 # after the main build (VARIANT_PREFILL=0: decode only).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
@@ -168,6 +169,23 @@ elif [ "$T_SLICE" -gt 30 ]; then
   grep -E "passed|failed|error|first divergence|assert" "$OUT/pytest_slice.log" | head -20
 else
   echo "skipped: no time left"
+fi
+
+NGPU=$(nvidia-smi -L | wc -l)
+if [ "${EP:-1}" != "0" ] && [ "$NGPU" -ge 2 ]; then
+  # expert parallelism over this host's GPUs (docs/ep.md, "GPU"): the tests (tiny and small over 2 and 3
+  # ranks, slice over 2) and decode on slice-fp8 over EP_RANKS GPUs against one
+  phase "expert parallelism over $NGPU GPUs (tests/test_ep_cuda.py, tools/bench_ep_cuda.py)"
+  T_EP=$(( $(left) / 2 )); [ "$T_EP" -lt 60 ] && T_EP=60
+  GLM_SLICE_DIR="$SLICE" GLM_EP_TIMEOUT=120 timeout "$T_EP" python3 -m pytest tests/test_ep_cuda.py -v -rs -p no:cacheprovider \
+    > "$OUT/pytest_ep.log" 2>&1
+  echo "EP tests exit $? (limit $T_EP s)"
+  grep -E "PASSED|FAILED|SKIPPED|passed|failed|Error" "$OUT/pytest_ep.log" | grep -v "^\[rank" | head -30
+  if [ -f "$SLICE/slice-fp8/config.json" ]; then
+    GLM_EP_TIMEOUT=120 timeout $(( $(left) - 20 )) python3 tools/bench_ep_cuda.py --checkpoint "$SLICE/slice-fp8" \
+      --ranks "${EP_RANKS:-$NGPU}" --steps 64 --json "$OUT/bench_ep.json" 2>&1 | grep -v "^\[rank"
+    echo "EP bench exit $?"
+  fi
 fi
 
 if [ "${BENCH:-1}" != "0" ]; then

@@ -202,6 +202,55 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
             },
             py::arg("seq"), py::arg("first"), py::arg("n"),
             "n greedy decode steps of one sequence on the device (first: its next token); the tokens produced.")
+        // ---- expert parallelism (docs/ep.md, "GPU"; fast/distributed.py) ----
+        .def(
+            "set_expert_partition",
+            [](PyEngine& pe, int rank, int ranks, const std::vector<int64_t>& bounds) {
+                translate([&] {
+                    pe.eng->set_expert_partition(rank, ranks, bounds);
+                    return 0;
+                });
+            },
+            py::arg("rank"), py::arg("ranks"), py::arg("bounds"),
+            "This rank's share of the routed experts: rank r owns [bounds[r], bounds[r+1]). Before add_tensor.")
+        .def(
+            "set_exchange",
+            [](PyEngine& pe, const py::object& fn) {
+                if (fn.is_none()) {
+                    pe.eng->set_exchange(nullptr);
+                    return;
+                }
+                if (!PyCallable_Check(fn.ptr())) bad("set_exchange: expected a callable or None");
+                py::object f = fn;
+                // fn(layer, send, recv, rows, D): device addresses (ints) of send u16[rows, D] and recv
+                // u16[ranks, rows, D]; it fills recv on the engine's stream. Runs with the GIL re-acquired.
+                pe.eng->set_exchange(std::make_shared<DeviceExchangeFn>(
+                    [f](int layer, uintptr_t send, uintptr_t recv, size_t rows, size_t D) {
+                        py::gil_scoped_acquire gil;
+                        try {
+                            f(layer, send, recv, rows, D);
+                        } catch (py::error_already_set& e) {
+                            throw std::runtime_error(std::string("expert exchange failed: ") + e.what());
+                        }
+                    }));
+            },
+            py::arg("fn"), "The expert-row exchange hook fn(layer, send_ptr, recv_ptr, rows, D), or None.")
+        .def_property_readonly("expert_partition",
+                               [](PyEngine& pe) {
+                                   return py::make_tuple(pe.eng->ep_rank(), pe.eng->ep_ranks(), pe.eng->ep_bounds());
+                               })
+        .def("ep_stats",
+             [](PyEngine& pe) {
+                 const EpStats st = pe.eng->ep_stats();
+                 py::dict d;
+                 d["exchanges"] = st.exchanges;
+                 d["bytes_sent"] = st.bytes_sent;
+                 d["hook_seconds"] = st.hook_seconds;
+                 d["step_seconds"] = st.step_seconds;
+                 return d;
+             })
+        .def("reset_ep_stats", [](PyEngine& pe) { pe.eng->reset_ep_stats(); })
+        .def_property_readonly("device_exchange", [](PyEngine&) { return true; })
         .def("set_timing", [](PyEngine& pe, bool on) { pe.eng->set_timing(on); }, py::arg("on"))
         .def("reset_stage_times", [](PyEngine& pe) { pe.eng->reset_stage_times(); })
         .def("stage_times",
@@ -220,6 +269,13 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
             "One forward step for a batch of rows -> (head_rows i64[n], logits f32[n, V], captures, injected).");
 
     m.attr("ENGINE_STAGES") = glm::pyglue::stage_list();
+    m.def(
+        "set_device", [](int i) { translate([&] { set_device(i); return 0; }); }, py::arg("index"),
+        "The device this process's engines use (expert parallelism: one per rank); before making an engine.");
+    m.def("device_count", &device_count, "How many CUDA devices this process sees.");
+    m.def(
+        "device_memory", [] { return translate([&] { return device_memory(); }); },
+        "(free, total) bytes of the current device's memory.");
 
     auto expf_fn = [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x, bool native) {
         py::array_t<float> y(std::vector<py::ssize_t>(x.shape(), x.shape() + x.ndim()));

@@ -238,6 +238,7 @@ void inject_value(void* p, int dtype, int64_t ulps);  // one element, bits + ulp
 // ---- the step context -----------------------------------------------------------------------------
 
 struct EngineCore;  // weights, sequences, options (model.cu)
+constexpr int kMaxRanks = 8;  // expert parallelism: ranks of one host (EpBounds holds their ranges by value)
 
 struct Step {
     EngineCore& E;
@@ -353,6 +354,19 @@ struct EngineCore {
         char* scale = nullptr;
     };
     std::map<std::pair<int, std::string>, JointSlot> joints;
+    // expert parallelism (moe.cu: ep_exchange): this rank's share of the routed experts and the hook
+    struct Ep {
+        int rank = 0, ranks = 1;
+        std::vector<int64_t> bounds;  // [ranks + 1], empty in one process
+        std::shared_ptr<DeviceExchangeFn> hook;
+        EpStats stats;
+        bool owns(int64_t e) const {
+            return bounds.empty() || (e >= bounds[static_cast<size_t>(rank)] && e < bounds[static_cast<size_t>(rank) + 1]);
+        }
+    } ep;
+    DBuf ep_bad;               // set by k_ep_unpack when a rank's own rows came back altered
+    int* ep_flag();            // (allocated and zeroed on first use)
+    void ep_check();           // after a step's synchronization: throws (and clears) when set
     DBuf tickets;              // per-token counters of the mHC fast path (zero between launches)
     unsigned* hc_tickets(int T);
     Scratch scratch;

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -26,6 +27,19 @@ using glm::SDType;
 using glm::Injection;
 using glm::CaptureRecord;
 using glm::StepOutput;
+
+// Expert parallelism (docs/ep.md, "GPU"): the hook moves rows between ranks. send: [rows][D] BF16 bits
+// (uint16) on the device, this rank's routed slots filled and the others zero; recv: [ranks][rows][D]
+// on the device, every rank's send (recv[rank] included), written by the hook. Ordered on the engine's
+// stream (the legacy default stream): work the hook enqueues there runs after the packing and before
+// the unpacking, without a host synchronization. Under the CPU emulation the pointers are host memory.
+using DeviceExchangeFn = std::function<void(int layer, uintptr_t send, uintptr_t recv, size_t rows, size_t D)>;
+struct EpStats {
+    uint64_t exchanges = 0;   // hook calls
+    uint64_t bytes_sent = 0;  // bytes this rank handed to the hook
+    double hook_seconds = 0;  // host wall time inside the hook (enqueueing; the transfer itself is async)
+    double step_seconds = 0;  // host wall time of the steps
+};
 
 // Per-stage device time of the last step(s) (timing mode only): name -> milliseconds.
 struct StageTimes {
@@ -67,6 +81,16 @@ class Engine {
     std::string device_name() const;
     std::string decode_path() const;     // how FP8 codes are decoded ("hardware cvt" or "software")
 
+    // Expert parallelism: rank r owns the routed experts [bounds[r], bounds[r + 1]) of every MoE layer
+    // (before add_tensor; at most 8 ranks); the exchange hook is required when ranks > 1.
+    void set_expert_partition(int rank, int ranks, const std::vector<int64_t>& bounds);
+    void set_exchange(std::shared_ptr<DeviceExchangeFn> fn);
+    int ep_rank() const;
+    int ep_ranks() const;
+    std::vector<int64_t> ep_bounds() const;
+    EpStats ep_stats() const;
+    void reset_ep_stats();
+
     // Timing: when on, each module's kernels are bracketed by events and summed per stage group.
     void set_timing(bool on);
     StageTimes stage_times() const;
@@ -77,6 +101,13 @@ class Engine {
    private:
     std::unique_ptr<Impl> p_;
 };
+
+// ---- devices ------------------------------------------------------------------------------------
+// The device this process's engines use (expert parallelism: one GPU per rank), and how many there are.
+void set_device(int index);
+int device_count();
+// (free, total) bytes of the current device's memory.
+std::pair<size_t, size_t> device_memory();
 
 // ---- numerics entry points (tests, census) ------------------------------------------------------
 

@@ -119,6 +119,22 @@ void linear_same_x(Step& s, const Lin& joint, std::initializer_list<const Lin*> 
     }
 }
 
+int* EngineCore::ep_flag() {
+    if (!ep_bad.p) {
+        ep_bad = DBuf(sizeof(int));
+        check(cudaMemset(ep_bad.p, 0, sizeof(int)), "ep flag");
+    }
+    return ep_bad.as<int>();
+}
+void EngineCore::ep_check() {
+    if (!ep_bad.p) return;
+    int bad = 0;
+    check(cudaMemcpy(&bad, ep_bad.p, sizeof(int), cudaMemcpyDeviceToHost), "ep flag");
+    if (!bad) return;
+    check(cudaMemset(ep_bad.p, 0, sizeof(int)), "ep flag");
+    throw std::runtime_error("expert parallelism: the exchange returned this rank's rows altered");
+}
+
 unsigned* EngineCore::hc_tickets(int T) {
     const size_t need = static_cast<size_t>(T) * sizeof(unsigned);
     if (tickets.n < need) {
@@ -690,27 +706,44 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
             }
             check(cudaMemcpy(k.conv + which * n, f.data(), n * sizeof(float), cudaMemcpyHostToDevice), "conv");
         }
-        void check_expert(int) const {}
+        void check_expert(int x) const {
+            if (!e.ep.owns(x))  // expert parallelism: another rank's expert
+                bad_("expert " + std::to_string(x) + " belongs to another rank (this rank, " + std::to_string(e.ep.rank) +
+                     ", owns [" + std::to_string(e.ep.bounds[static_cast<size_t>(e.ep.rank)]) + ", " +
+                     std::to_string(e.ep.bounds[static_cast<size_t>(e.ep.rank) + 1]) + "))");
+        }
     } ops{E_, layer, bad, make_lin, small_host, small};
     glm::assign_role(role, expert, c, ops);
     E_.have[key] = 1;
 }
 
 namespace {
+// The first expert this rank holds (expert parallelism leaves the others empty), or nullptr.
+const Lin* first_held(const std::vector<Lin>& ls) {
+    for (const Lin& l : ls)
+        if (!l.empty()) return &l;
+    return nullptr;
+}
+
+// The device pointer tables of one layer's experts (entries of experts another rank holds: null; the
+// work list never names them).
 ExpertTable make_table(EngineCore& E_, const std::vector<Lin>& ls, const std::string& what, int layer) {
     ExpertTable t;
-    if (ls.empty()) return t;
-    t.fmt = ls[0].fmt;
-    t.R = ls[0].R;
-    t.C = ls[0].C;
+    const Lin* ref = first_held(ls);
+    if (!ref) return t;
+    t.fmt = ref->fmt;
+    t.R = ref->R;
+    t.C = ref->C;
     t.int_decode = true;
-    for (const Lin& l : ls) t.int_decode = t.int_decode && l.int_decode;
-    std::vector<const void*> d(ls.size()), s(ls.size());
+    for (const Lin& l : ls) t.int_decode = t.int_decode && (l.empty() || l.int_decode);
+    std::vector<const void*> d(ls.size(), nullptr), s(ls.size(), nullptr);
     for (size_t e = 0; e < ls.size(); ++e) {
+        if (ls[e].empty()) continue;
         if (ls[e].fmt != t.fmt || ls[e].R != t.R || ls[e].C != t.C)
             throw std::invalid_argument(what + " (layer " + std::to_string(layer) + "): expert " + std::to_string(e) +
-                                        " is stored as " + wfmt_name(ls[e].fmt) + " but expert 0 as " +
-                                        wfmt_name(t.fmt) + "; the CUDA engine needs one format per layer");
+                                        " is stored as " + wfmt_name(ls[e].fmt) + " but expert " +
+                                        std::to_string(ref - ls.data()) + " as " + wfmt_name(t.fmt) +
+                                        "; the CUDA engine needs one format per layer");
         // (a member of a joint group starts at its row0, which starts a scale block: joint_slot)
         d[e] = static_cast<const char*>(ls[e].data) + ls[e].row0 * row_bytes(t.fmt, t.C);
         s[e] = ls[e].scale ? static_cast<const char*>(ls[e].scale) + scale_bytes(t.fmt, ls[e].row0, t.C) : nullptr;
@@ -786,6 +819,7 @@ void Engine::finalize() {
             need(!f.s_up.empty(), "moe.shared.up_proj", l);
             need(!f.s_down.empty(), "moe.shared.down_proj", l);
             for (size_t e = 0; e < f.e_gate.size(); ++e) {
+                if (!E_.ep.owns(static_cast<int64_t>(e))) continue;  // another rank's (expert parallelism)
                 need(!f.e_gate[e].empty(), "moe.expert.gate_proj", l, static_cast<int>(e));
                 need(!f.e_up[e].empty(), "moe.expert.up_proj", l, static_cast<int>(e));
                 need(!f.e_down[e].empty(), "moe.expert.down_proj", l, static_cast<int>(e));
@@ -818,7 +852,8 @@ void Engine::finalize() {
         if (w.f.moe) {
             FfnW& f = w.f;
             auto fits = [](const Lin& s, const std::vector<Lin>& es) {
-                return !es.empty() && s.fmt == es[0].fmt && s.R == es[0].R && s.C == es[0].C;
+                const Lin* r = first_held(es);
+                return r && s.fmt == r->fmt && s.R == r->R && s.C == r->C;
             };
             f.shared_in_tables = fits(f.s_gate, f.e_gate) && fits(f.s_up, f.e_up) && fits(f.s_down, f.e_down);
             auto with_shared = [&](std::vector<Lin> es, const Lin& s) {
@@ -853,7 +888,8 @@ size_t Engine::weight_bytes(int64_t position) const {
         if (w.f.moe) {
             b += w.f.router.bytes() + w.f.s_gate.bytes() + w.f.s_up.bytes() + w.f.s_down.bytes();
             const size_t k = static_cast<size_t>(E_.cfg.num_experts_per_tok);
-            if (!w.f.e_gate.empty()) b += k * (w.f.e_gate[0].bytes() + w.f.e_up[0].bytes() + w.f.e_down[0].bytes());
+            const Lin *g = first_held(w.f.e_gate), *u = first_held(w.f.e_up), *d = first_held(w.f.e_down);
+            if (g && u && d) b += k * (g->bytes() + u->bytes() + d->bytes());
         } else {
             b += w.f.gate.bytes() + w.f.up.bytes() + w.f.down.bytes();
         }
@@ -862,6 +898,46 @@ size_t Engine::weight_bytes(int64_t position) const {
 }
 
 size_t Engine::device_bytes() const { return p_->arena.used(); }
+
+void set_device(int index) {
+    const int n = device_count();
+    if (index < 0 || index >= n)
+        throw std::invalid_argument("device " + std::to_string(index) + " outside [0, " + std::to_string(n) + ")");
+    check(cudaSetDevice(index), "cudaSetDevice");
+}
+int device_count() {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+    return n;
+}
+std::pair<size_t, size_t> device_memory() {
+    size_t f = 0, t = 0;
+    check(cudaMemGetInfo(&f, &t), "cudaMemGetInfo");
+    return {f, t};
+}
+
+void Engine::set_expert_partition(int rank, int ranks, const std::vector<int64_t>& bounds) {
+    Impl& E_ = *p_;
+    if (!E_.have.empty() || E_.finalized) throw std::logic_error("set the expert partition before registering tensors");
+    auto bad = [](const std::string& why) { throw std::invalid_argument("expert partition: " + why); };
+    const int64_t E = E_.cfg.n_routed_experts;
+    if (ranks < 1 || ranks > kMaxRanks) bad("ranks must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(ranks));
+    if (rank < 0 || rank >= ranks) bad("rank " + std::to_string(rank) + " outside [0, " + std::to_string(ranks) + ")");
+    if (bounds.size() != static_cast<size_t>(ranks) + 1)
+        bad("expected " + std::to_string(ranks + 1) + " bounds, got " + std::to_string(bounds.size()));
+    if (bounds.front() != 0 || bounds.back() != E) bad("the ranges must cover [0, " + std::to_string(E) + ")");
+    for (size_t i = 0; i + 1 < bounds.size(); ++i)
+        if (bounds[i] > bounds[i + 1]) bad("the ranges must be ascending and contiguous");
+    E_.ep.rank = rank;
+    E_.ep.ranks = ranks;
+    E_.ep.bounds = ranks > 1 ? bounds : std::vector<int64_t>{};
+}
+void Engine::set_exchange(std::shared_ptr<DeviceExchangeFn> fn) { p_->ep.hook = std::move(fn); }
+int Engine::ep_rank() const { return p_->ep.rank; }
+int Engine::ep_ranks() const { return p_->ep.ranks; }
+std::vector<int64_t> Engine::ep_bounds() const { return p_->ep.bounds; }
+EpStats Engine::ep_stats() const { return p_->ep.stats; }
+void Engine::reset_ep_stats() { p_->ep.stats = EpStats{}; }
 
 std::string Engine::device_name() const {
     cudaDeviceProp p;
@@ -999,7 +1075,9 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
 void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,
                   const std::vector<uint8_t>& want_head, const std::vector<uint8_t>& cap_rows,
                   const std::vector<uint8_t>& cap_mask, const Injection& inj, StepOutput& out) {
+    const auto t0 = std::chrono::steady_clock::now();
     step_on(*p_, seq_ids, tokens, want_head, cap_rows, cap_mask, inj, out, nullptr);
+    p_->ep.stats.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 std::vector<int32_t> Engine::greedy(int64_t seq_id, int32_t first, int n) {
@@ -1041,6 +1119,7 @@ std::vector<int32_t> Engine::greedy(int64_t seq_id, int32_t first, int n) {
     check(cudaDeviceSynchronize(), "greedy");
     E_.scratch.end_deferred();
     E_.timing = timing;
+    E_.ep_check();
     std::vector<int32_t> res(static_cast<size_t>(n));
     check(cudaMemcpy(res.data(), toks.as<int>() + 1, static_cast<size_t>(n) * sizeof(int), cudaMemcpyDeviceToHost),
           "greedy");
@@ -1211,6 +1290,7 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
     }
     check(cudaDeviceSynchronize(), "step");
     check(cudaGetLastError(), "step");
+    E_.ep_check();
     for (const Segment& g : s.segs) g.seq->length += g.n;
 
     if (E_.timing && E_.marks.size() >= 2) {

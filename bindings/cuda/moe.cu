@@ -12,6 +12,8 @@
 // Routing, the grouping of (token, slot) pairs by expert and the expert work list are made on the
 // device; the expert matvecs then read each selected expert's weights once for all its pairs.
 #include <cstdlib>
+#include <chrono>
+
 #include "engine.cuh"
 
 namespace glm::cuda {
@@ -194,8 +196,8 @@ struct WeightArgs {
     float* wts;
 };
 __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict__ sel, int nrouted, int nshared,
-                                                           int E0, int tile, int* pairs, int* items, int* n_items,
-                                                           WeightArgs wa, Nm nm) {
+                                                           int E0, int own_lo, int own_hi, int tile, int* pairs,
+                                                           int* items, int* n_items, WeightArgs wa, Nm nm) {
     pdl_enter();
     GLM_DYN_SMEM(int, cnt);  // [E]: count, then the fill cursor
     __shared__ int wc[32], wi[32];
@@ -203,10 +205,17 @@ __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict
     const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
     for (int t = tid; t < wa.T; t += nt) moe_weights_row(wa.scores, sel, t, E0, wa.k, wa.norm, wa.rsf, wa.wts, nm);
     const int E = nshared > 0 ? E0 + 1 : E0, npairs = nrouted + nshared;
-    auto expert_of = [&](int p) { return p < nrouted ? sel[p] : E0; };
+    // (expert parallelism: routed pairs of experts outside [own_lo, own_hi) are another rank's: -1)
+    auto expert_of = [&](int p) {
+        const int e = p < nrouted ? sel[p] : E0;
+        return p < nrouted && (e < own_lo || e >= own_hi) ? -1 : e;
+    };
     for (int e = tid; e < E; e += nt) cnt[e] = 0;
     __syncthreads();
-    for (int p = tid; p < npairs; p += nt) atomicAdd(&cnt[expert_of(p)], 1);
+    for (int p = tid; p < npairs; p += nt) {
+        const int e = expert_of(p);
+        if (e >= 0) atomicAdd(&cnt[e], 1);
+    }
     __syncthreads();
     int carry_c = 0, carry_i = 0;
     for (int base = 0; base < E; base += nt) {
@@ -263,9 +272,9 @@ __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict
                 if (j > lane) last = false;
             }
         }
-        const int cur = p < npairs ? cnt[e] : 0;
+        const int cur = e >= 0 ? cnt[e] : 0;
         __syncwarp();
-        if (p < npairs) {
+        if (e >= 0) {
             pairs[cur + r] = p;
             if (last) cnt[e] = cur + r + 1;
         }
@@ -292,6 +301,43 @@ __global__ void k_add_bf16(const float* __restrict__ a, const float* __restrict_
     pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) out[i] = bf16r(fadd(a[i], b[i]));
+}
+
+// ---- expert parallelism (docs/ep.md): the rows of other ranks' experts ---------------------------
+//
+// Wire format (no host synchronization, so no data-dependent sizes): every rank sends all T*k routed
+// slots as BF16 bits, [T*k][D] uint16, its own slots filled and the others zero; the hook gathers
+// [ranks][T*k][D]; slot i then takes its row from the rank that owns expert sel[i]. The values are
+// BF16 already (each y_e is rounded by its linear): the bits move, nothing is computed on them.
+struct EpBounds {
+    int ranks, rank;
+    int b[kMaxRanks + 1];
+};
+GLM_DEV int ep_owner(const EpBounds& eb, int e) {
+    int o = 0;
+    for (int r = 1; r < eb.ranks; ++r)
+        if (e >= eb.b[r]) o = r;
+    return o;
+}
+__global__ void k_ep_pack(const float* __restrict__ ys, const int* __restrict__ sel, int64_t slots, int D,
+                          EpBounds eb, uint16_t* send) {
+    pdl_enter();
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= slots * D) return;
+    const bool mine = ep_owner(eb, sel[i / D]) == eb.rank;
+    send[i] = mine ? static_cast<uint16_t>(f32_bits(ys[i]) >> 16) : uint16_t{0};
+}
+// Every slot another rank owns takes that rank's row; the own rows are checked to have come back
+// unchanged (*bad set otherwise: the transport altered them).
+__global__ void k_ep_unpack(const uint16_t* __restrict__ recv, const uint16_t* __restrict__ send,
+                            const int* __restrict__ sel, int64_t slots, int D, EpBounds eb, float* ys, int* bad) {
+    pdl_enter();
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= slots * D) return;
+    const int o = ep_owner(eb, sel[i / D]);
+    const uint16_t v = recv[static_cast<int64_t>(o) * slots * D + i];
+    if (o != eb.rank) ys[i] = f32_from_bits(static_cast<uint32_t>(v) << 16);
+    else if (v != send[i]) *bad = 1;
 }
 
 // GLM_EXPERT_TILE (1, 4 or 8; anything else: the engine's choice), read once.
@@ -333,6 +379,37 @@ void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const floa
     check_launch("swiglu");
     linear(down, g, I, y, D, rows, true, s.nm, s.hw8);
 }
+
+namespace {
+// ys [T*k][D] (routed slots; this rank's experts computed): the other ranks' rows brought in.
+void ep_exchange(Step& s, int layer, const int* sel, int64_t slots, float* ys) {
+    EngineCore::Ep& ep = s.E.ep;
+    if (!ep.hook || !*ep.hook) throw std::runtime_error("expert parallelism: no exchange hook is set");
+    const int D = static_cast<int>(s.c.hidden_size);
+    EpBounds eb{ep.ranks, ep.rank, {}};
+    for (int r = 0; r <= ep.ranks; ++r) eb.b[r] = static_cast<int>(ep.bounds[static_cast<size_t>(r)]);
+    const int64_t n = slots * D;
+    uint16_t* send = s.scratch.d<uint16_t>(static_cast<size_t>(n));
+    uint16_t* recv = s.scratch.d<uint16_t>(static_cast<size_t>(n) * static_cast<size_t>(ep.ranks));
+    int* bad = s.E.ep_flag();
+    {
+        auto kk = k_ep_pack;
+        GLM_LAUNCH(kk, blocks(n, 256), 256, 0, ys, sel, slots, D, eb, send);
+        check_launch("ep_pack");
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    (*ep.hook)(layer, reinterpret_cast<uintptr_t>(send), reinterpret_cast<uintptr_t>(recv), static_cast<size_t>(slots),
+               static_cast<size_t>(D));
+    ep.stats.hook_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ep.stats.exchanges += 1;
+    ep.stats.bytes_sent += static_cast<uint64_t>(n) * sizeof(uint16_t);
+    {
+        auto kk = k_ep_unpack;
+        GLM_LAUNCH(kk, blocks(n, 256), 256, 0, recv, send, sel, slots, D, eb, ys, bad);
+        check_launch("ep_unpack");
+    }
+}
+}  // namespace
 
 void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) {
     const Config& c = s.c;
@@ -387,23 +464,29 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     {
         const WeightArgs wa{scores, T, k, c.norm_topk_prob, static_cast<float>(c.routed_scaling_factor), wts};
         auto kk = k_moe_plan;
-        GLM_LAUNCH(kk, 1, kPlanThreads, static_cast<size_t>(E + 1) * 4, sel, npairs, nsh, E, tile, pairs, items,
-                   n_items, wa, nm);
+        const EngineCore::Ep& ep = s.E.ep;
+        const int lo = ep.ranks > 1 ? static_cast<int>(ep.bounds[static_cast<size_t>(ep.rank)]) : 0;
+        const int hi = ep.ranks > 1 ? static_cast<int>(ep.bounds[static_cast<size_t>(ep.rank) + 1]) : E;
+        GLM_LAUNCH(kk, 1, kPlanThreads, static_cast<size_t>(E + 1) * 4, sel, npairs, nsh, E, lo, hi, tile, pairs,
+                   items, n_items, wa, nm);
         check_launch("moe_plan");
     }
     s.emit(layer, S_MOE_WEIGHTS, wts, k, {k});
     float* gbuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
     float* ubuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
     float* ys = s.scratch.d<float>(static_cast<size_t>(nall) * D);
-    // gate and up read the same x rows for the same work list (one launch when their tables match)
-    linear_experts2(w.t_gate, w.t_up, items, n_items, nall, pairs, x, D, k, npairs, gbuf, ubuf, Im, tile, nm, s.hw8);
-    {
-        const int64_t n = static_cast<int64_t>(nall) * Im;
-        auto kk = k_swiglu_act;
-        GLM_LAUNCH(kk, blocks(n, 256), 256, 0, gbuf, ubuf, gbuf, n, static_cast<float>(c.swiglu_limit), nm);
-        check_launch("moe_act");
+    if (w.t_gate.data) {  // (a rank of expert parallelism may hold no expert of the layer)
+        // gate and up read the same x rows for the same work list (one launch when their tables match)
+        linear_experts2(w.t_gate, w.t_up, items, n_items, nall, pairs, x, D, k, npairs, gbuf, ubuf, Im, tile, nm, s.hw8);
+        {
+            const int64_t n = static_cast<int64_t>(nall) * Im;
+            auto kk = k_swiglu_act;
+            GLM_LAUNCH(kk, blocks(n, 256), 256, 0, gbuf, ubuf, gbuf, n, static_cast<float>(c.swiglu_limit), nm);
+            check_launch("moe_act");
+        }
+        linear_experts(w.t_down, items, n_items, nall, pairs, gbuf, Im, 1, nall, ys, D, tile, nm, s.hw8);  // h row p
     }
-    linear_experts(w.t_down, items, n_items, nall, pairs, gbuf, Im, 1, nall, ys, D, tile, nm, s.hw8);  // h row p
+    if (s.E.ep.ranks > 1) ep_exchange(s, layer, sel, npairs, ys);  // the other ranks' experts' rows
     s.emit(layer, S_MOE_EXPERTS, ys, static_cast<int64_t>(k) * D, {k, D});
 
     s.mark("moe.combine");
