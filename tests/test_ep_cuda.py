@@ -146,6 +146,58 @@ def test_memory_plan_refuses_before_allocating(ckpt_path, monkeypatch):
     assert made == []
 
 
+_RANK_SCRIPT = r"""
+import json, os, sys
+import numpy as np
+import fast
+from oracle.capture import Capture
+path, ids, out = sys.argv[1], [int(v) for v in sys.argv[2].split(",")], sys.argv[3]
+eng = fast.Engine(path, device="cuda")                # ranks and this rank's GPU from the launcher
+cap = Capture(keep_values=False)
+toks, logits = eng.generate(ids, 3, capture=cap, return_logits=True)
+cache = eng.new_cache()
+first = int(np.argmax(eng.prefill(ids, cache)[-1]))
+greedy = [first] + eng.greedy(cache, first, 2)       # the device loop, every rank running it
+info = eng.ep_info()                                  # collectives: every rank calls them
+json.dump({"rank": eng.rank, "ranks": eng.ranks, "tokens": toks, "greedy": greedy,
+           "logits": np.ascontiguousarray(logits).view(np.uint32).tolist(),
+           "hashes": sorted([list(k) + [v] for k, v in cap.hashes.items()]),
+           "read": [i["experts_read"] for i in info]},
+          open(os.path.join(out, f"rank{eng.rank}.json"), "w"))
+"""
+
+
+@pytest.mark.skipif(not EMU and DEVICES < 2, reason="needs 2 GPUs")
+def test_launcher_two_ranks(ckpt_path, tmp_path):
+    """Under python -m fast.launch (SPMD: every rank runs the script, GPU = LOCAL_RANK): each rank's own
+    capture, logits, tokens and greedy loop equal the CPU engine's."""
+    import json
+    import subprocess
+    import sys
+    name, shape = "tiny-fp8", (14, 9, 3)
+    ids, toks, logits, _ = greedy_case(fast.Engine(ckpt_path(name), device="cpu"), (name, *shape))
+    cap = Capture(keep_values=False)
+    fast.Engine(ckpt_path(name), device="cpu").generate(ids, shape[2], capture=cap)
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, GLM_EP_QUIET="1", GLM_EP_TIMEOUT="120",
+               PYTHONPATH=os.pathsep.join([repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, "-m", "fast.launch", "--ranks", "2", "--", sys.executable, str(script),
+                        ckpt_path(name), ",".join(map(str, ids)), str(tmp_path)],
+                       capture_output=True, text=True, env=env, cwd=repo, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = sorted([list(k) + [v] for k, v in cap.hashes.items()])
+    E = fast.Engine(ckpt_path(name), device="cpu").config.n_routed_experts
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (got["rank"], got["ranks"]) == (rank, 2)
+        assert got["tokens"] == toks and got["greedy"] == toks
+        assert np.array_equal(np.array(got["logits"], dtype=np.uint32), bits(logits))
+        assert got["hashes"] == want, f"rank {rank}"
+        assert got["read"] == [list(range(0, E // 2)), list(range(E // 2, E))]
+
+
 @pytest.mark.skipif(EMU or DEVICES < 2, reason="needs 2 GPUs")
 @pytest.mark.skipif(not os.environ.get("GLM_SLICE_DIR"), reason="GLM_SLICE_DIR (a slice checkpoint) not given")
 def test_slice_two_gpus_equal_one():

@@ -3,6 +3,7 @@
 GPUs against one GPU, in one run.
 
     python tools/bench_ep_cuda.py --checkpoint /tmp/slice/slice-fp8 [--ranks 2] [--steps 64] [--json OUT]
+    python -m fast.launch --ranks 2 -- python tools/bench_ep_cuda.py --checkpoint ...   # SPMD: the ranks only
 
 Prints, for 1 GPU and for N ranks (driver mode: this process is rank 0 on GPU 0): decode at batch 1
 (host loop, one decode() per token; and the device-resident greedy loop), decode at batch 8, each
@@ -91,8 +92,17 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     from fast.cuda import CudaEngine
+    from fast.distributed import launched
     from oracle.checkpoint import open_checkpoint
     out = {"checkpoint": a.checkpoint, "ranks": a.ranks, "steps": a.steps}
+    if launched():  # under python -m fast.launch: every rank runs this; the ranked engine only (no command broadcast)
+        eng = CudaEngine(a.checkpoint)
+        out["ranks"] = eng.ranks
+        out["ep_spmd"] = measure(eng, a.steps, f"{eng.ranks} GPUs, launched (SPMD)")
+        if eng.rank == 0 and a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     t0 = time.perf_counter()
     one = CudaEngine(open_checkpoint(a.checkpoint, verify=False))
     print(f"1 GPU: loaded in {time.perf_counter() - t0:.1f} s, {one.device_bytes / 1e9:.2f} GB on the device", flush=True)

@@ -185,6 +185,10 @@ if [ "${EP:-1}" != "0" ] && [ "$NGPU" -ge 2 ]; then
     GLM_EP_TIMEOUT=120 timeout $(( $(left) - 20 )) python3 tools/bench_ep_cuda.py --checkpoint "$SLICE/slice-fp8" \
       --ranks "${EP_RANKS:-$NGPU}" --steps 64 --json "$OUT/bench_ep.json" 2>&1 | grep -v "^\[rank"
     echo "EP bench exit $?"
+    GLM_EP_TIMEOUT=120 GLM_EP_QUIET=1 timeout $(( $(left) - 10 )) python3 -m fast.launch --ranks "${EP_RANKS:-$NGPU}" -- \
+      python3 tools/bench_ep_cuda.py --checkpoint "$SLICE/slice-fp8" --steps 64 --json "$OUT/bench_ep_spmd.json" 2>&1 \
+      | grep -v "^\[rank"
+    echo "EP bench (launched) exit $?"
   fi
 fi
 
