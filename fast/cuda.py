@@ -24,8 +24,8 @@ import os
 from oracle.checkpoint import Checkpoint, open_checkpoint
 from oracle.stages import ALL_STAGE_NAMES
 
-from .engine import (Engine, EngineInputError, _check_switches, _context_limit, _core, _engine_config,
-                     _is_int, _load_tensors)
+from .engine import (Engine, EngineInputError, _build_core, _check_switches, _context_limit, _core,
+                     _engine_config, _is_int)
 
 __all__ = ["CudaEngine", "cuda_module", "cuda_available"]
 
@@ -104,24 +104,14 @@ class CudaEngine(Engine):
         self.release = {}
         self.loaded = {"tensors": 0, "experts": set()}  # what this process read from the checkpoint
 
-        def make_local():
+        def new_core():
             try:
-                c = cu._Engine(_engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf)
+                return cu._Engine(_engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf)
             except RuntimeError as e:
                 raise EngineInputError(f"device 'cuda': {e}") from None
-            if ep is not None:
-                c.set_expert_partition(ep.rank, ep.ranks, ep.bounds)
-            _load_tensors(self, c, None if ep is None else ep.owns)
-            c.finalize()
-            return c
 
-        if ep is None:
-            self._core = make_local()
-        else:
-            kw = {"device": "cuda", "threads": int(threads), "dot": dot, "expf": expf, "max_context": limit,
-                  "parallel_work": parallel_work, "ranks": ep.ranks, "expert_ranges": ep.ranges,
-                  "memory_limit": ep.memory_limit, "verify_ranks": ep.verify}
-            self._core = ep.build(make_local, self.checkpoint.path, kw)
+        self._core = _build_core(self, ep, new_core, {"device": "cuda", "threads": int(threads), "dot": dot,
+                                                      "expf": expf, "max_context": limit, "parallel_work": parallel_work})
         self._stage_index = {name: i for i, (name, _) in enumerate(cu.ENGINE_STAGES)}
         missing = set(ALL_STAGE_NAMES) - set(self._stage_index)
         if missing:  # pragma: no cover - the two stage tables must agree

@@ -76,6 +76,24 @@ def _load_tensors(eng, core, owns=None) -> None:
         if expert is not None:
             eng.loaded["experts"].add(int(expert))
 
+def _build_core(eng, ep, new_core, kw: dict):
+    """The engine's executor: new_core() given eng.checkpoint's tensors (under expert parallelism only
+    this rank's share, after its partition) and finalized; with ep, made on every rank through
+    ep.build (kw: the engine's options, which driver mode's workers are started with)."""
+    def make_local():
+        c = new_core()
+        if ep is not None:
+            c.set_expert_partition(ep.rank, ep.ranks, ep.bounds)
+        _load_tensors(eng, c, None if ep is None else ep.owns)
+        c.finalize()
+        return c
+
+    if ep is None:
+        return make_local()
+    kw = dict(kw, ranks=ep.ranks, expert_ranges=ep.ranges, memory_limit=ep.memory_limit, verify_ranks=ep.verify)
+    return ep.build(make_local, eng.checkpoint.path, kw)
+
+
 class EngineInputError(ValueError):
     """Input the engine cannot take: bad token ids, shapes, dtypes, context overflow, bad options."""
 
@@ -266,24 +284,12 @@ class Engine:
         self.release = {}
         self.loaded = {"tensors": 0, "experts": set()}  # what this process read from the checkpoint
 
-        def make_local():
-            # parallel_work: jobs below this many multiply-adds run on one thread (None: the engine's
-            # default, about 1M; 0 splits every job over the threads, which the tests use on tiny models)
-            c = core._Engine(_engine_config(cfg, limit), int(threads), dot, expf,
-                             -1 if parallel_work is None else int(parallel_work))
-            if ep is not None:
-                c.set_expert_partition(ep.rank, ep.ranks, ep.bounds)
-            _load_tensors(self, c, None if ep is None else ep.owns)
-            c.finalize()
-            return c
-
-        if ep is None:
-            self._core = make_local()
-        else:
-            kw = {"threads": int(threads), "dot": dot, "expf": expf, "max_context": limit,
-                  "parallel_work": parallel_work, "ranks": ep.ranks, "expert_ranges": ep.ranges,
-                  "memory_limit": ep.memory_limit, "verify_ranks": ep.verify}
-            self._core = ep.build(make_local, self.checkpoint.path, kw)
+        # parallel_work: jobs below this many multiply-adds run on one thread (None: the engine's default,
+        # about 1M; 0 splits every job over the threads, which the tests use on tiny models)
+        self._core = _build_core(
+            self, ep, lambda: core._Engine(_engine_config(cfg, limit), int(threads), dot, expf,
+                                           -1 if parallel_work is None else int(parallel_work)),
+            {"threads": int(threads), "dot": dot, "expf": expf, "max_context": limit, "parallel_work": parallel_work})
         self._stage_index = {name: i for i, (name, _) in enumerate(core.ENGINE_STAGES)}
         missing = set(ALL_STAGE_NAMES) - set(self._stage_index)
         if missing:  # pragma: no cover - the two stage tables must agree
