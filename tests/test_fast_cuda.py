@@ -249,6 +249,22 @@ def test_decode_with_and_without_the_streams_observed(tmp_path, release, hc):
             toks = [int(np.argmax(w)) for w in want]
 
 
+def test_decode_weight_bytes_leave_out_the_dense_indexer_query(cuda_engines):
+    """The roofline's bytes: below the indexer's dense threshold a decode step does not read wq_b
+    (indexer_select makes no query there), at and past it, it reads every weight_bytes counts."""
+    from oracle import names as N
+    eng = cuda_engines("tiny-fp8")
+    c = eng.config
+    wq_b = sum(eng.checkpoint.raw(e.spec.role, e.layer, e.expert).data.nbytes
+               + (0 if eng.checkpoint.raw(e.spec.role, e.layer, e.expert).scale is None
+                  else eng.checkpoint.raw(e.spec.role, e.layer, e.expert).scale.nbytes)
+               for e in N.expected(c) if e.spec.role == "indexer.wq_b")
+    assert wq_b > 0
+    last_dense = c.index_topk + c.index_kpool - 2  # (position + 1) // kpool <= index_topk // kpool
+    assert eng.decode_weight_bytes(0) == eng.decode_weight_bytes(last_dense) == eng.weight_bytes - wq_b
+    assert eng.decode_weight_bytes(last_dense + 1) == eng.weight_bytes
+
+
 def test_device_argmax_rule():
     """The greedy rule on the device is np.argmax's: the lowest index of the maximum, a NaN first."""
     cu = cuda_module()
