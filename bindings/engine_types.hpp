@@ -35,6 +35,43 @@ struct EngineConfig {
     int64_t hc_dim() const { return (2 + hc_mult) * hc_mult; }
 };
 
+// Expert parallelism (docs/ep.md): this rank's share of the routed experts, the same in both engines.
+struct ExpertPartition {
+    int rank = 0, ranks = 1;
+    std::vector<int64_t> bounds;  // [ranks + 1]: rank r owns experts [bounds[r], bounds[r + 1])
+
+    bool distributed() const { return ranks > 1; }
+    bool owns(int64_t e) const {
+        return bounds.empty() || (e >= bounds[static_cast<size_t>(rank)] && e < bounds[static_cast<size_t>(rank) + 1]);
+    }
+    int owner(int64_t e) const {
+        if (bounds.empty()) return 0;
+        for (int r = 0; r < ranks; ++r)
+            if (e >= bounds[static_cast<size_t>(r)] && e < bounds[static_cast<size_t>(r) + 1]) return r;
+        throw std::invalid_argument("expert " + std::to_string(e) + " is in no rank's range");
+    }
+    // Throws std::invalid_argument unless bounds are contiguous, ascending and cover [0, E).
+    void validate(int64_t n_experts) const {
+        auto bad = [](const std::string& why) { throw std::invalid_argument("expert partition: " + why); };
+        if (ranks < 1) bad("ranks must be >= 1, got " + std::to_string(ranks));
+        if (rank < 0 || rank >= ranks) bad("rank " + std::to_string(rank) + " outside [0, " + std::to_string(ranks) + ")");
+        if (bounds.size() != static_cast<size_t>(ranks) + 1)
+            bad("expected " + std::to_string(ranks + 1) + " bounds, got " + std::to_string(bounds.size()));
+        if (bounds.front() != 0 || bounds.back() != n_experts)
+            bad("the ranges must cover [0, " + std::to_string(n_experts) + ")");
+        for (size_t i = 0; i + 1 < bounds.size(); ++i)
+            if (bounds[i] > bounds[i + 1]) bad("the ranges must be ascending and contiguous");
+    }
+};
+
+struct EpStats {
+    uint64_t exchanges = 0;   // hook calls
+    uint64_t rows_sent = 0;   // rows of D values sent by this rank (padding included)
+    uint64_t bytes_sent = 0;  // bytes this rank handed to the hook
+    double hook_seconds = 0;  // wall time inside the hook (CPU: Python, GIL, the collective; CUDA: enqueueing it)
+    double step_seconds = 0;  // wall time of the steps (Engine::step)
+};
+
 // What an engine's kernels can hold (a config beyond them is refused, naming the field).
 struct EngineLimits {
     const char* engine;                   // "CPU", "CUDA": for the messages

@@ -12,25 +12,6 @@
 
 namespace glm::cpu {
 
-int ExpertPartition::owner(int64_t e) const {
-    if (bounds.empty()) return 0;
-    for (int r = 0; r < ranks; ++r)
-        if (e >= bounds[static_cast<size_t>(r)] && e < bounds[static_cast<size_t>(r) + 1]) return r;
-    throw std::invalid_argument("expert " + std::to_string(e) + " is in no rank's range");
-}
-
-void ExpertPartition::validate(int64_t n_experts) const {
-    auto bad = [](const std::string& why) { throw std::invalid_argument("expert partition: " + why); };
-    if (ranks < 1) bad("ranks must be >= 1, got " + std::to_string(ranks));
-    if (rank < 0 || rank >= ranks) bad("rank " + std::to_string(rank) + " outside [0, " + std::to_string(ranks) + ")");
-    if (bounds.size() != static_cast<size_t>(ranks) + 1)
-        bad("expected " + std::to_string(ranks + 1) + " bounds, got " + std::to_string(bounds.size()));
-    if (bounds.front() != 0 || bounds.back() != n_experts)
-        bad("the ranges must cover [0, " + std::to_string(n_experts) + ")");
-    for (size_t i = 0; i + 1 < bounds.size(); ++i)
-        if (bounds[i] > bounds[i + 1]) bad("the ranges must be ascending and contiguous");
-}
-
 void ep_exchange(Step& s, int layer, const int32_t* sel, size_t k, float* ys) {
     ExpertParallel& ep = s.E.ep;
     const ExpertPartition& P = ep.part;

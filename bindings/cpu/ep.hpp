@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "../engine_types.hpp"
+
 namespace glm::cpu {
 
 struct Step;
@@ -28,26 +30,8 @@ struct Step;
 // It runs on the thread that called Engine::step (the caller's). It throws on failure.
 using ExchangeFn = std::function<void(int layer, const uint16_t* send, uint16_t* recv, size_t m, size_t D)>;
 
-struct EpStats {
-    uint64_t exchanges = 0;   // hook calls
-    uint64_t rows_sent = 0;   // rows of D values sent by this rank (padding included)
-    uint64_t bytes_sent = 0;  // bytes this rank handed to the hook
-    double hook_seconds = 0;  // wall time inside the hook (Python, GIL, the collective)
-    double step_seconds = 0;  // wall time of the steps (Engine::step)
-};
-
-struct ExpertPartition {
-    int rank = 0, ranks = 1;
-    std::vector<int64_t> bounds;  // [ranks + 1]: rank r owns experts [bounds[r], bounds[r + 1])
-
-    bool distributed() const { return ranks > 1; }
-    bool owns(int64_t e) const {
-        return bounds.empty() || (e >= bounds[static_cast<size_t>(rank)] && e < bounds[static_cast<size_t>(rank) + 1]);
-    }
-    int owner(int64_t e) const;
-    // Throws std::invalid_argument unless bounds are contiguous, ascending and cover [0, E).
-    void validate(int64_t n_experts) const;
-};
+using glm::EpStats;           // (bindings/engine_types.hpp: shared with the CUDA engine)
+using glm::ExpertPartition;
 
 struct ExpertParallel {
     ExpertPartition part;

@@ -207,7 +207,7 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
             "set_expert_partition",
             [](PyEngine& pe, int rank, int ranks, const std::vector<int64_t>& bounds) {
                 translate([&] {
-                    pe.eng->set_expert_partition(rank, ranks, bounds);
+                    pe.eng->set_expert_partition(ExpertPartition{rank, ranks, bounds});
                     return 0;
                 });
             },
@@ -237,13 +237,15 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
             py::arg("fn"), "The expert-row exchange hook fn(layer, send_ptr, recv_ptr, rows, D), or None.")
         .def_property_readonly("expert_partition",
                                [](PyEngine& pe) {
-                                   return py::make_tuple(pe.eng->ep_rank(), pe.eng->ep_ranks(), pe.eng->ep_bounds());
+                                   const ExpertPartition p = pe.eng->expert_partition();
+                                   return py::make_tuple(p.rank, p.ranks, p.bounds);
                                })
         .def("ep_stats",
              [](PyEngine& pe) {
                  const EpStats st = pe.eng->ep_stats();
                  py::dict d;
                  d["exchanges"] = st.exchanges;
+                 d["rows_sent"] = st.rows_sent;
                  d["bytes_sent"] = st.bytes_sent;
                  d["hook_seconds"] = st.hook_seconds;
                  d["step_seconds"] = st.step_seconds;

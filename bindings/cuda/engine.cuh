@@ -356,13 +356,9 @@ struct EngineCore {
     std::map<std::pair<int, std::string>, JointSlot> joints;
     // expert parallelism (moe.cu: ep_exchange): this rank's share of the routed experts and the hook
     struct Ep {
-        int rank = 0, ranks = 1;
-        std::vector<int64_t> bounds;  // [ranks + 1], empty in one process
-        std::shared_ptr<DeviceExchangeFn> hook;
+        ExpertPartition part;
+        std::shared_ptr<DeviceExchangeFn> hook;  // required when part.distributed()
         EpStats stats;
-        bool owns(int64_t e) const {
-            return bounds.empty() || (e >= bounds[static_cast<size_t>(rank)] && e < bounds[static_cast<size_t>(rank) + 1]);
-        }
     } ep;
     DBuf ep_bad;               // set by k_ep_unpack when a rank's own rows came back altered
     int* ep_flag();            // (allocated and zeroed on first use)

@@ -34,12 +34,8 @@ using glm::StepOutput;
 // stream (the legacy default stream): work the hook enqueues there runs after the packing and before
 // the unpacking, without a host synchronization. Under the CPU emulation the pointers are host memory.
 using DeviceExchangeFn = std::function<void(int layer, uintptr_t send, uintptr_t recv, size_t rows, size_t D)>;
-struct EpStats {
-    uint64_t exchanges = 0;   // hook calls
-    uint64_t bytes_sent = 0;  // bytes this rank handed to the hook
-    double hook_seconds = 0;  // host wall time inside the hook (enqueueing; the transfer itself is async)
-    double step_seconds = 0;  // host wall time of the steps
-};
+using glm::EpStats;
+using glm::ExpertPartition;
 
 // Per-stage device time of the last step(s) (timing mode only): name -> milliseconds.
 struct StageTimes {
@@ -83,11 +79,9 @@ class Engine {
 
     // Expert parallelism: rank r owns the routed experts [bounds[r], bounds[r + 1]) of every MoE layer
     // (before add_tensor; at most 8 ranks); the exchange hook is required when ranks > 1.
-    void set_expert_partition(int rank, int ranks, const std::vector<int64_t>& bounds);
+    void set_expert_partition(const ExpertPartition& p);
     void set_exchange(std::shared_ptr<DeviceExchangeFn> fn);
-    int ep_rank() const;
-    int ep_ranks() const;
-    std::vector<int64_t> ep_bounds() const;
+    ExpertPartition expert_partition() const;
     EpStats ep_stats() const;
     void reset_ep_stats();
 

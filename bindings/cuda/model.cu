@@ -707,10 +707,11 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
             check(cudaMemcpy(k.conv + which * n, f.data(), n * sizeof(float), cudaMemcpyHostToDevice), "conv");
         }
         void check_expert(int x) const {
-            if (!e.ep.owns(x))  // expert parallelism: another rank's expert
-                bad_("expert " + std::to_string(x) + " belongs to another rank (this rank, " + std::to_string(e.ep.rank) +
-                     ", owns [" + std::to_string(e.ep.bounds[static_cast<size_t>(e.ep.rank)]) + ", " +
-                     std::to_string(e.ep.bounds[static_cast<size_t>(e.ep.rank) + 1]) + "))");
+            const ExpertPartition& p = e.ep.part;
+            if (!p.owns(x))  // expert parallelism: another rank's expert
+                bad_("expert " + std::to_string(x) + " belongs to another rank (this rank, " + std::to_string(p.rank) +
+                     ", owns [" + std::to_string(p.bounds[static_cast<size_t>(p.rank)]) + ", " +
+                     std::to_string(p.bounds[static_cast<size_t>(p.rank) + 1]) + "))");
         }
     } ops{E_, layer, bad, make_lin, small_host, small};
     glm::assign_role(role, expert, c, ops);
@@ -819,7 +820,7 @@ void Engine::finalize() {
             need(!f.s_up.empty(), "moe.shared.up_proj", l);
             need(!f.s_down.empty(), "moe.shared.down_proj", l);
             for (size_t e = 0; e < f.e_gate.size(); ++e) {
-                if (!E_.ep.owns(static_cast<int64_t>(e))) continue;  // another rank's (expert parallelism)
+                if (!E_.ep.part.owns(static_cast<int64_t>(e))) continue;  // another rank's (expert parallelism)
                 need(!f.e_gate[e].empty(), "moe.expert.gate_proj", l, static_cast<int>(e));
                 need(!f.e_up[e].empty(), "moe.expert.up_proj", l, static_cast<int>(e));
                 need(!f.e_down[e].empty(), "moe.expert.down_proj", l, static_cast<int>(e));
@@ -916,26 +917,17 @@ std::pair<size_t, size_t> device_memory() {
     return {f, t};
 }
 
-void Engine::set_expert_partition(int rank, int ranks, const std::vector<int64_t>& bounds) {
+void Engine::set_expert_partition(const ExpertPartition& p) {
     Impl& E_ = *p_;
     if (!E_.have.empty() || E_.finalized) throw std::logic_error("set the expert partition before registering tensors");
-    auto bad = [](const std::string& why) { throw std::invalid_argument("expert partition: " + why); };
-    const int64_t E = E_.cfg.n_routed_experts;
-    if (ranks < 1 || ranks > kMaxRanks) bad("ranks must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(ranks));
-    if (rank < 0 || rank >= ranks) bad("rank " + std::to_string(rank) + " outside [0, " + std::to_string(ranks) + ")");
-    if (bounds.size() != static_cast<size_t>(ranks) + 1)
-        bad("expected " + std::to_string(ranks + 1) + " bounds, got " + std::to_string(bounds.size()));
-    if (bounds.front() != 0 || bounds.back() != E) bad("the ranges must cover [0, " + std::to_string(E) + ")");
-    for (size_t i = 0; i + 1 < bounds.size(); ++i)
-        if (bounds[i] > bounds[i + 1]) bad("the ranges must be ascending and contiguous");
-    E_.ep.rank = rank;
-    E_.ep.ranks = ranks;
-    E_.ep.bounds = ranks > 1 ? bounds : std::vector<int64_t>{};
+    if (p.ranks > kMaxRanks)
+        throw std::invalid_argument("expert partition: ranks must be in [1, " + std::to_string(kMaxRanks) + "], got " +
+                                    std::to_string(p.ranks));
+    p.validate(E_.cfg.n_routed_experts);
+    E_.ep.part = p;
 }
 void Engine::set_exchange(std::shared_ptr<DeviceExchangeFn> fn) { p_->ep.hook = std::move(fn); }
-int Engine::ep_rank() const { return p_->ep.rank; }
-int Engine::ep_ranks() const { return p_->ep.ranks; }
-std::vector<int64_t> Engine::ep_bounds() const { return p_->ep.bounds; }
+ExpertPartition Engine::expert_partition() const { return p_->ep.part; }
 EpStats Engine::ep_stats() const { return p_->ep.stats; }
 void Engine::reset_ep_stats() { p_->ep.stats = EpStats{}; }
 

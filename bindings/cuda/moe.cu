@@ -384,13 +384,14 @@ namespace {
 // ys [T*k][D] (routed slots; this rank's experts computed): the other ranks' rows brought in.
 void ep_exchange(Step& s, int layer, const int* sel, int64_t slots, float* ys) {
     EngineCore::Ep& ep = s.E.ep;
+    const ExpertPartition& P = ep.part;
     if (!ep.hook || !*ep.hook) throw std::runtime_error("expert parallelism: no exchange hook is set");
     const int D = static_cast<int>(s.c.hidden_size);
-    EpBounds eb{ep.ranks, ep.rank, {}};
-    for (int r = 0; r <= ep.ranks; ++r) eb.b[r] = static_cast<int>(ep.bounds[static_cast<size_t>(r)]);
+    EpBounds eb{P.ranks, P.rank, {}};
+    for (int r = 0; r <= P.ranks; ++r) eb.b[r] = static_cast<int>(P.bounds[static_cast<size_t>(r)]);
     const int64_t n = slots * D;
     uint16_t* send = s.scratch.d<uint16_t>(static_cast<size_t>(n));
-    uint16_t* recv = s.scratch.d<uint16_t>(static_cast<size_t>(n) * static_cast<size_t>(ep.ranks));
+    uint16_t* recv = s.scratch.d<uint16_t>(static_cast<size_t>(n) * static_cast<size_t>(P.ranks));
     int* bad = s.E.ep_flag();
     {
         auto kk = k_ep_pack;
@@ -402,6 +403,7 @@ void ep_exchange(Step& s, int layer, const int* sel, int64_t slots, float* ys) {
                static_cast<size_t>(D));
     ep.stats.hook_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ep.stats.exchanges += 1;
+    ep.stats.rows_sent += static_cast<uint64_t>(slots);
     ep.stats.bytes_sent += static_cast<uint64_t>(n) * sizeof(uint16_t);
     {
         auto kk = k_ep_unpack;
@@ -464,9 +466,9 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     {
         const WeightArgs wa{scores, T, k, c.norm_topk_prob, static_cast<float>(c.routed_scaling_factor), wts};
         auto kk = k_moe_plan;
-        const EngineCore::Ep& ep = s.E.ep;
-        const int lo = ep.ranks > 1 ? static_cast<int>(ep.bounds[static_cast<size_t>(ep.rank)]) : 0;
-        const int hi = ep.ranks > 1 ? static_cast<int>(ep.bounds[static_cast<size_t>(ep.rank) + 1]) : E;
+        const ExpertPartition& P = s.E.ep.part;  // (expert parallelism: only this rank's experts' pairs)
+        const int lo = P.bounds.empty() ? 0 : static_cast<int>(P.bounds[static_cast<size_t>(P.rank)]);
+        const int hi = P.bounds.empty() ? E : static_cast<int>(P.bounds[static_cast<size_t>(P.rank) + 1]);
         GLM_LAUNCH(kk, 1, kPlanThreads, static_cast<size_t>(E + 1) * 4, sel, npairs, nsh, E, lo, hi, tile, pairs,
                    items, n_items, wa, nm);
         check_launch("moe_plan");
@@ -486,7 +488,7 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
         }
         linear_experts(w.t_down, items, n_items, nall, pairs, gbuf, Im, 1, nall, ys, D, tile, nm, s.hw8);  // h row p
     }
-    if (s.E.ep.ranks > 1) ep_exchange(s, layer, sel, npairs, ys);  // the other ranks' experts' rows
+    if (s.E.ep.part.distributed()) ep_exchange(s, layer, sel, npairs, ys);  // the other ranks' experts' rows
     s.emit(layer, S_MOE_EXPERTS, ys, static_cast<int64_t>(k) * D, {k, D});
 
     s.mark("moe.combine");
