@@ -50,7 +50,7 @@ def cuda_available() -> bool:
 
 
 def _emulated(cu) -> bool:
-    return cu.__name__.endswith("_emu")
+    return bool(getattr(cu, "EMULATED", False))
 
 
 def _use_rank_device(cu, ep) -> None:
@@ -172,8 +172,8 @@ class CudaEngine(Engine):
     def set_exchange_timing(self, on: bool = True) -> None:
         """Expert parallelism: bracket this rank's collectives with device events (ep_stats()'s
         collective_device_seconds sums them)."""
-        exchange = getattr(self._core, "exchange", None)
-        if exchange is not None and hasattr(exchange, "timing"):
+        exchange = getattr(self._core, "exchange", None)  # (a _DeviceExchange with ranks > 1)
+        if exchange is not None:
             exchange.timing = bool(on)
 
     def stage_times(self) -> dict[str, float]:

@@ -394,9 +394,9 @@ class _RankCore:
         self._deferred: list[int] = []
         self.exchange = None
         if group is not None and group.ranks > 1:
-            if getattr(local, "device_exchange", False):  # the CUDA executor: device buffers
-                emulated = type(local).__module__.endswith("_emu")
-                self.exchange = _DeviceExchange(group.torch, group.dist, group.pg, group.ranks, emulated)
+            where = getattr(local, "device_exchange", None)  # the CUDA executor: "device" (or "host": emulated)
+            if where is not None:
+                self.exchange = _DeviceExchange(group.torch, group.dist, group.pg, group.ranks, where == "host")
             else:
                 self.exchange = _Exchange(group.torch, group.dist, group.pg, group.ranks)
             local.set_exchange(self.exchange)

@@ -255,10 +255,10 @@ def test_decode_weight_bytes_leave_out_the_dense_indexer_query(cuda_engines):
     from oracle import names as N
     eng = cuda_engines("tiny-fp8")
     c = eng.config
-    wq_b = sum(eng.checkpoint.raw(e.spec.role, e.layer, e.expert).data.nbytes
-               + (0 if eng.checkpoint.raw(e.spec.role, e.layer, e.expert).scale is None
-                  else eng.checkpoint.raw(e.spec.role, e.layer, e.expert).scale.nbytes)
-               for e in N.expected(c) if e.spec.role == "indexer.wq_b")
+    def stored(e):
+        raw = eng.checkpoint.raw(e.spec.role, e.layer, e.expert)
+        return raw.data.nbytes + (0 if raw.scale is None else raw.scale.nbytes)
+    wq_b = sum(stored(e) for e in N.expected(c) if e.spec.role == "indexer.wq_b")
     assert wq_b > 0
     last_dense = c.index_topk + c.index_kpool - 2  # (position + 1) // kpool <= index_topk // kpool
     assert eng.decode_weight_bytes(0) == eng.decode_weight_bytes(last_dense) == eng.weight_bytes - wq_b

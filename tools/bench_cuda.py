@@ -78,6 +78,21 @@ def copy_bandwidth() -> float:
     return 2 * n / float(np.median(ts))
 
 
+def time_batch_decode(eng, B: int, n: int, rng):
+    """B caches, each prefilled with 8 random tokens, two warm-up decode steps, then n timed ones:
+    (seconds per step, the caches, their last tokens)."""
+    V = eng.config.vocab_size
+    caches = [eng.new_cache() for _ in range(B)]
+    eng.step([(c, [int(v) for v in rng.integers(0, V, 8)], None, "last") for c in caches])
+    toks = [1] * B
+    for _ in range(2):
+        toks = [int(t) for t in np.argmax(eng.decode(caches, toks), axis=1)]
+    t0 = time.perf_counter()
+    for _ in range(n):
+        toks = [int(t) for t in np.argmax(eng.decode(caches, toks), axis=1)]
+    return (time.perf_counter() - t0) / n, caches, toks
+
+
 def stage_ms(eng, step, n: int, digits: int) -> dict:
     """Device ms per step by module over n timed calls of step()."""
     eng.set_timing(True)
@@ -116,8 +131,7 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
     # the bytes the measured steps read (positions 19 .. 19 + steps - 1): at short context the indexer
     # makes no query (indexer_select), so its wq_b is left out of the roofline too
     def roof_of(first: int, n: int) -> float:
-        nb = getattr(eng, "decode_weight_bytes", lambda pos: eng.weight_bytes)
-        return float(np.mean([nb(first + i) for i in range(n)])) / bw
+        return float(np.mean([eng.decode_weight_bytes(first + i) for i in range(n)])) / bw
     roof = roof_of(16 + 3, steps)
     res["decode_weight_bytes_per_token"] = round(roof * bw)
     res["decode_b1"] = {"ms_per_token": round(dt * 1e3, 3), "tokens_per_s": round(1 / dt, 1),
@@ -125,26 +139,25 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
                         "median_ms": round(med * 1e3, 3), "median_roofline_fraction": round(roof / med, 3)}
     log(f"  decode b1: {dt * 1e3:.3f} ms/token ({1 / dt:.1f} tok/s); roofline {roof * 1e3:.3f} ms "
         f"-> {roof / dt:.1%} of the HBM roofline (median step {med * 1e3:.3f} ms: {roof / med:.1%})")
-    if hasattr(eng, "greedy"):
-        # the same decode as a device-resident greedy loop (no host round trip between the steps), and a
-        # check that it gives the host loop's tokens from the same cache state
-        prompt = [int(v) for v in rng.integers(0, V, 16)]
-        ca, cb = eng.new_cache(), eng.new_cache()
-        first = int(np.argmax(eng.prefill(prompt, ca)[-1]))
-        eng.prefill(prompt, cb)
-        host, t = [], first
-        for _ in range(8):
-            t = int(np.argmax(eng.decode([ca], [t])[0]))
-            host.append(t)
-        same = eng.greedy(cb, first, 8) == host
-        t0 = time.perf_counter()
-        eng.greedy(cb, host[-1], steps)
-        dg = (time.perf_counter() - t0) / steps
-        roof_g = roof_of(16 + 8, steps)
-        res["decode_b1_greedy"] = {"ms_per_token": round(dg * 1e3, 3), "tokens_per_s": round(1 / dg, 1),
-                                   "roofline_fraction": round(roof_g / dg, 3), "tokens_equal_host_loop": same}
-        log(f"  decode b1, device-resident greedy loop: {dg * 1e3:.3f} ms/token ({1 / dg:.1f} tok/s) -> "
-            f"{roof_g / dg:.1%} of the HBM roofline; its tokens = the host loop's: {same}")
+    # the same decode as a device-resident greedy loop (no host round trip between the steps), and a
+    # check that it gives the host loop's tokens from the same cache state
+    prompt = [int(v) for v in rng.integers(0, V, 16)]
+    ca, cb = eng.new_cache(), eng.new_cache()
+    first = int(np.argmax(eng.prefill(prompt, ca)[-1]))
+    eng.prefill(prompt, cb)
+    host, t = [], first
+    for _ in range(8):
+        t = int(np.argmax(eng.decode([ca], [t])[0]))
+        host.append(t)
+    same = eng.greedy(cb, first, 8) == host
+    t0 = time.perf_counter()
+    eng.greedy(cb, host[-1], steps)
+    dg = (time.perf_counter() - t0) / steps
+    roof_g = roof_of(16 + 8, steps)
+    res["decode_b1_greedy"] = {"ms_per_token": round(dg * 1e3, 3), "tokens_per_s": round(1 / dg, 1),
+                               "roofline_fraction": round(roof_g / dg, 3), "tokens_equal_host_loop": same}
+    log(f"  decode b1, device-resident greedy loop: {dg * 1e3:.3f} ms/token ({1 / dg:.1f} tok/s) -> "
+        f"{roof_g / dg:.1%} of the HBM roofline; its tokens = the host loop's: {same}")
     try:
         from fast.cuda import cuda_module
         tuned = cuda_module().tuned()
@@ -168,16 +181,7 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
     # batched decode
     res["decode_batch"] = {}
     for B in batches:
-        caches = [eng.new_cache() for _ in range(B)]
-        eng.step([(c, [int(v) for v in rng.integers(0, V, 8)], None, "last") for c in caches])
-        toks = [1] * B
-        for _ in range(2):
-            toks = [int(t) for t in np.argmax(eng.decode(caches, toks), axis=1)]
-        n = max(4, steps // 2)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            toks = [int(t) for t in np.argmax(eng.decode(caches, toks), axis=1)]
-        dt = (time.perf_counter() - t0) / n
+        dt, caches, toks = time_batch_decode(eng, B, max(4, steps // 2), rng)
         res["decode_batch"][B] = {"ms_per_step": round(dt * 1e3, 3), "tokens_per_s": round(B / dt, 1)}
         log(f"  decode b{B}: {dt * 1e3:.3f} ms/step, {B / dt:.1f} tok/s")
         # where a batched step's device time goes (two timed steps)

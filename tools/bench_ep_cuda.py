@@ -24,6 +24,8 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tools"))
+from bench_cuda import time_batch_decode  # noqa: E402 - (tools/ is not a package)
 
 
 def measure(eng, steps: int, label: str) -> dict:
@@ -61,16 +63,7 @@ def measure(eng, steps: int, label: str) -> dict:
     dg = (time.perf_counter() - t0) / steps
     res["greedy"] = {"ms": round(dg * 1e3, 3), "tok_s": round(1 / dg, 1), "tokens": g}
     # batch 8
-    caches = [eng.new_cache() for _ in range(8)]
-    eng.step([(c, [int(v) for v in rng.integers(0, V, 8)], None, "last") for c in caches])
-    toks8 = [1] * 8
-    for _ in range(2):
-        toks8 = [int(t) for t in np.argmax(eng.decode(caches, toks8), axis=1)]
-    n8 = max(8, steps // 4)
-    t0 = time.perf_counter()
-    for _ in range(n8):
-        toks8 = [int(t) for t in np.argmax(eng.decode(caches, toks8), axis=1)]
-    d8 = (time.perf_counter() - t0) / n8
+    d8, caches, _ = time_batch_decode(eng, 8, max(8, steps // 4), rng)
     res["b8"] = {"ms": round(d8 * 1e3, 3), "tok_s": round(8 / d8, 1)}
     line = (f"{label:8s} decode b1 {res['b1']['ms']:.3f} ms ({res['b1']['tok_s']:.1f} tok/s) | greedy loop "
             f"{res['greedy']['ms']:.3f} ms ({res['greedy']['tok_s']:.1f} tok/s) | b8 {res['b8']['ms']:.3f} ms "

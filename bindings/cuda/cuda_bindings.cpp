@@ -252,7 +252,15 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
                  return d;
              })
         .def("reset_ep_stats", [](PyEngine& pe) { pe.eng->reset_ep_stats(); })
-        .def_property_readonly("device_exchange", [](PyEngine&) { return true; })
+        // where the exchange hook's buffers live: "device", or "host" under the CPU emulation
+        .def_property_readonly("device_exchange",
+                               [](PyEngine&) {
+#if defined(GLM_CUDA_EMU)
+                                   return "host";
+#else
+                                   return "device";
+#endif
+                               })
         .def("set_timing", [](PyEngine& pe, bool on) { pe.eng->set_timing(on); }, py::arg("on"))
         .def("reset_stage_times", [](PyEngine& pe) { pe.eng->reset_stage_times(); })
         .def("stage_times",

@@ -207,8 +207,9 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
         total += np;
         max_np = std::max(max_np, np);
     }
-    float* scores = s.scratch.d<float>(static_cast<size_t>(std::max<int64_t>(total, 1)));
-    int64_t* d_off = lean ? nullptr : s.scratch.up(off);  // (the dense selection reads no scores)
+    // (the dense selection reads no scores)
+    float* scores = lean ? nullptr : s.scratch.d<float>(static_cast<size_t>(std::max<int64_t>(total, 1)));
+    int64_t* d_off = lean ? nullptr : s.scratch.up(off);
     if (max_np > 0 && !lean) {
         auto kk = k_idx_scores;
         // pools per block: one while there are few (latency), eight once there are many (q reuse)
