@@ -23,7 +23,7 @@ def golden_dir() -> Path:
 def small_zoo(tmp_path_factory) -> Path:
     """The `small` zoo checkpoint in every release (small-bf16, small-fp8, small-mxfp4), made once per
     test process (~30 s) and shared by every module that needs it."""
-    from oracle.zoo import make_zoo
+    from tools.zoo import make_zoo
     root = tmp_path_factory.mktemp("zoo")
     make_zoo("small", root)
     return root

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from oracle.cli import main
+from tools.cli import main
 
 
 def test_bench_reports_ratios_and_same_tokens(capsys, golden_dir):

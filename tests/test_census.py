@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from oracle import cli
-from oracle.census import census_expf
-from oracle.census_kernels import cephes_expf, schraudolph_expf
+from tools import cli
+from tools.census import census_expf
+from tools.census_kernels import cephes_expf, schraudolph_expf
 from oracle.numerics import expf
 
 # 2^20 inputs around x = -1 (softmax's range) and 2^20 around x = +1.

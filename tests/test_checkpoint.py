@@ -15,7 +15,7 @@ import pytest
 
 import oracle.checkpoint as ck
 from oracle import names as N
-from oracle import zoo
+from tools import zoo
 from oracle.checkpoint import CheckpointError, open_checkpoint
 from oracle.config import ConfigError
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from oracle.config import IGNORED_PEER_FIELDS, Config, ConfigError
-from oracle.zoo import zoo_config
+from tools.zoo import zoo_config
 
 transformers = pytest.importorskip("transformers")
 from transformers import PretrainedConfig  # noqa: E402

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from oracle.cli import main
+from tools.cli import main
 
 
 def test_demo_runs_and_the_engines_agree(monkeypatch, capsys, golden_dir):

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 import oracle
-from oracle import cli
+from tools import cli
 from oracle.capture import Capture
-from oracle.diff import plot_cells, row_diff, run_diff, ulp_distance
+from tools.diff import plot_cells, row_diff, run_diff, ulp_distance
 from oracle.inject import Injection
-from oracle.sides import SideError, open_side, parse_spec
+from tools.sides import SideError, open_side, parse_spec
 from oracle.stages import F32, F64, I32, model_stages, stage_dtype
-from oracle.trace import Trace, causally_minimal, compare_traces, downstream, run_traced, stage_order
+from tools.trace import Trace, causally_minimal, compare_traces, downstream, run_traced, stage_order
 
 PROMPT_LEN, NEW = 24, 4          # 24 > tiny's index_topk (8): the indexer selects; 27 positions processed
 
@@ -374,7 +374,7 @@ def test_traced_run_gives_the_same_bits(name, golden_dir, small_dir):
     toks1, logits1 = side.generate(ids, NEW, capture=Capture(keep_values=False))
     assert toks0 == toks1 == t.tokens
     assert np.array_equal(np.asarray(logits0).view(np.uint32), np.asarray(logits1).view(np.uint32))
-    from oracle.golden import hash12
+    from tools.golden import hash12
     assert t.logits_hash == hash12(logits0, "<f4")
     n_stages = len(model_stages(model.config))
     assert len(t.hashes) == n_stages * (PROMPT_LEN + NEW - 1)

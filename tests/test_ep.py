@@ -271,7 +271,7 @@ def _env():
 def test_launch_oracle_run(ckpt_path):
     args = ["run", "--checkpoint", ckpt_path("tiny-fp8"), "--ids", "5,6,7,8,9,10,11", "--max-new", "5",
             "--engine", "cpu", "--json"]
-    single = subprocess.run([sys.executable, "-m", "oracle", *args], capture_output=True, text=True, env=_env(),
+    single = subprocess.run([sys.executable, "-m", "tools", *args], capture_output=True, text=True, env=_env(),
                             cwd=REPO, timeout=120)
     assert single.returncode == 0, single.stderr
     ep = subprocess.run([sys.executable, "-m", "fast.launch", "--ranks", "2", "--", "oracle", *args],

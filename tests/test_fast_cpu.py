@@ -318,7 +318,7 @@ CONFIG_VARIANTS = [
 @pytest.mark.parametrize("name,release,overrides", CONFIG_VARIANTS, ids=[v[0] for v in CONFIG_VARIANTS])
 def test_config_variants(tmp_path, name, release, overrides):
     """Config corners the zoo does not ship (generated here from the tiny recipe): still bit-identical."""
-    from oracle.zoo import make_checkpoint
+    from tools.zoo import make_checkpoint
     path = str(tmp_path / name)
     make_checkpoint("tiny", release, path, **overrides)
     m = oracle.load(path)

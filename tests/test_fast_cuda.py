@@ -22,7 +22,7 @@ import pytest
 import fast
 from fast.cuda import CudaEngine, cuda_available, cuda_module
 from oracle.capture import Capture
-from oracle.golden import canonical_prompts, hash12
+from tools.golden import canonical_prompts, hash12
 from tests.engine_checks import assert_same_capture, bits, case_id, greedy_case, prompt
 
 pytestmark = [pytest.mark.gpu,
@@ -152,7 +152,7 @@ def test_batched_generate(name, batch, cuda_engines, cpu_engines):
 @pytest.mark.parametrize("batch", [3, 8])
 def test_batched_few_pairs_per_expert(tmp_path, batch):
     """Batches whose pairs are few against the experts (4 T k <= E) run one pair per expert item."""
-    from oracle.zoo import make_checkpoint
+    from tools.zoo import make_checkpoint
     path = str(tmp_path / "experts-64")
     make_checkpoint("tiny", "fp8", path, hidden_size=128, moe_intermediate_size=64, n_routed_experts=64)
     ref, eng = fast.Engine(path, device="cpu"), CudaEngine(path)
@@ -231,7 +231,7 @@ def test_decode_with_and_without_the_streams_observed(tmp_path, release, hc):
     """A decode step's hc_expand is made by the next site's mHC kernel (few tokens, a width of whole
     64-column chunks) unless the streams are captured: the logits are the CPU engine's either way, also
     with one site's streams captured and the others fused, and in batches."""
-    from oracle.zoo import make_checkpoint
+    from tools.zoo import make_checkpoint
     path = str(tmp_path / f"w128-{release}")
     make_checkpoint("tiny", release, path, hidden_size=128, hc_mult=hc)
     eng, ref = CudaEngine(path), fast.Engine(path, device="cpu")
@@ -405,7 +405,7 @@ CONFIG_VARIANTS = [
 
 @pytest.mark.parametrize("name,release,overrides", CONFIG_VARIANTS, ids=[v[0] for v in CONFIG_VARIANTS])
 def test_config_variants(tmp_path, name, release, overrides):
-    from oracle.zoo import make_checkpoint
+    from tools.zoo import make_checkpoint
     path = str(tmp_path / name)
     make_checkpoint("tiny", release, path, **overrides)
     ref = fast.Engine(path, device="cpu")

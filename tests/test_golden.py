@@ -7,8 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from oracle import golden
-from oracle.cli import main
+from tools import golden
+from tools.cli import main
 
 
 def test_golden_check_passes_from_the_committed_files(monkeypatch, golden_dir):

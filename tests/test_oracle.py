@@ -6,7 +6,7 @@ import pytest
 
 import oracle
 from oracle.capture import Capture
-from oracle.golden import canonical_prompts
+from tools.golden import canonical_prompts
 from oracle.model import PromptError
 
 RELEASES = ("bf16", "fp8", "mxfp4")

@@ -1,4 +1,4 @@
-"""oracle.zoo: the committed golden/tiny-* checkpoints, deterministic regeneration, the quantization
+"""tools.zoo: the committed golden/tiny-* checkpoints, deterministic regeneration, the quantization
 rules, the RNG, the other zoo entries."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from oracle import names as N
-from oracle import zoo
+from tools import zoo
 from oracle.checkpoint import open_checkpoint
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"

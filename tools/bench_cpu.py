@@ -189,7 +189,7 @@ def run_bench(small_dir: str | None = None, prompt: int = 64, new: int = 32, thr
     report = {"machine": machine_info(), "command": "tools/bench_cpu.py", "threads": threads}
     tmp = None
     if small_dir is None:
-        from oracle.zoo import make_zoo
+        from tools.zoo import make_zoo
         tmp = tempfile.TemporaryDirectory(prefix="bench_cpu_")
         small_dir = tmp.name
         say(f"generating small into {small_dir}")

@@ -13,7 +13,7 @@ For each release (fp8, mxfp4):
 and the same work through the peer, `transformers` glm5_next in BF16 on the same GPU (random
 weights of the same shapes; the peer's speed does not depend on the values), with the ratios.
 
---make generates the checkpoints with oracle.zoo (2 layers by default: KDA + MLA, both MoE, first
+--make generates the checkpoints with tools.zoo (2 layers by default: KDA + MLA, both MoE, first
 layer not dense, so every expert path is exercised; 288 experts of 2048, top 8).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def slice_overrides(layers: int, experts: int) -> dict:
 
 
 def make_slices(root: str, layers: int, experts: int, releases, workers: int = 1) -> dict:
-    from oracle.zoo import make_checkpoint
+    from tools.zoo import make_checkpoint
     out = {}
     for rel in releases:
         d = os.path.join(root, f"slice-{rel}")
@@ -215,7 +215,7 @@ def bench_peer(layers: int, experts: int, steps: int, prefill_len: int, batches,
     import torch
     import transformers
     from transformers import Glm5NextTextConfig, Glm5NextTextModel
-    from oracle.zoo import zoo_config
+    from tools.zoo import zoo_config
     ocfg = zoo_config("slice", **slice_overrides(layers, experts))
     kw = {k: getattr(ocfg, k) for k in (
         "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",

@@ -95,7 +95,7 @@ def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, thr
     say = progress or (lambda msg: None)
     tmp = None
     if path is None:
-        from oracle.zoo import make_zoo
+        from tools.zoo import make_zoo
         tmp = tempfile.TemporaryDirectory(prefix="bench_peer_")
         say(f"generating small-bf16 into {tmp.name}")
         make_zoo("small", tmp.name, releases=("bf16",))

@@ -5,7 +5,7 @@
 #   bash tools/gpu_check.sh
 #
 # Environment: OUT (logs and results, default /tmp/gpu_check), GLM_SLICE_DIR (slice checkpoints, default
-# /tmp/slice; made here with oracle.zoo when absent), BUDGET (seconds for the whole run, default 450),
+# /tmp/slice; made here with tools.zoo when absent), BUDGET (seconds for the whole run, default 450),
 # SLICE_LAYERS (2), SLICE_EXPERTS (288), SKIP_PEER=1 (no transformers peer), RELEASES (fp8,mxfp4),
 # TESTS=0 (skip the GPU tests: a performance iteration) or quick (skip the exhaustive expf and the slowest),
 # TESTS_K (a pytest -k expression instead), PROFILE=1 (kernel timeline of decode steps, tools/profile_cuda.py,

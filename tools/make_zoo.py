@@ -20,7 +20,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from oracle import zoo  # noqa: E402
+from tools import zoo  # noqa: E402
 
 GOLDEN = os.path.join(REPO, "golden")
 COMMITTED = ("tiny",)

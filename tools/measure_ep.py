@@ -78,7 +78,7 @@ def run_one(path: str, ranks: int | None, threads: int, prompt: list[int], token
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--zoo", help="folder with small-{bf16,fp8,mxfp4} (made with oracle.zoo.make_zoo if absent)")
+    ap.add_argument("--zoo", help="folder with small-{bf16,fp8,mxfp4} (made with tools.zoo.make_zoo if absent)")
     ap.add_argument("--checkpoint", action="append", default=[], help="a checkpoint folder (repeatable)")
     ap.add_argument("--ranks", default="1,2,3", help="rank counts, e.g. 1,2,3")
     ap.add_argument("--threads", type=int, default=1, help="threads per rank")
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     paths = list(a.checkpoint)
     if a.zoo:
         if not all(os.path.isdir(os.path.join(a.zoo, f"small-{r}")) for r in ("bf16", "fp8", "mxfp4")):
-            from oracle.zoo import make_zoo
+            from tools.zoo import make_zoo
             make_zoo("small", a.zoo)
         paths += [os.path.join(a.zoo, f"small-{r}") for r in ("bf16", "fp8", "mxfp4")]
     if not paths:

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .capture import Capture, row_hash
+from oracle.capture import Capture, row_hash
 from .golden import hash12
-from .stages import model_stages, stage_dtype
+from oracle.stages import model_stages, stage_dtype
 
 TRACE_FORMAT = "glm-exact-trace"
 TRACE_VERSION = 1
@@ -130,7 +130,7 @@ class Trace:
 
 
 def run_traced(side, ids, n: int, keep=None, pairs=None) -> Trace:
-    """Run `side` (an `oracle.sides.Side`) with a hash-only capture (plus the rows `keep` names)."""
+    """Run `side` (an `tools.sides.Side`) with a hash-only capture (plus the rows `keep` names)."""
     cap = RunCapture(pairs=pairs, keep=keep)
     t0 = time.perf_counter()
     tokens, logits = side.generate(ids, n, capture=cap)

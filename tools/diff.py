@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .stages import BF16, F32, F64, I32, stage_dtype
+from oracle.stages import BF16, F32, F64, I32, stage_dtype
 from .trace import HashComparison, Trace, compare_traces, run_traced
 
 # -- ULPs ---------------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ class DiffResult:
 
 def run_diff(side_a, side_b, ids, n: int, point: tuple | None = None, values: bool = True,
              trace_a: Trace | None = None, progress=None) -> DiffResult:
-    """Diff two sides (objects of oracle.sides) on prompt `ids` + `n` new tokens.
+    """Diff two sides (objects of tools.sides) on prompt `ids` + `n` new tokens.
 
     point: (layer, pos) to show stage by stage; values: run the second, value-capturing pass;
     trace_a: a trace of side a already run on the same input (saves one run).
@@ -330,7 +330,7 @@ def prompt_ids(args, side) -> tuple[list[int], int]:
         if not ids:
             raise ValueError("--ids is empty")
     elif args.prompt is not None:
-        from .checkpoint import open_checkpoint
+        from oracle.checkpoint import open_checkpoint
         tok = getattr(open_checkpoint(args.checkpoint), "tokenizer", None)
         if tok is None:
             raise ValueError(f"{args.checkpoint} has no tokenizer.json: use --ids")

@@ -14,7 +14,7 @@ import time
 
 from rich.table import Table
 
-from . import names
+from oracle import names
 
 
 def active_weight_bytes(ckpt) -> int:
@@ -43,7 +43,7 @@ def measure(engine, ids: list[int], new: int) -> tuple[float, float, list[int]]:
 
 
 def run(checkpoint: str, engines: list[str], prompt: int, new: int) -> dict:
-    from .checkpoint import open_checkpoint
+    from oracle.checkpoint import open_checkpoint
     from .cli import make_engine
     ckpt = open_checkpoint(checkpoint)
     wbytes = active_weight_bytes(ckpt)

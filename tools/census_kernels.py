@@ -10,8 +10,8 @@ import ctypes.util
 import numpy as np
 from numba import njit, prange
 
-from .numerics import expf
-from .numerics.bits import bits_to_f32, f32_to_bits
+from oracle.numerics import expf
+from oracle.numerics.bits import bits_to_f32, f32_to_bits
 
 SUB = 1 << 14            # inputs per parallel work item
 

@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("rest", nargs=argparse.REMAINDER)
     m.set_defaults(func=cmd_make_checkpoint)
 
-    from . import bench, census, diff, trace           # the tools register their own parsers
+    from . import bench, census, diff, trace  # the tools register their own parsers
     for tool in (diff, trace, census, bench):
         tool.register(sub, console)
     return p

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .capture import Capture
-from .inject import Injection
-from .stages import model_stages
+from oracle.capture import Capture
+from oracle.inject import Injection
+from oracle.stages import model_stages
 
 ENGINES = ("oracle", "cpu", "cuda")
 

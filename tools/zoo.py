@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from . import names as N
-from .config import DENSE, KDA, MLA, SPARSE, Config
+from oracle import names as N
+from oracle.config import DENSE, KDA, MLA, SPARSE, Config
 
 __all__ = [
     "ZOO",
@@ -57,7 +57,7 @@ __all__ = [
 
 RELEASES = ("bf16", "fp8", "mxfp4")
 DEFAULT_SEED = 5300  # GLM-5.3
-GENERATOR = "oracle.zoo/1"
+GENERATOR = "oracle.zoo/1"  # the format id written into every file (bytes of golden/); not the module path
 
 # ----------------------------------------------------------------------------- zoo entries
 
@@ -1009,5 +1009,5 @@ def main_make_checkpoint(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m oracle.zoo
+if __name__ == "__main__":  # python -m tools.zoo
     sys.exit(main_make_checkpoint())
