@@ -44,7 +44,7 @@ def measure(engine, ids: list[int], new: int) -> tuple[float, float, list[int]]:
 
 def run(checkpoint: str, engines: list[str], prompt: int, new: int) -> dict:
     from oracle.checkpoint import open_checkpoint
-    from .cli import make_engine
+    from .sides import make_engine
     ckpt = open_checkpoint(checkpoint)
     wbytes = active_weight_bytes(ckpt)
     ids = [(37 * i + 11) % ckpt.config.vocab_size for i in range(prompt)]

@@ -14,6 +14,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .prompts import load_tokenizer, parse_ids
+from .sides import make_engine
+
 console = Console(stderr=False)
 
 
@@ -25,42 +28,6 @@ def golden_root() -> Path:
         if c and (Path(c) / "tiny-bf16" / "config.json").exists():
             return Path(c)
     raise FileNotFoundError("no golden/ folder with tiny-bf16 found (set GLM_GOLDEN or run from the repository)")
-
-
-def make_engine(spec: str, checkpoint, precision: str = "canonical"):
-    """An object with .config, .generate(ids, n, return_logits=...), .prefill, .forward: oracle | cpu | cuda."""
-    name, _, opts = spec.partition(":")
-    if name == "oracle":
-        import oracle
-        return oracle.load(checkpoint, precision)
-    if name in ("cpu", "cuda"):
-        from fast import Engine
-        return Engine(checkpoint, device=name, **_parse_opts(opts))
-    raise ValueError(f"unknown engine {spec!r}: expected oracle, cpu or cuda")
-
-
-def _parse_opts(opts: str) -> dict:
-    out = {}
-    for part in filter(None, opts.split(",")):
-        k, _, v = part.partition("=")
-        out[k.replace("-", "_")] = int(v) if v.isdigit() else (v or True)
-    return out
-
-
-def load_tokenizer(checkpoint):
-    """The checkpoint's tokenizer.json as a `tokenizers.Tokenizer`, or None."""
-    path = Path(checkpoint) / "tokenizer.json"
-    if not path.exists():
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(path))
-
-
-def parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise ValueError(f"--ids must be comma-separated integers, got {text!r}") from None
 
 
 # -- commands --------------------------------------------------------------------------------------

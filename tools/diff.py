@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from oracle.stages import BF16, F32, F64, I32, stage_dtype
+from .prompts import DEFAULT_NEW, prompt_ids
+from .term import wide
 from .trace import HashComparison, Trace, compare_traces, run_traced
 
 # -- ULPs ---------------------------------------------------------------------------------------------
@@ -317,38 +319,6 @@ def plot_cells(res: DiffResult, path=None):
 
 # -- CLI ----------------------------------------------------------------------------------------------
 
-DEFAULT_NEW = 8
-
-
-def prompt_ids(args, side) -> tuple[list[int], int]:
-    """--ids / --prompt (tokenized by the checkpoint's tokenizer) / the canonical `long` prompt."""
-    from .cli import parse_ids
-    from .golden import canonical_prompts
-    n = args.max_new
-    if args.ids is not None:
-        ids = parse_ids(args.ids)
-        if not ids:
-            raise ValueError("--ids is empty")
-    elif args.prompt is not None:
-        from oracle.checkpoint import open_checkpoint
-        tok = getattr(open_checkpoint(args.checkpoint), "tokenizer", None)
-        if tok is None:
-            raise ValueError(f"{args.checkpoint} has no tokenizer.json: use --ids")
-        ids = tok.encode(args.prompt).ids
-    else:
-        ids, default_n = canonical_prompts(side.config.vocab_size)["long"]
-        n = default_n if n is None else n
-    if n is None:
-        n = DEFAULT_NEW
-    if n < 0:
-        raise ValueError(f"--max-new must be >= 0, got {n}")
-    V = side.config.vocab_size
-    bad = [t for t in ids if not 0 <= t < V]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
-    return ids, n
-
-
 def _fmt(v, dtype: str | None = None) -> str:
     """Shortest text that identifies the value in its dtype (f64: 17 digits when needed)."""
     if v is None:
@@ -356,14 +326,6 @@ def _fmt(v, dtype: str | None = None) -> str:
     if isinstance(v, float):
         return repr(v) if dtype == F64 else str(np.float32(v))
     return str(v)
-
-
-def wide(console):
-    """In a terminal, the console; into a pipe or file, a console wide enough not to cut the tables."""
-    if console.is_terminal:
-        return console
-    from rich.console import Console
-    return Console(width=220, no_color=True)
 
 
 def render(res: DiffResult, console) -> None:

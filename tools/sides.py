@@ -232,3 +232,23 @@ class Side:
 
 def open_side(text: str, checkpoint) -> Side:
     return Side(parse_spec(text), checkpoint)
+
+
+def make_engine(spec: str, checkpoint, precision: str = "canonical"):
+    """An object with .config, .generate(ids, n, return_logits=...), .prefill, .forward: oracle | cpu | cuda."""
+    name, _, opts = spec.partition(":")
+    if name == "oracle":
+        import oracle
+        return oracle.load(checkpoint, precision)
+    if name in ("cpu", "cuda"):
+        from fast import Engine
+        return Engine(checkpoint, device=name, **_parse_opts(opts))
+    raise ValueError(f"unknown engine {spec!r}: expected oracle, cpu or cuda")
+
+
+def _parse_opts(opts: str) -> dict:
+    out = {}
+    for part in filter(None, opts.split(",")):
+        k, _, v = part.partition("=")
+        out[k.replace("-", "_")] = int(v) if v.isdigit() else (v or True)
+    return out

@@ -76,3 +76,10 @@ def printable(text: str) -> str:
         else:
             outs.append(ch.encode("unicode_escape").decode("ascii"))
     return "".join(outs)
+
+
+def wide(console: Console) -> Console:
+    """In a terminal, the console; into a pipe or file, one wide enough not to cut the tables."""
+    if console.is_terminal:
+        return console
+    return Console(width=PIPE_WIDTH, no_color=True, highlight=False)

@@ -269,7 +269,7 @@ def cmd_trace(args, console) -> int:
     if not args.checkpoint or not args.a or not args.out:
         raise ValueError("oracle trace needs --checkpoint DIR --a SPEC --out FILE.json "
                          "(or: oracle trace compare A.json B.json)")
-    from .diff import prompt_ids
+    from .prompts import prompt_ids
     side = open_side(args.a, args.checkpoint)
     ids, n = prompt_ids(args, side)
     t = run_traced(side, ids, n)
@@ -295,7 +295,7 @@ def cmd_trace_compare(args, console) -> int:
         return 0 if cmp.identical else 1
     from rich.table import Table
 
-    from .diff import wide
+    from .term import wide
     console = wide(console)
     console.print(f"[bold]trace compare[/bold] {args.file_a} ({a.spec}) vs {args.file_b} ({b.spec}): "
                   f"{cmp.rows_compared} rows over {cmp.compared_positions} positions")

@@ -1,0 +1,53 @@
+"""Prompts as the tools take them: --ids, --prompt (tokenized by the checkpoint's tokenizer), or the
+canonical `long` prompt of the golden set; and how many new tokens."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .golden import canonical_prompts
+
+
+def load_tokenizer(checkpoint):
+    """The checkpoint's tokenizer.json as a `tokenizers.Tokenizer`, or None."""
+    path = Path(checkpoint) / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(path))
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--ids must be comma-separated integers, got {text!r}") from None
+
+
+DEFAULT_NEW = 8
+
+
+def prompt_ids(args, side) -> tuple[list[int], int]:
+    """--ids / --prompt (tokenized by the checkpoint's tokenizer) / the canonical `long` prompt."""
+    n = args.max_new
+    if args.ids is not None:
+        ids = parse_ids(args.ids)
+        if not ids:
+            raise ValueError("--ids is empty")
+    elif args.prompt is not None:
+        from oracle.checkpoint import open_checkpoint
+        tok = getattr(open_checkpoint(args.checkpoint), "tokenizer", None)
+        if tok is None:
+            raise ValueError(f"{args.checkpoint} has no tokenizer.json: use --ids")
+        ids = tok.encode(args.prompt).ids
+    else:
+        ids, default_n = canonical_prompts(side.config.vocab_size)["long"]
+        n = default_n if n is None else n
+    if n is None:
+        n = DEFAULT_NEW
+    if n < 0:
+        raise ValueError(f"--max-new must be >= 0, got {n}")
+    V = side.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
+    return ids, n
