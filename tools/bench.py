@@ -29,7 +29,7 @@ def active_weight_bytes(ckpt) -> int:
 
 # the SPEC options a benchmark honours: the engine's configuration and how the prompt is fed; batch,
 # prefix-cache and inject change what one request runs and are refused rather than silently dropped
-BENCH_OPTIONS = ("threads", "dot", "expf", "precision", "chunk")
+BENCH_OPTIONS = ("threads", "dot", "expf", "precision", "chunk", "ranks", "memory-limit", "verify-ranks", "max-context")
 
 
 def measure(engine, ids: list[int], new: int, chunk: int | None = None) -> tuple[float, float, list[int]]:

@@ -19,7 +19,7 @@ from .prompts import DEFAULT_NEW, load_tokenizer, max_new, prompt_ids
 
 SPEC_HELP = ("SPEC: oracle | cpu | cuda, options after a colon, comma-separated: chunk=N, prefix-cache[=N], "
              "inject=L,P,STAGE,ELEM,ULPS (every engine), precision=float64 (oracle), threads=N, batch=N, "
-             "dot=sequential, expf=native (cpu, cuda)")
+             "dot=sequential, expf=native, ranks=N, memory-limit=BYTES, verify-ranks, max-context=N (cpu, cuda)")
 
 
 def golden_root() -> Path:
@@ -279,6 +279,8 @@ def main(argv=None) -> int:
         sys.stderr.write("\ninterrupted\n")
         return 130
     except BrokenPipeError:                          # `oracle ... | head`: the reader left
+        devnull = os.open(os.devnull, os.O_WRONLY)   # so the interpreter's last flush does not fail too
+        os.dup2(devnull, sys.stdout.fileno())
         return 0
     except _user_errors() as e:
         msg = str(e) if not isinstance(e, KeyError) else f"{e.args[0] if e.args else e}"

@@ -9,6 +9,11 @@ A SPEC names an engine and options after a colon, comma-separated:
     cpu:prefix-cache                the prompt's first half computed on a cache that is then forked
     cpu:inject=15,45,mla.scores,3,1 one value perturbed by 1 ULP (L,P,STAGE,ELEM,ULPS)
     cuda:expf=native                a non-canonical switch of an engine
+    cpu:ranks=2,memory-limit=N      expert parallelism over 2 ranks (docs/ep.md); verify-ranks, max-context
+
+Every command that takes a SPEC (run, bench, golden, diff, trace) parses it here, so an option an
+engine does not take is refused the same way everywhere. A list of SPECs (`bench --engines`) splits
+on commas only directly before an engine name (split_specs).
 
 `inject=` takes the next five comma-separated fields (the spec itself holds commas).
 
@@ -37,7 +42,13 @@ OPTIONS = {
     "precision": (("canonical", "float64"), ("oracle",)),
     "dot": (("canonical", "sequential"), ("cpu", "cuda")),
     "expf": (("canonical", "native"), ("cpu", "cuda")),
+    # expert parallelism and memory of the engines (docs/ep.md): passed to fast.Engine as keywords
+    "ranks": ("int", ("cpu", "cuda")),
+    "memory-limit": ("int", ("cpu", "cuda")),
+    "verify-ranks": ("flag", ("cpu", "cuda")),
+    "max-context": ("int", ("cpu", "cuda")),
 }
+ENGINE_KEYWORDS = ("threads", "dot", "expf", "ranks", "memory-limit", "verify-ranks", "max-context")
 
 
 class SideError(ValueError):
@@ -153,6 +164,10 @@ def parse_spec(text: str) -> SideSpec:
             opts[key] = int(value)
         elif kind == "flag-or-int":
             opts[key] = True
+        elif kind == "flag":
+            if eq:
+                raise SideError(f"SPEC {text!r}: option {key!r} is a switch and takes no value")
+            opts[key] = True
         else:                                   # a choice
             if value not in kind:
                 raise SideError(f"SPEC {text!r}: option {key!r} must be one of {', '.join(kind)}, got {value!r}")
@@ -224,12 +239,7 @@ class Side:
             except ImportError as e:
                 raise SideError(f"cuda engine not available: the CUDA extension fast._cuda is not built or "
                                 f"cannot load ({e})") from None
-        kwargs = {}
-        if "threads" in o:
-            kwargs["threads"] = o["threads"]
-        for k in ("dot", "expf"):
-            if k in o:
-                kwargs[k] = o[k]
+        kwargs = {k.replace("-", "_"): o[k] for k in ENGINE_KEYWORDS if k in o}
         if "inject" in o:
             kwargs["inject"] = str(o["inject"])
         try:
