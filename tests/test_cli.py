@@ -13,12 +13,12 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "golden" / "tiny-bf16")
@@ -33,7 +33,7 @@ needs_cpu = pytest.mark.skipif(not _have_cpu(), reason="the CPU engine (fast._co
 
 def oracle(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "tools", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 def assert_error(p, *words, as_json=False):
@@ -167,6 +167,17 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
     assert got.err.strip() == "interrupted" and got.out == ""
 
 
+def test_a_bug_is_reported_as_an_internal_error_with_its_traceback(monkeypatch, capsys):
+    from tools import cli
+
+    def broken(args):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(cli, "cmd_run", broken)
+    assert cli.main(["run", "--checkpoint", TINY, "--json"]) == 2
+    got = capsys.readouterr()
+    assert json.loads(got.out) == {"error": "internal error: RuntimeError: a bug"} and "Traceback" in got.err
+
+
 # -- one --max-new rule, inputs that would do nothing -----------------------------------------------
 
 @pytest.mark.parametrize("command, n", [(["run", "--engine", "cpu"], "0"), (["run", "--engine", "oracle"], "-1"),
@@ -272,8 +283,8 @@ def test_streaming_gives_the_bits_of_the_engines_generate():
     for spec in ("oracle", "cpu") if _have_cpu() else ("oracle",):
         side = open_side(spec, TINY)
         tokens, logits = side.generate(ids, 3)
-        seen = []
-        t2, l2 = side.generate(ids, 3, on_token=lambda i, t: seen.append((i, t)))
+        seen: list = []
+        t2, l2 = side.generate(ids, 3, on_token=lambda i, t, seen=seen: seen.append((i, t)))
         assert tokens == t2 and seen == list(enumerate(tokens)), spec
         assert np.array_equal(np.asarray(logits).view(np.uint32), np.asarray(l2).view(np.uint32)), spec
 

@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     except _user_errors() as e:
         msg = str(e) if not isinstance(e, KeyError) else f"{e.args[0] if e.args else e}"
         return term.error(msg or type(e).__name__, as_json)
-    except Exception as e:                           # a bug: keep the traceback for the report
+    except Exception as e:  # noqa: BLE001 - a bug: the traceback for the report, and still one error object
         traceback.print_exc()
         return term.error(f"internal error: {type(e).__name__}: {e}", as_json)
 
