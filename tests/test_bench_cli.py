@@ -11,7 +11,7 @@ from tools.cli import main
 def test_bench_reports_ratios_and_same_tokens(capsys, golden_dir):
     pytest.importorskip("fast._core")
     assert main(["bench", "--checkpoint", str(golden_dir / "tiny-mxfp4"), "--engines", "oracle,cpu",
-                 "--prompt", "12", "--new", "4", "--json"]) == 0
+                 "--prompt-len", "12", "--new", "4", "--json"]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     oracle_row, cpu_row = r["engines"]
     assert oracle_row["prefill_x"] == 1.0 and cpu_row["same_tokens_as_first"]

@@ -88,7 +88,7 @@ def test_cli_census_errors(capsys):
         import fast._cuda  # noqa: F401
     except ImportError:
         assert cli.main(["census", "expf", "--engine", "cuda"]) == 2
-        assert "fast._cuda" in capsys.readouterr().out
+        assert "fast._cuda" in capsys.readouterr().err      # errors go to stderr
 
 
 def test_cli_census_cpu_engine(capsys):

@@ -170,9 +170,10 @@ def test_injected_fault_is_the_first_divergence(name, index, models, tables):
 # -- the CLI, end to end --------------------------------------------------------------------------------
 
 def run_cli(argv, capsys):
+    """-> (exit code, stdout + stderr): results are on stdout, errors on stderr (tests/test_cli.py checks which)."""
     rc = cli.main(argv)
-    out = capsys.readouterr().out
-    return rc, out
+    got = capsys.readouterr()
+    return rc, got.out + got.err
 
 
 def test_cli_identical_exit_0(golden_dir, capsys):

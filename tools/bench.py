@@ -7,12 +7,11 @@ E routed experts per MoE layer, counted as k/E of the experts' bytes).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import time
-
-from rich.table import Table
 
 from oracle import names
 
@@ -28,12 +27,17 @@ def active_weight_bytes(ckpt) -> int:
     return int(total)
 
 
-def measure(engine, ids: list[int], new: int) -> tuple[float, float, list[int]]:
+# the SPEC options a benchmark honours: the engine's configuration and how the prompt is fed; batch,
+# prefix-cache and inject change what one request runs and are refused rather than silently dropped
+BENCH_OPTIONS = ("threads", "dot", "expf", "precision", "chunk", "ranks", "memory-limit", "verify-ranks", "max-context")
+
+
+def measure(engine, ids: list[int], new: int, chunk: int | None = None) -> tuple[float, float, list[int]]:
     """-> (prefill tok/s, decode tok/s, generated tokens): one prefill of `ids`, then `new` decode steps."""
     engine.generate(ids[:3], 2)                                     # warm up (Numba compile, threads)
     cache = engine.new_cache()
     t0 = time.perf_counter()
-    logits = engine.forward(ids, cache)
+    logits = engine.prefill(ids, cache, chunk=chunk)
     t1 = time.perf_counter()
     out = [int(logits[-1].argmax())]
     for _ in range(new - 1):
@@ -42,17 +46,25 @@ def measure(engine, ids: list[int], new: int) -> tuple[float, float, list[int]]:
     return len(ids) / (t1 - t0), (new - 1) / max(t2 - t1, 1e-9), out
 
 
+def open_engines(checkpoint: str, specs: list[str]) -> list:
+    """Each SPEC parsed (all of them before any engine loads, so a typo fails at once) and opened as a Side."""
+    from .sides import open_side, parse_spec, refuse_options
+    parsed = [parse_spec(s) for s in specs]
+    for spec in parsed:
+        refuse_options(spec, BENCH_OPTIONS, "bench")
+    return [open_side(spec, checkpoint) for spec in parsed]
+
+
 def run(checkpoint: str, engines: list[str], prompt: int, new: int) -> dict:
     from oracle.checkpoint import open_checkpoint
-    from .sides import make_engine
+    sides = open_engines(checkpoint, engines)
     ckpt = open_checkpoint(checkpoint)
     wbytes = active_weight_bytes(ckpt)
     ids = [(37 * i + 11) % ckpt.config.vocab_size for i in range(prompt)]
     rows = []
-    for spec in engines:
-        engine = make_engine(spec, checkpoint)
-        pre, dec, toks = measure(engine, ids, new)
-        rows.append({"engine": spec, "prefill_tok_s": pre, "decode_tok_s": dec, "tokens": toks,
+    for side in sides:
+        pre, dec, toks = measure(side.engine, ids, new, chunk=side.options.get("chunk"))
+        rows.append({"engine": str(side.spec), "prefill_tok_s": pre, "decode_tok_s": dec, "tokens": toks,
                      "decode_weight_GB_s": dec * wbytes / 1e9})
     base = rows[0]
     for r in rows:
@@ -65,28 +77,41 @@ def run(checkpoint: str, engines: list[str], prompt: int, new: int) -> dict:
 
 
 def register(sub, console) -> None:
-    p = sub.add_parser("bench", help="tokens/s of engines on one checkpoint, as ratios to the first")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--engines", default="oracle,cpu", help="comma-separated SPECs; ratios are to the first")
-    p.add_argument("--prompt", type=int, default=64)
-    p.add_argument("--new", type=int, default=16)
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser(
+        "bench", help="tokens/s of engines on one checkpoint, as ratios to the first",
+        description="Prefill and decode tokens/s of each engine on a synthetic prompt, as ratios to the first "
+                    "engine, and whether every engine generated the first one's tokens (exit 0 all the same, "
+                    "1 some differ, 2 error). SPECs as in `oracle run`; bench takes the options "
+                    f"{', '.join(BENCH_OPTIONS)}.")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--engines", nargs="+", default=["oracle", "cpu"], metavar="SPEC",
+                   help="the engines, separated by spaces or by commas directly before an engine name "
+                        "(oracle,cpu:threads=2,chunk=8 cuda is three); ratios are to the first")
+    p.add_argument("--prompt-len", type=int, default=64, metavar="N", help="prompt length in tokens, >= 3")
+    p.add_argument("--prompt", help=argparse.SUPPRESS)   # kept only to point old uses to --prompt-len
+    p.add_argument("--new", type=int, default=16, metavar="N",
+                   help="new tokens to generate, >= 2 (the first comes from the prefill, the rest are timed)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout instead of the table")
 
     def cmd(args) -> int:
-        if args.new < 2 or args.prompt < 3:
-            raise ValueError("--prompt must be >= 3 and --new >= 2")
-        r = run(args.checkpoint, args.engines.split(","), args.prompt, args.new)
+        from .sides import split_specs
+        from .term import out, table
+        if args.prompt is not None:
+            raise ValueError("bench --prompt: bench measures a synthetic prompt of a given length; use "
+                             f"--prompt-len N (got --prompt {args.prompt!r})")
+        if args.new < 2 or args.prompt_len < 3:
+            raise ValueError(f"--prompt-len must be >= 3 and --new >= 2 (got {args.prompt_len} and {args.new})")
+        r = run(args.checkpoint, split_specs(args.engines), args.prompt_len, args.new)
         if args.json:
             print(json.dumps(r))
-            return 0
-        t = Table(title=f"oracle bench: {args.checkpoint}, {args.prompt} prompt + {args.new} new tokens "
+            return 0 if all(e["same_tokens_as_first"] for e in r["engines"]) else 1
+        t = table("engine", "prefill tok/s", "x", "decode tok/s", "x", "weights GB/s", "same tokens",
+                  title=f"oracle bench: {args.checkpoint}, {args.prompt_len} prompt + {args.new} new tokens "
                         f"({r['machine']}; {r['active_weight_bytes_per_token'] / 1e6:.1f} MB weights/token)")
-        for col in ("engine", "prefill tok/s", "x", "decode tok/s", "x", "weights GB/s", "same tokens"):
-            t.add_column(col)
         for e in r["engines"]:
             t.add_row(e["engine"], f"{e['prefill_tok_s']:.1f}", f"{e['prefill_x']:.1f}", f"{e['decode_tok_s']:.1f}",
                       f"{e['decode_x']:.1f}", f"{e['decode_weight_GB_s']:.2f}", str(e["same_tokens_as_first"]))
-        console.print(t)
+        out().print(t)
         return 0 if all(e["same_tokens_as_first"] for e in r["engines"]) else 1
 
     p.set_defaults(func=cmd)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from rich.table import Table
 
 from .golden import canonical_prompts, hash12
+from .term import table as make_table
 
 
 def _timed_generate(engine, prompt, n):
@@ -48,9 +48,8 @@ def demo(console, golden_root) -> int:
         t2, l2, dt2 = _timed_generate(engine, prompt, n)
         rows.append(("cpu", t2, hash12(np.array(t2), "<i4"), hash12(l2, "<f4"), dt2))
 
-    table = Table(title=f"{len(prompt)} prompt tokens + {n} generated")
-    for col in ("engine", "tokens", "output hash", "logits hash", "tokens/s"):
-        table.add_column(col)
+    table = make_table("engine", "tokens", "output hash", "logits hash", "tokens/s",
+                       title=f"{len(prompt)} prompt tokens + {n} generated")
     for name, toks, oh, lh, secs in rows:
         table.add_row(name, " ".join(map(str, toks)), oh, lh, f"{(len(prompt) + n) / secs:.1f}")
     console.print(table)

@@ -401,6 +401,8 @@ def cmd_diff(args, console) -> int:
     finally:
         if status is not None:
             status.stop()
+    from .sides import unfired_warning
+    res.warnings += [w for w in (unfired_warning(side_a, "a"), unfired_warning(side_b, "b")) if w]
     if args.plot:
         plot_cells(res, args.plot)
     if args.json:

@@ -23,12 +23,27 @@ def parse_ids(text: str) -> list[int]:
         raise ValueError(f"--ids must be comma-separated integers, got {text!r}") from None
 
 
-DEFAULT_NEW = 8
+DEFAULT_NEW = 8      # --max-new of run, diff and trace (the canonical prompts' new tokens too)
+MIN_NEW = 1          # a run generates at least one token: 0 would hash the prompt's logits only
+
+
+def max_new(text: str) -> int:
+    """argparse type of --max-new: an integer >= MIN_NEW (one rule for every command)."""
+    import argparse
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {MIN_NEW}, got {text!r}") from None
+    if n < MIN_NEW:
+        raise argparse.ArgumentTypeError(f"must be >= {MIN_NEW} (the number of tokens to generate), got {n}")
+    return n
 
 
 def prompt_ids(args, side) -> tuple[list[int], int]:
     """--ids / --prompt (tokenized by the checkpoint's tokenizer) / the canonical `long` prompt."""
     n = args.max_new
+    if args.ids is not None and args.prompt is not None:
+        raise ValueError("give --ids or --prompt, not both")
     if args.ids is not None:
         ids = parse_ids(args.ids)
         if not ids:
@@ -44,8 +59,8 @@ def prompt_ids(args, side) -> tuple[list[int], int]:
         n = default_n if n is None else n
     if n is None:
         n = DEFAULT_NEW
-    if n < 0:
-        raise ValueError(f"--max-new must be >= 0, got {n}")
+    if n < MIN_NEW:
+        raise ValueError(f"--max-new must be >= {MIN_NEW}, got {n}")
     V = side.config.vocab_size
     bad = [t for t in ids if not 0 <= t < V]
     if bad:

@@ -9,6 +9,11 @@ A SPEC names an engine and options after a colon, comma-separated:
     cpu:prefix-cache                the prompt's first half computed on a cache that is then forked
     cpu:inject=15,45,mla.scores,3,1 one value perturbed by 1 ULP (L,P,STAGE,ELEM,ULPS)
     cuda:expf=native                a non-canonical switch of an engine
+    cpu:ranks=2,memory-limit=N      expert parallelism over 2 ranks (docs/ep.md); verify-ranks, max-context
+
+Every command that takes a SPEC (run, bench, golden, diff, trace) parses it here, so an option an
+engine does not take is refused the same way everywhere. A list of SPECs (`bench --engines`) splits
+on commas only directly before an engine name (split_specs).
 
 `inject=` takes the next five comma-separated fields (the spec itself holds commas).
 
@@ -37,7 +42,13 @@ OPTIONS = {
     "precision": (("canonical", "float64"), ("oracle",)),
     "dot": (("canonical", "sequential"), ("cpu", "cuda")),
     "expf": (("canonical", "native"), ("cpu", "cuda")),
+    # expert parallelism and memory of the engines (docs/ep.md): passed to fast.Engine as keywords
+    "ranks": ("int", ("cpu", "cuda")),
+    "memory-limit": ("int", ("cpu", "cuda")),
+    "verify-ranks": ("flag", ("cpu", "cuda")),
+    "max-context": ("int", ("cpu", "cuda")),
 }
+ENGINE_KEYWORDS = ("threads", "dot", "expf", "ranks", "memory-limit", "verify-ranks", "max-context")
 
 
 class SideError(ValueError):
@@ -52,6 +63,62 @@ class SideSpec:
 
     def __str__(self) -> str:
         return self.text or self.engine
+
+
+def engine_options(engine: str) -> list[str]:
+    """The options `engine` takes, in the order of OPTIONS."""
+    return [k for k, (_, engines) in OPTIONS.items() if engine in engines]
+
+
+def _takes(engine: str, only=None) -> str:
+    names = [k for k in engine_options(engine) if only is None or k in only]
+    return ", ".join(names) if names else "no options"
+
+
+def split_specs(items) -> list[str]:
+    """SPEC lists as `--engines` takes them: separate arguments, or commas directly before an engine name.
+
+    `oracle,cpu:threads=2,batch=3 cuda` -> ['oracle', 'cpu:threads=2,batch=3', 'cuda']: a comma splits
+    only where the next field is an engine name (alone or followed by a colon), so the commas inside
+    an engine's options (batch=3, inject=L,P,STAGE,ELEM,ULPS) never split it.
+    """
+    if isinstance(items, str):
+        items = [items]
+    specs: list[str] = []
+    for item in items:
+        current: list[str] = []
+        for f in item.split(","):
+            head = f.strip().partition(":")[0]
+            if current and head in ENGINES:
+                specs.append(",".join(current))
+                current = []
+            current.append(f)
+        if current:
+            specs.append(",".join(current))
+    return [s.strip() for s in specs]
+
+
+def with_precision(spec: SideSpec, precision: str | None) -> SideSpec:
+    """`--precision` of `oracle run`: the oracle's precision= option, refused for the engines."""
+    if precision is None or precision == spec.options.get("precision", "canonical"):
+        return spec
+    if spec.engine != "oracle":
+        raise SideError(f"--precision {precision}: only the oracle has a float64 mode; the {spec.engine} engine "
+                        f"is canonical only (use --engine oracle --precision {precision})")
+    if "precision" in spec.options:
+        raise SideError(f"--precision {precision} contradicts {spec.text!r}")
+    opts = dict(spec.options, precision=precision)
+    if precision == "canonical":
+        return SideSpec(spec.engine, opts, spec.text)
+    return SideSpec(spec.engine, opts, spec.text + ("," if ":" in spec.text else ":") + f"precision={precision}")
+
+
+def refuse_options(spec: SideSpec, allowed, what: str) -> None:
+    """Refuse the options `what` (a command) does not honour, naming them and the ones it takes."""
+    bad = [k for k in spec.options if k not in allowed]
+    if bad:
+        raise SideError(f"SPEC {spec.text!r}: {what} does not take option {bad[0]!r}; with the {spec.engine} "
+                        f"engine it takes {_takes(spec.engine, allowed)}")
 
 
 def parse_spec(text: str) -> SideSpec:
@@ -72,11 +139,12 @@ def parse_spec(text: str) -> SideSpec:
             raise SideError(f"SPEC {text!r}: empty option (two commas in a row?)")
         key, eq, value = part.partition("=")
         if key not in OPTIONS:
-            raise SideError(f"SPEC {text!r}: unknown option {key!r}; known options: {', '.join(OPTIONS)}")
+            raise SideError(f"SPEC {text!r}: unknown option {key!r}; the {engine} engine takes "
+                            f"{_takes(engine)}")
         kind, engines = OPTIONS[key]
         if engine not in engines:
-            raise SideError(f"SPEC {text!r}: option {key!r} is not supported by the {engine} side "
-                            f"(only by {', '.join(engines)})")
+            raise SideError(f"SPEC {text!r}: option {key!r} is not supported by the {engine} engine "
+                            f"(only by {', '.join(engines)}); the {engine} engine takes {_takes(engine)}")
         if key in opts:
             raise SideError(f"SPEC {text!r}: option {key!r} given twice")
         if kind == "inject":
@@ -95,6 +163,10 @@ def parse_spec(text: str) -> SideSpec:
                 raise SideError(f"SPEC {text!r}: option {key!r} needs an integer >= 1, got {value!r}")
             opts[key] = int(value)
         elif kind == "flag-or-int":
+            opts[key] = True
+        elif kind == "flag":
+            if eq:
+                raise SideError(f"SPEC {text!r}: option {key!r} is a switch and takes no value")
             opts[key] = True
         else:                                   # a choice
             if value not in kind:
@@ -144,6 +216,8 @@ class Side:
         self.options = dict(spec.options)
         self.engine = self._open()
         self.config = self.engine.config
+        self.fired = None                # after generate: did the injection hit (None: no injection)
+        self.positions = 0               # after generate: the positions the run processed
         if "inject" in self.options:
             check_injection(self.options["inject"], self.config)
 
@@ -165,12 +239,7 @@ class Side:
             except ImportError as e:
                 raise SideError(f"cuda engine not available: the CUDA extension fast._cuda is not built or "
                                 f"cannot load ({e})") from None
-        kwargs = {}
-        if "threads" in o:
-            kwargs["threads"] = o["threads"]
-        for k in ("dot", "expf"):
-            if k in o:
-                kwargs[k] = o[k]
+        kwargs = {k.replace("-", "_"): o[k] for k in ENGINE_KEYWORDS if k in o}
         if "inject" in o:
             kwargs["inject"] = str(o["inject"])
         try:
@@ -186,69 +255,96 @@ class Side:
 
     # -- running -------------------------------------------------------------------------------
     def generate(self, ids, n: int, capture: Capture | None = None, inject: Injection | None = None,
-                 chunk: int | None = None):
-        """Greedy: the prompt then n new tokens -> (tokens: list[int], logits f32 [positions, V])."""
+                 chunk: int | None = None, on_token=None, return_logits: bool = True):
+        """Greedy: the prompt then n new tokens -> (tokens: list[int], logits f32 [positions, V]).
+
+        on_token(i, token) is called as each token is chosen (streaming); the tokens and logits are
+        the same bits either way. After the call, `fired` says whether the injection (if any) hit.
+        """
         o = self.options
         ids = [int(t) for t in ids]
         inject = inject if inject is not None else o.get("inject")
         chunk = chunk if chunk is not None else o.get("chunk")
         if inject is not None:
             check_injection(inject, self.config)
+        k = self._prefix_len(ids)
+        counted = getattr(self.engine, "injected", None)
         if self.spec.engine == "oracle":
-            if o.get("prefix-cache"):
-                return self._generate_prefix(ids, n, capture, chunk, inject)
-            return self.engine.generate(ids, n, chunk=chunk, capture=capture, return_logits=True, inject=inject)
-        if inject is not None and inject != o.get("inject"):
-            self.engine.inject = str(inject)
-        if o.get("prefix-cache"):
-            return self._generate_prefix(ids, n, capture, chunk, None)
-        batch = o.get("batch", 1)
-        prompts = [ids] + filler_prompts(ids, batch - 1, self.config.vocab_size)
-        caps = [capture] + [None] * (batch - 1)
-        outs, logits = self.engine.generate(prompts, n, capture=caps, chunk=chunk, return_logits=True)
-        return list(outs[0]), logits[0]
+            if k is not None or on_token is not None:
+                tokens, logits = self._loop(ids, n, capture, chunk, inject, k, on_token)
+            else:
+                tokens, logits = self.engine.generate(ids, n, chunk=chunk, capture=capture, return_logits=True,
+                                                      inject=inject)
+        else:
+            if inject is not None and inject != o.get("inject"):
+                self.engine.inject = str(inject)
+            batch = o.get("batch", 1)
+            if k is not None or (on_token is not None and batch == 1):
+                tokens, logits = self._loop(ids, n, capture, chunk, None, k, on_token)
+            else:
+                prompts = [ids] + filler_prompts(ids, batch - 1, self.config.vocab_size)
+                caps = [capture] + [None] * (batch - 1)
+                outs, all_logits = self.engine.generate(prompts, n, capture=caps, chunk=chunk, return_logits=True)
+                tokens, logits = list(outs[0]), all_logits[0]
+                for i, t in enumerate(tokens if on_token is not None else []):
+                    on_token(i, int(t))
+        positions = self.positions = len(ids) + max(n - 1, 0)
+        if inject is None:
+            self.fired = None
+        elif counted is not None:                      # the engines count the elements they perturbed
+            self.fired = self.engine.injected > counted
+        else:                                          # the oracle perturbs whenever the position runs
+            self.fired = inject.pos < positions
+        return (tokens, logits) if return_logits else tokens
 
-    def _generate_prefix(self, ids, n, capture, chunk, inject):
-        """prefix-cache: the prompt's first k tokens on one cache, forked; the rest on the fork."""
+    def _prefix_len(self, ids) -> int | None:
+        """prefix-cache: how many prompt tokens go on the cache that is then forked (None: no prefix cache)."""
+        k = self.options.get("prefix-cache")
+        if not k:
+            return None
+        if k is True:
+            return len(ids) // 2
+        if k >= len(ids):
+            raise SideError(f"{self.spec}: prefix-cache={k} needs a prompt longer than {k} tokens (this one has "
+                            f"{len(ids)}); the cached prefix must leave at least one prompt token to run on the fork")
+        return k
+
+    def _loop(self, ids, n, capture, chunk, inject, k, on_token):
+        """The prompt (its first k tokens on a cache then forked, when k is given), then n greedy tokens one
+        forward at a time: the same calls the engines' generate makes, so the same bits."""
         e = self.engine
-        k = self.options["prefix-cache"]
-        k = len(ids) // 2 if k is True else min(k, len(ids) - 1)
         extra = {} if inject is None else {"inject": inject}
-        warm = e.new_cache()
+        cache = e.new_cache()
         logits = []
-        if k > 0:
-            logits.append(e.prefill(ids[:k], warm, chunk=chunk, capture=capture, **extra))
-        cache = warm.copy()
-        logits.append(e.prefill(ids[k:], cache, chunk=chunk, capture=capture, **extra))
+        if k:
+            logits.append(e.prefill(ids[:k], cache, chunk=chunk, capture=capture, **extra))
+            cache = cache.copy()
+            rest = ids[k:]
+        else:
+            rest = ids
+        logits.append(e.prefill(rest, cache, chunk=chunk, capture=capture, **extra))
         out = []
         for i in range(n):
             tok = int(np.argmax(logits[-1][-1]))
             out.append(tok)
+            if on_token is not None:
+                on_token(i, tok)
             if i + 1 == n:
                 break
             logits.append(e.forward([tok], cache, capture, **extra))
         return out, np.concatenate(logits)
 
 
-def open_side(text: str, checkpoint) -> Side:
-    return Side(parse_spec(text), checkpoint)
+def unfired_warning(side: Side, name: str | None = None) -> str | None:
+    """The warning for a side whose injection never fired in its last run (None when it fired or has none)."""
+    if side.fired is not False:
+        return None
+    who = f"side {name} ({side.spec})" if name else str(side.spec)
+    inj = side.options["inject"]
+    return (f"{who}: the injection did not fire: the run never reached layer {inj.layer}, position {inj.pos} "
+            f"(the prompt and the generated tokens fill positions 0..{side.positions - 1})")
 
 
-def make_engine(spec: str, checkpoint, precision: str = "canonical"):
-    """An object with .config, .generate(ids, n, return_logits=...), .prefill, .forward: oracle | cpu | cuda."""
-    name, _, opts = spec.partition(":")
-    if name == "oracle":
-        import oracle
-        return oracle.load(checkpoint, precision)
-    if name in ("cpu", "cuda"):
-        from fast import Engine
-        return Engine(checkpoint, device=name, **_parse_opts(opts))
-    raise ValueError(f"unknown engine {spec!r}: expected oracle, cpu or cuda")
-
-
-def _parse_opts(opts: str) -> dict:
-    out = {}
-    for part in filter(None, opts.split(",")):
-        k, _, v = part.partition("=")
-        out[k.replace("-", "_")] = int(v) if v.isdigit() else (v or True)
-    return out
+def open_side(spec, checkpoint) -> Side:
+    """A Side from a SPEC string or a parsed SideSpec."""
+    return Side(spec if isinstance(spec, SideSpec) else parse_spec(spec), checkpoint)

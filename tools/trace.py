@@ -273,6 +273,10 @@ def cmd_trace(args, console) -> int:
     side = open_side(args.a, args.checkpoint)
     ids, n = prompt_ids(args, side)
     t = run_traced(side, ids, n)
+    from .sides import unfired_warning
+    from .term import warn
+    if unfired_warning(side):
+        warn(unfired_warning(side))
     t.save(args.out)
     summary = {"out": str(args.out), "spec": t.spec, "rows": len(t.hashes), "positions": t.positions,
                "tokens": t.tokens, "output_hash": t.output_hash, "logits_hash": t.logits_hash,
