@@ -25,7 +25,7 @@ import numpy as np
 from oracle.stages import BF16, F32, F64, I32, stage_dtype
 from rich.markup import escape
 
-from .fit import fit_tables
+from .fit import fit_tables, plural
 from .prompts import DEFAULT_NEW, prompt_ids
 from .term import wide
 from .trace import HashComparison, Trace, compare_traces, run_traced
@@ -73,11 +73,6 @@ def _num(v):
     if v is None or isinstance(v, int):
         return v
     return v if math.isfinite(v) else repr(v)
-
-
-def plural(n: int, word: str, many: str | None = None) -> str:
-    """'1 row', '2 rows' (or `many` for irregular words)."""
-    return f"{n} {word if n == 1 else (many or word + 's')}"
 
 
 @dataclass

@@ -13,6 +13,11 @@ from rich.table import Table
 from rich.text import Text
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 row', '2 rows' (or `many` for irregular words)."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
 def _cell_len(cell: str) -> int:
     return max((Text.from_markup(line).cell_len for line in str(cell).split("\n")), default=0)
 
