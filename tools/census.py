@@ -20,7 +20,7 @@ engine's own canonical expf):
     cuda        fast._cuda.expf, when the CUDA extension is built
 
 The loop runs in blocks of 2^22 inputs, each block in Numba `parallel=True` kernels
-(oracle/census_kernels.py, imported on first use so that the CLI starts without Numba).
+(tools/census_kernels.py, imported on first use so that the CLI starts without Numba).
 """
 from __future__ import annotations
 

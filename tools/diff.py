@@ -9,8 +9,10 @@
    only at the differing positions); each differing row gets its first differing element, both
    values and the ULP distance in the stage's dtype (bf16 / f32 / f64 bits; ints: the difference).
 
-`--layer L --pos P` shows every stage of one point side by side; `--plot F.png` draws the worst ULP
-of each (layer, position) cell. Exit 0 identical, 1 differ, 2 error.
+`--layer L --pos P` shows every stage of one point side by side; `--plot F.png` draws the worst
+relative difference |a - b| / max(|a|, |b|) of each (layer, position) cell (ULPs of different dtypes
+are not comparable). Tables too wide for the terminal continue below (tools/fit.py): nothing is cut.
+Exit 0 identical, 1 differ, 2 error (a plot that cannot be written too, after the report).
 """
 from __future__ import annotations
 
@@ -455,8 +457,8 @@ def render(res: DiffResult, console) -> None:
             same = r.hash_a == r.hash_b and r.hash_a is not None
             rows.append([r.stage, r.dtype, r.hash_a or "-", r.hash_b or "-",
                          "[green]yes[/green]" if same else "[red]no[/red]",
-                         str(r.n_differ) + (f"/{r.size}" if r.size else ""), _fmt(r.max_abs), _fmt(r.max_ulps),
-                         _fmt_rel(r.max_rel), _fmt(r.elem), _fmt(r.a_value, r.dtype), _fmt(r.b_value, r.dtype)])
+                         str(r.n_differ) + (f"/{r.size}" if r.size else ""), _fmt(r.max_abs, r.dtype),
+                         _fmt(r.max_ulps), _fmt_rel(r.max_rel), _fmt(r.elem), _fmt(r.a_value, r.dtype), _fmt(r.b_value, r.dtype)])
             detail.append(not same)
         _print_tables(console, fit_tables(width, f"layer {pl}, position {pp}: every stage in execution order",
                                           cols, rows, key=1, detail=detail,

@@ -66,7 +66,7 @@ def fit_tables(width: int, title: str, columns, rows, key: int = 1, detail=None,
         else:
             t = Table(title=f"{title}, continued: {', '.join(names[i] for i in cols[key:])}")
         for i in cols:
-            t.add_column(names[i], justify=columns[i][1], overflow="fold", min_width=widths[i])
+            t.add_column(names[i], justify=columns[i][1], overflow="fold")
         keep = rows if k == 0 or detail is None else [r for r, d in zip(rows, detail) if d]
         for r in keep:
             t.add_row(*[r[i] for i in cols])
