@@ -579,7 +579,7 @@ def cmd_diff(args, console) -> int:
 
             from .term import error
             sys.stdout.flush()                      # the report, then the error
-            error(plot_error)
+            error(escape(plot_error))
         return 2
     return 0 if res.identical else 1
 

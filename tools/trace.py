@@ -349,7 +349,8 @@ def cmd_trace_compare(args, console) -> int:
     mismatches, comparable = doc["mismatches"], doc["comparable"]
     if not comparable:
         why = "; ".join(m["text"] for m in mismatches if m["field"] in ("model", "prompt_ids", "checkpoint"))
-        return error(f"trace compare: {args.file_a} and {args.file_b} are not comparable: {why}", args.json,
+        msg = f"trace compare: {args.file_a} and {args.file_b} are not comparable: {why}"
+        return error(msg if args.json else escape(msg), args.json,
                      **{k: v for k, v in doc.items() if k != "identical"})
     identical = doc["identical"]
     if args.json:
@@ -405,7 +406,11 @@ def register(sub, console) -> None:
     t.add_argument("--max-new", type=int, default=None, help="new tokens to generate (default 8)")
     t.add_argument("--json", action="store_true", help="JSON on stdout")
     tsub = t.add_subparsers(dest="trace_action", required=False, metavar="compare")
-    c = tsub.add_parser("compare", help="compare two trace files")
+    c = tsub.add_parser("compare", help="compare two trace files",
+                        description="Compare two trace files row by row (causal order, as oracle diff). A different "
+                                    "checkpoint, prompt or generated tokens is named first, with both values. Exit 0 "
+                                    "identical, 1 differ, 2 error or not comparable at all (different models, or "
+                                    "prompts that differ at their first token).")
     c.add_argument("file_a")
     c.add_argument("file_b")
     c.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON on stdout")
