@@ -20,7 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TINY = str(REPO / "golden" / "tiny-bf16")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-PIPE_WIDTH = 240
+from tools.term import PIPE_WIDTH  # the width a pipe is drawn at
 
 
 def _cpu_built() -> bool:
@@ -43,7 +43,7 @@ def run(args, columns: int | None = None, timeout: int = 240):
     if columns is not None:
         env.update(COLUMNS=str(columns), TTY_COMPATIBLE="1", NO_COLOR="1", TERM="xterm")
     r = subprocess.run([sys.executable, "-m", "tools", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, check=False)
     return r.returncode, ANSI.sub("", r.stdout), ANSI.sub("", r.stderr)
 
 
@@ -86,7 +86,7 @@ def test_diff_tables_keep_every_name_and_hash_whole(point_json, columns):
     assert point_json["rows_differing"] == 1
     assert "1 row differs" in out and "1 rows" not in out
     assert "1 causally minimal divergence," in out and "divergence(s)" not in out
-    assert f"first divergence at layer 2, position 10, stage kda.g, element 4" in " ".join(out.split())
+    assert "first divergence at layer 2, position 10, stage kda.g, element 4" in " ".join(out.split())
 
 
 def write_trace(path, spec, checkpoint=TINY, ids=IDS, n=2) -> str:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from rich.markup import escape
 
 from oracle.stages import BF16, F32, F64, I32, stage_dtype
-from rich.markup import escape
 
 from .fit import fit_tables, plural
 from .prompts import DEFAULT_NEW, prompt_ids
@@ -229,12 +229,12 @@ class DiffResult:
             return []
         ah = sorted({r.a_holds for r in mixed})
         bh = sorted({r.b_holds for r in mixed})
-        return [f"the sides hold different dtypes in {plural(len(mixed), 'row')}: a {'/'.join(ah)}, b {'/'.join(bh)} "
+        return [(f"the sides hold different dtypes in {plural(len(mixed), 'row')}: a {'/'.join(ah)}, b {'/'.join(bh)} "
                 "(precision=float64 keeps every stage as a double; the canonical run rounds each stage to its "
                 "dtype). Such rows are compared as f64: where the values are equal the hashes part on the dtype "
                 "alone (no element, no ULP distance); where they differ, an f64 ULP count between a rounded "
                 "and an unrounded value is huge and says little: read the relative difference "
-                "|a - b| / max(|a|, |b|) (column 'max rel') instead."]
+                "|a - b| / max(|a|, |b|) (column 'max rel') instead.")]
 
     def to_json(self) -> dict:
         c = self.cmp

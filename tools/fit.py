@@ -8,7 +8,6 @@ something to show there (`detail`), with a note too.
 """
 from __future__ import annotations
 
-from rich.markup import escape  # noqa: F401  (re-exported for the callers' data cells)
 from rich.table import Table
 from rich.text import Text
 

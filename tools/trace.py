@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from oracle.capture import Capture, row_hash
-from .golden import hash12
 from oracle.stages import model_stages, stage_dtype
+
+from .golden import hash12
 
 TRACE_FORMAT = "glm-exact-trace"
 TRACE_VERSION = 1
