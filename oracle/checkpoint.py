@@ -29,6 +29,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,15 +42,65 @@ from .config import Config, ConfigError
 __all__ = ["CheckpointError", "RawTensor", "Checkpoint", "open_checkpoint", "SAFETENSORS_DTYPES"]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used. `problems` lists every problem found (one line each)."""
+SHOWN_PER_KIND = 8   # problems of one kind spelled out before "and N more"
 
-    def __init__(self, path: str, problems: list[str]):
+
+def _problem_kind(problem: str) -> str:
+    """The problem with its names, shapes and counts blanked: problems of one kind share it."""
+    k = re.sub(r"'[^']*'", "'_'", problem)
+    k = re.sub(r"\[[^\]]*\]", "[_]", k)
+    return re.sub(r"\b\d+\b", "N", k)
+
+
+def name_list(names, limit: int = SHOWN_PER_KIND) -> str:
+    """`a, b, c` or `a, b, ... and N more` (the first `limit` names)."""
+    names = list(names)
+    if len(names) <= limit + 1:
+        return ", ".join(names)
+    return ", ".join(names[:limit]) + f" and {len(names) - limit} more"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used.
+
+    `problems` lists every problem found (one line each, names in full); `missing` every expected
+    tensor key not found. The message (str) is a summary a person can read: problems are grouped by
+    kind (the same text up to names, shapes and counts), the first SHOWN_PER_KIND of each kind are
+    shown, then "and N more"; long name lists are cut the same way. The total count is always stated.
+    """
+
+    def __init__(self, path: str, problems: list[str], missing: list[str] | None = None,
+                 short: dict[str, str] | None = None):
         self.path = path
         self.problems = list(problems)
+        self.missing = list(missing or [])
+        self._short = dict(short or {})          # full problem line -> its summarized form
+        super().__init__(self.summary())
+
+    def summary(self, per_kind: int = SHOWN_PER_KIND) -> str:
         n = len(self.problems)
-        head = f"checkpoint {path}: {n} problem{'s' if n != 1 else ''}"
-        super().__init__(head + ":\n" + "\n".join("  - " + p for p in self.problems))
+        head = f"checkpoint {self.path}: {n} problem{'s' if n != 1 else ''}"
+        kinds: dict[str, list[str]] = {}
+        for p in self.problems:
+            kinds.setdefault(_problem_kind(p), []).append(p)
+        lines = []
+        for group in kinds.values():
+            shown = group if len(group) <= per_kind + 1 else group[:per_kind]
+            lines += ["  - " + self._short.get(p, p) for p in shown]
+            if len(shown) < len(group):
+                lines.append(f"  ... and {len(group) - len(shown)} more like the {len(shown)} above")
+        if len(kinds) > 1 and n > per_kind:
+            lines.append(f"  ({n} problems of {len(kinds)} kinds in all)")
+        return head + ":\n" + "\n".join(lines)
+
+    def full_text(self) -> str:
+        """Every problem, one a line, names in full."""
+        n = len(self.problems)
+        return (f"checkpoint {self.path}: {n} problem{'s' if n != 1 else ''}:\n"
+                + "\n".join("  - " + p for p in self.problems))
+
+    def to_json(self) -> dict:
+        return {"checkpoint": self.path, "problems": self.problems, "missing": self.missing}
 
 
 # safetensors dtype -> (numpy dtype, itemsize)
@@ -376,6 +427,7 @@ class Checkpoint:
         # ---- resolve every expected tensor
         consumed: set[str] = set()
         missing: list[str] = []
+        short: dict[str, str] = {}
         self.has_lm_head = cfg.has_lm_head
         for entry in N.expected(cfg):
             slot, probs, used = self._resolve(cfg, entry, stored, bad)
@@ -394,7 +446,9 @@ class Checkpoint:
         if missing:
             unreadable = any(f.problems for f in self._files)
             what = "not found (the unreadable file(s) above may hold them)" if unreadable else "missing"
-            problems.append(f"{len(missing)} tensor(s) {what}: " + ", ".join(missing))
+            line = f"{len(missing)} tensor(s) {what}: " + ", ".join(missing)
+            short[line] = f"{len(missing)} tensor(s) {what}: " + name_list(missing)
+            problems.append(line)
 
         for ck, (fobj, info) in stored.items():
             if ck not in consumed:
@@ -420,7 +474,7 @@ class Checkpoint:
 
         if problems:
             self.close()
-            raise CheckpointError(self.path, problems)
+            raise CheckpointError(self.path, problems, missing=missing, short=short)
 
     # ------------------------------------------------------------ resolution
     def _resolve(self, cfg, entry: N.Entry, stored, bad) -> tuple[_Slot | None, list[str], list[str]]:

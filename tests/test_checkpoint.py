@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from tools import zoo
 from oracle.checkpoint import CheckpointError, open_checkpoint
 from oracle.config import ConfigError
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = REPO / "golden"
 RELEASES = ("bf16", "fp8", "mxfp4")
 
 
@@ -526,3 +529,33 @@ def test_fuzzed_headers_never_crash(tmp_path):
             open_checkpoint(d)
         except (CheckpointError, ConfigError):
             pass
+
+
+def test_many_problems_are_summarized(tmp_path):
+    """Every BF16 tensor stored as F16 and expert 3 dropped: ~200 problems. The message groups them by
+    kind and shows the first few of each, then "and N more", with the total; the exception keeps all."""
+    d = copy_golden(tmp_path, "bf16")
+    t, md = read_st(d / "model.safetensors")
+    gone = [k for k in t if ".experts.3." in k]
+    t = {k: ("F16" if dt == "BF16" else dt, shape, b) for k, (dt, shape, b) in t.items() if k not in gone}
+    write_st(d / "model.safetensors", t, md)
+    msg, e = one_error(d)
+    f16 = [k for k, (dt, _, _) in t.items() if dt == "F16"]
+    assert len(e.problems) == len(f16) + 1 > 100                  # every wrong dtype, and one missing line
+    assert sorted(e.missing) == sorted(k[len("model."):] for k in gone)
+    lines = msg.splitlines()
+    assert f"{len(e.problems)} problems:" in lines[0]
+    assert len(lines) <= 40, len(lines)
+    more = [ln for ln in lines if "more like the" in ln]
+    shown = [ln for ln in lines if "found F16" in ln]
+    assert more and sum(int(ln.split("and ")[1].split()[0]) for ln in more) + len(shown) == len(f16)
+    missing_line = next(ln for ln in lines if "tensor(s) missing" in ln)
+    assert missing_line.rstrip().endswith(f"and {len(gone) - 8} more")
+    assert all(k in e.full_text() for k in f16)
+    assert e.to_json()["problems"] == e.problems
+    # the CLI a user meets: the same summary, exit 2
+    r = subprocess.run([sys.executable, "-m", "tools", "run", "--checkpoint", str(d), "--ids", "1,2", "--max-new", "1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    text = r.stdout + r.stderr
+    assert r.returncode == 2 and f"{len(e.problems)} problems" in text and "more like the 8 above" in text
+    assert text.count("  - ") <= 40, text                           # problems listed (wrapping aside)

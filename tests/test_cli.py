@@ -218,6 +218,9 @@ def test_an_injection_that_never_fires_warns():
     d = oracle("diff", "--checkpoint", TINY, "--a", "cpu", "--b", far, "--max-new", "2", "--json")
     assert d.returncode == 0, d.stderr
     assert any("did not fire" in w for w in json.loads(d.stdout)["warnings"])
+    text = oracle("diff", "--checkpoint", TINY, "--a", "cpu", "--b", far, "--max-new", "2")
+    verdict = [line for line in text.stdout.splitlines() if line.startswith("IDENTICAL")]
+    assert text.returncode == 0 and verdict and "did not fire" in verdict[0], text.stdout
 
 
 @needs_cpu

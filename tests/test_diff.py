@@ -347,12 +347,24 @@ def test_plot_writes_a_labelled_png(golden_dir, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     ax = fig.axes[0]
     assert ax.get_xlabel() == "position" and ax.get_ylabel() == "layer"
-    assert "worst ULP" in ax.get_title() and "oracle:inject" in ax.get_title()
-    assert "worst ULP" in fig.axes[1].get_ylabel()                     # the colour bar
+    assert "relative difference" in ax.get_title() and "oracle:inject" in ax.get_title()
+    assert "rows differ" in ax.get_title() and "1 rows" not in ax.get_title()
+    label = fig.axes[1].get_ylabel()                                     # the colour bar names its measure
+    assert "relative difference" in label and "dtype-independent" in label
     assert ax.images and ax.images[0].norm.__class__.__name__ == "LogNorm"
     assert [t.get_text() for t in ax.get_yticklabels()][-1] == "head"
     cells = res.cells()
     assert cells[(1, 5)][0] == 1000 and cells[(1, 5)][1] == "kda.state"
+    # the colour is the relative difference of the injected element (the only one that differs there)
+    f = res.first
+    assert (f.layer, f.pos, f.stage, f.elem) == (1, 5, "kda.state", 17)
+    x, y = np.float64(f.a_value), np.float64(f.b_value)
+    rel = abs(x - y) / max(abs(x), abs(y))
+    assert ax.images[0].get_array()[1, 5] == rel == res.rel_cells()[(1, 5)][0]
+    # the legend is outside the axes: it covers no cell
+    fig.canvas.draw()
+    boxes = [lg.get_window_extent() for lg in fig.legends + ([ax.get_legend()] if ax.get_legend() else [])]
+    assert boxes and not any(bx.overlaps(ax.get_window_extent()) for bx in boxes)
 
 
 def test_cli_plot(golden_dir, tmp_path, capsys):

@@ -20,7 +20,7 @@ engine's own canonical expf):
     cuda        fast._cuda.expf, when the CUDA extension is built
 
 The loop runs in blocks of 2^22 inputs, each block in Numba `parallel=True` kernels
-(oracle/census_kernels.py, imported on first use so that the CLI starts without Numba).
+(tools/census_kernels.py, imported on first use so that the CLI starts without Numba).
 """
 from __future__ import annotations
 
@@ -173,6 +173,11 @@ def warm_up() -> None:
 
 # -- CLI -----------------------------------------------------------------------------------------------
 
+def f32_text(bits: int) -> str:
+    """The float32 with these bits, as its shortest decimal (1.0000001, -inf, nan): a plain number."""
+    return str(np.uint32(bits).view(np.float32))
+
+
 def _parse_bits(text: str) -> int:
     try:
         return int(text, 0)
@@ -182,7 +187,10 @@ def _parse_bits(text: str) -> int:
 
 def cmd_census(args, console) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-    from rich.table import Table
+
+    from .fit import fit_tables
+    from .term import err as err_console
+    from .term import wide
     if args.function != "expf":
         raise ValueError(f"census: unknown function {args.function!r} (expf)")
     lo, hi = 0, 1 << 32
@@ -197,8 +205,7 @@ def cmd_census(args, console) -> int:
     warm_up()
     t_compile = time.perf_counter() - t_compile
     t0 = time.perf_counter()
-    from rich.console import Console
-    err = Console(stderr=True)
+    err = err_console()
     with Progress(TextColumn("census expf"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
                   TextColumn("{task.completed:,}/{task.total:,} inputs"), TimeElapsedColumn(), TimeRemainingColumn(),
                   console=err, disable=args.json or not err.is_terminal) as bar:
@@ -214,23 +221,26 @@ def cmd_census(args, console) -> int:
     if args.json:
         print(json.dumps(doc))
         return 1 if bad else 0
-    t = Table(title=f"expf census: {hi - lo:,} inputs [0x{lo:08x}, 0x{hi:08x}) against the canonical expf")
-    for col in ("implementation", "differ", "%", "differ after bf16", "%", "differ, x \u2264 0", "% of x \u2264 0",
-                "max ULP", "first differing input", "seconds"):
-        t.add_column(col, justify="left" if col in ("implementation", "first differing input") else "right")
+    cols = [(c, "left" if c in ("implementation", "first differing input") else "right")
+            for c in ("implementation", "differ", "%", "differ after bf16", "% (bf16)", "differ, x \u2264 0",
+                      "% of x \u2264 0", "max ULP", "first differing input", "seconds")]
+    rows = []
     for r in results:
         pct = lambda k, n: f"{100 * k / n:.4g}" if n else "-"                   # noqa: E731
-        first = "-" if r.first is None else f"0x{r.first:08x} ({np.uint32(r.first).view(np.float32)!r})"
+        first = "-" if r.first is None else f"0x{r.first:08x} ({f32_text(r.first)})"
         if r.against != "oracle.numerics.expf":
-            t.add_row(r.name + " (vs libm)", f"{r.differ:,}", pct(r.differ, r.inputs), "-", "-", "-", "-", "-", first,
-                      f"{r.seconds:.1f}")
+            rows.append([r.name + " (vs libm)", f"{r.differ:,}", pct(r.differ, r.inputs), "-", "-", "-", "-", "-",
+                         first, f"{r.seconds:.1f}"])
         else:
-            t.add_row(r.name, f"{r.differ:,}", pct(r.differ, r.inputs), f"{r.differ_bf16:,}",
-                      pct(r.differ_bf16, r.inputs), f"{r.differ_softmax:,}", pct(r.differ_softmax, r.softmax_inputs),
-                      str(r.max_ulps), first, f"{r.seconds:.1f}")
-    console.print(t)
+            rows.append([r.name, f"{r.differ:,}", pct(r.differ, r.inputs), f"{r.differ_bf16:,}",
+                         pct(r.differ_bf16, r.inputs), f"{r.differ_softmax:,}", pct(r.differ_softmax, r.softmax_inputs),
+                         str(r.max_ulps), first, f"{r.seconds:.1f}"])
+    console = wide(console)
+    title = f"expf census: {hi - lo:,} inputs [0x{lo:08x}, 0x{hi:08x}) against the canonical expf"
+    for part in fit_tables(console.width, title, cols, rows, key=1):
+        console.print(part)
     for r in results:
-        console.print(f"  {r.name}: {r.about}")
+        console.print(f"  {r.name}: {r.about}", highlight=False)
     console.print(f"wall time {wall:.1f} s on {numba.get_num_threads()} threads (+ {t_compile:.1f} s compile/warm-up); "
                   f"ULPs are f32 ULPs between non-NaN results")
     if bad:

@@ -1,6 +1,6 @@
-"""Numba kernels of `oracle census expf` (oracle/census.py): the example implementations and the counting loops.
+"""Numba kernels of `oracle census expf` (tools/census.py): the example implementations and the counting loops.
 
-Kept apart from oracle/census.py so that the CLI starts without importing Numba.
+Kept apart from tools/census.py so that the CLI starts without importing Numba.
 """
 from __future__ import annotations
 

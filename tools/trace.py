@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from oracle.capture import Capture, row_hash
-from .golden import hash12
 from oracle.stages import model_stages, stage_dtype
+
+from .golden import hash12
 
 TRACE_FORMAT = "glm-exact-trace"
 TRACE_VERSION = 1
@@ -243,12 +244,62 @@ def compare_traces(a: Trace, b: Trace) -> HashComparison:
         rows_compared=len(both), tokens_a=list(a.tokens), tokens_b=list(b.tokens), token_parting=token_parting)
 
 
+def _same_checkpoint(x: str, y: str) -> bool:
+    if x == y:
+        return True
+    try:
+        return Path(x).resolve() == Path(y).resolve() and Path(x).exists()
+    except OSError:
+        return False
+
+
+def trace_mismatches(a: Trace, b: Trace) -> tuple[list[dict], bool]:
+    """What differs between two traces besides the row hashes: (mismatches, comparable).
+
+    Each mismatch is {"field", "a", "b", "text"}: the model (layers, stages: not comparable at all),
+    the checkpoint, the prompt ids, the generated tokens (the fed ids after the prompt). Not
+    comparable: different models, or no position fed the same token id.
+    """
+    out: list[dict] = []
+    comparable = True
+    sa, sb = [tuple(x[:2]) for x in a.stages], [tuple(x[:2]) for x in b.stages]
+    if a.num_hidden_layers != b.num_hidden_layers or sa != sb:
+        comparable = False
+        out.append({"field": "model", "a": {"num_hidden_layers": a.num_hidden_layers, "stages": len(sa)},
+                    "b": {"num_hidden_layers": b.num_hidden_layers, "stages": len(sb)},
+                    "text": f"the models differ: a has {a.num_hidden_layers} layers and {len(sa)} (layer, stage) "
+                            f"pairs, b {b.num_hidden_layers} layers and {len(sb)}"
+                            + ("" if a.num_hidden_layers != b.num_hidden_layers or len(sa) != len(sb)
+                               else " (the same counts, different stages)")})
+    if not _same_checkpoint(a.checkpoint, b.checkpoint):
+        out.append({"field": "checkpoint", "a": a.checkpoint, "b": b.checkpoint,
+                    "text": f"the checkpoints differ: a {a.checkpoint}, b {b.checkpoint}"})
+    pa, pb = list(a.prompt_ids), list(b.prompt_ids)
+    if pa != pb:
+        at = next((i for i in range(min(len(pa), len(pb))) if pa[i] != pb[i]), min(len(pa), len(pb)))
+        ids = (f"a {pa[at]}, b {pb[at]}" if at < min(len(pa), len(pb))
+               else f"{'a' if len(pa) > len(pb) else 'b'} goes on")
+        out.append({"field": "prompt_ids", "a": pa, "b": pb, "at": at,
+                    "text": f"the prompts differ at position {at} ({ids}; a has {len(pa)} ids, b {len(pb)})"})
+        if at == 0:
+            comparable = False
+    fa, fb = a.fed_ids, b.fed_ids
+    if pa == pb and fa != fb:
+        at = next((i for i in range(min(len(fa), len(fb))) if fa[i] != fb[i]), min(len(fa), len(fb)))
+        ids = (f"a fed {fa[at]}, b fed {fb[at]}" if at < min(len(fa), len(fb))
+               else f"a ran {len(fa)} positions, b {len(fb)}")
+        out.append({"field": "tokens", "a": list(a.tokens), "b": list(b.tokens), "at": at,
+                    "text": f"the generated tokens part: position {at} ({ids}); later positions are not compared"})
+    return out, comparable
+
+
 def comparison_json(cmp: HashComparison, a: Trace, b: Trace) -> dict:
     def row(r):
         l, s, p = r
         return {"layer": l, "stage": s, "pos": p, "hash_a": a.hashes.get(r), "hash_b": b.hashes.get(r)}
+    mismatches, comparable = trace_mismatches(a, b)
     return {
-        "identical": cmp.identical, "a": a.spec, "b": b.spec,
+        "identical": cmp.identical and not mismatches, "a": a.spec, "b": b.spec,
         "rows_compared": cmp.rows_compared, "rows_differing": len(cmp.differing),
         "compared_positions": cmp.compared_positions, "positions_a": a.positions, "positions_b": b.positions,
         "token_streams_part_at": cmp.parting, "tokens_a": a.tokens, "tokens_b": b.tokens,
@@ -257,6 +308,8 @@ def comparison_json(cmp: HashComparison, a: Trace, b: Trace) -> dict:
         "first": row(cmp.first) if cmp.first else None,
         "minimal": [row(r) for r in cmp.minimal],
         "only_a": [row(r) for r in cmp.only_a[:100]], "only_b": [row(r) for r in cmp.only_b[:100]],
+        "checkpoint_a": a.checkpoint, "checkpoint_b": b.checkpoint,
+        "mismatches": mismatches, "comparable": comparable,
     }
 
 
@@ -285,41 +338,59 @@ def cmd_trace(args, console) -> int:
         print(json.dumps(summary))
     else:
         console.print(f"wrote [bold]{args.out}[/bold]: {len(t.hashes)} row hashes "
-                      f"({t.positions} positions), tokens {' '.join(map(str, t.tokens))}, "
+                      f"({t.positions} position{'s' if t.positions != 1 else ''}), tokens {' '.join(map(str, t.tokens))}, "
                       f"output {t.output_hash}, logits {t.logits_hash}, {t.seconds:.2f} s")
     return 0
 
 
 def cmd_trace_compare(args, console) -> int:
+    from rich.markup import escape
+
+    from .fit import fit_tables, plural
+    from .term import error, wide
     a, b = Trace.load(args.file_a), Trace.load(args.file_b)
     cmp = compare_traces(a, b)
     doc = comparison_json(cmp, a, b)
+    mismatches, comparable = doc["mismatches"], doc["comparable"]
+    if not comparable:
+        why = "; ".join(m["text"] for m in mismatches if m["field"] in ("model", "prompt_ids", "checkpoint"))
+        msg = f"trace compare: {args.file_a} and {args.file_b} are not comparable: {why}"
+        return error(msg if args.json else escape(msg), args.json,
+                     **{k: v for k, v in doc.items() if k != "identical"})
+    identical = doc["identical"]
     if args.json:
         print(json.dumps(doc))
-        return 0 if cmp.identical else 1
-    from rich.table import Table
-
-    from .term import wide
+        return 0 if identical else 1
     console = wide(console)
-    console.print(f"[bold]trace compare[/bold] {args.file_a} ({a.spec}) vs {args.file_b} ({b.spec}): "
-                  f"{cmp.rows_compared} rows over {cmp.compared_positions} positions")
-    if cmp.parting is not None:
+    console.print(f"[bold]trace compare[/bold] {escape(str(args.file_a))} ({escape(a.spec)}) vs "
+                  f"{escape(str(args.file_b))} ({escape(b.spec)}): {plural(cmp.rows_compared, 'row')} over "
+                  f"{plural(cmp.compared_positions, 'position')}")
+    for m in mismatches:                             # why the traces cannot agree, before any row
+        console.print(f"[yellow]not the same run[/yellow]: {escape(m['text'])}")
+    if cmp.parting is not None and not any(m["field"] in ("tokens", "prompt_ids") for m in mismatches):
         console.print(f"[yellow]token streams part at position {cmp.parting}[/yellow]: later positions not compared")
-    if cmp.identical:
+    if identical:
         console.print("[green]IDENTICAL[/green]: every row hash agrees")
         return 0
     if cmp.minimal:
-        t = Table(title=f"{len(cmp.differing)} rows differ; causally minimal divergences (first on top)")
-        for c in ("layer", "position", "stage", "hash a", "hash b"):
-            t.add_column(c)
-        for r in cmp.minimal:
-            t.add_row(str(r[0]), str(r[2]), r[1], a.hashes[r], b.hashes[r])
-        console.print(t)
+        nd = len(cmp.differing)
+        rows = [[str(r[0]), str(r[2]), r[1], a.hashes[r], b.hashes[r]] for r in cmp.minimal]
+        title = f"{plural(nd, 'row')} differ{'s' if nd == 1 else ''}; causally minimal divergences (first on top)"
+        for part in fit_tables(console.width, title, [("layer", "right"), ("position", "right"), ("stage", "left"),
+                                                      ("hash a", "left"), ("hash b", "left")], rows, key=3):
+            console.print(part)
         console.print("values are not in trace files: run `oracle diff` on the two sides to see elements and ULPs")
     if cmp.only_a or cmp.only_b:
         console.print(f"[yellow]rows recorded by one side only[/yellow]: a {len(cmp.only_a)}, b {len(cmp.only_b)}"
                       + (f" (first: {cmp.only_a[0] if cmp.only_a else cmp.only_b[0]})"))
-    console.print("[red]DIFFER[/red]")
+    if cmp.differing:
+        console.print(f"[red]DIFFER[/red]: {plural(len(cmp.differing), 'row')} of {cmp.rows_compared}")
+    else:
+        names = {"checkpoint": "the checkpoints", "prompt_ids": "the prompts", "tokens": "the generated tokens",
+                 "model": "the models"}
+        what = " and ".join(names[m["field"]] for m in mismatches) or "the rows recorded"
+        console.print(f"[red]DIFFER[/red]: {what} differ; every one of the {plural(cmp.rows_compared, 'row')} "
+                      "compared agrees")
     return 1
 
 
@@ -328,7 +399,10 @@ def register(sub, console) -> None:
     t = sub.add_parser(
         "trace", help="write a trace file (a hash per layer, stage, position) or compare two",
         description="oracle trace --checkpoint DIR --a SPEC [--ids ...] --out FILE.json writes the trace of one run; "
-                    "oracle trace compare A.json B.json compares two (exit 0 identical, 1 differ, 2 error).")
+                    "oracle trace compare A.json B.json compares two: exit 0 identical (same checkpoint, prompt and "
+                    "generated tokens, every row hash equal), 1 differ (rows, or the checkpoint, prompt or generated "
+                    "tokens, each named first with both values), 2 error or not comparable at all (different "
+                    "models, or prompts that differ from their first token: no row can be compared).")
     t.add_argument("--out", metavar="FILE.json", help="where to write the trace")
     t.add_argument("--checkpoint", help="checkpoint directory")
     t.add_argument("--a", metavar="SPEC", help="the side to run, e.g. oracle or cpu:chunk=5")
@@ -337,7 +411,11 @@ def register(sub, console) -> None:
     t.add_argument("--max-new", type=int, default=None, help="new tokens to generate (default 8)")
     t.add_argument("--json", action="store_true", help="JSON on stdout")
     tsub = t.add_subparsers(dest="trace_action", required=False, metavar="compare")
-    c = tsub.add_parser("compare", help="compare two trace files")
+    c = tsub.add_parser("compare", help="compare two trace files",
+                        description="Compare two trace files row by row (causal order, as oracle diff). A different "
+                                    "checkpoint, prompt or generated tokens is named first, with both values. Exit 0 "
+                                    "identical, 1 differ, 2 error or not comparable at all (different models, or "
+                                    "prompts that differ at their first token).")
     c.add_argument("file_a")
     c.add_argument("file_b")
     c.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON on stdout")
