@@ -6,7 +6,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -214,13 +213,14 @@ inline size_t numel(const std::vector<int64_t>& shape) {
     return n;
 }
 
-inline std::string shape_str(const std::vector<int64_t>& s) {  // as Python prints a tuple
-    std::ostringstream o;
-    o << "(";
-    for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-    if (s.size() == 1) o << ",";
-    o << ")";
-    return o.str();
+// As Python prints a tuple. std::to_string, not an ostringstream: stream output goes through the
+// locale's facets, found by per-library facet ids, and a module that carries its own (static) libstdc++
+// in a process holding another one can look up the wrong facet and crash (fast._core built with the
+// GPU machine's toolchain did, on every call that formatted a shape).
+inline std::string shape_str(const std::vector<int64_t>& s) {
+    std::string o = "(";
+    for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+    return o + (s.size() == 1 ? ",)" : ")");
 }
 
 struct Injection {

@@ -11,7 +11,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -92,11 +91,13 @@ py::array arg(const py::object& obj, const char* name, const DType& d, int ndim)
     return a;
 }
 
-void expect_shape(const py::array& a, const char* name, const std::vector<py::ssize_t>& want,
-                  const std::string& why = "") {
+// why() names the rule `want` follows; it is called (and the message formatted) only when the check
+// fails, so a call that passes its checks formats nothing.
+template <class Why>
+void expect_shape(const py::array& a, const char* name, const std::vector<py::ssize_t>& want, const Why& why) {
     if (shape_of(a) != want)
-        bad(std::string(name) + ": expected shape " + shape_str(want) + (why.empty() ? "" : " (" + why + ")") +
-            ", given " + shape_str(shape_of(a)));
+        bad(std::string(name) + ": expected shape " + shape_str(want) + " (" + std::string(why()) + "), given " +
+            shape_str(shape_of(a)));
 }
 
 uint64_t arg_uint(const py::object& obj, const char* name, uint64_t lo, uint64_t hi) {
@@ -154,7 +155,7 @@ DType kU8(const char* what) { return dt<uint8_t>(what); }
 
 py::object py_cdot(const py::object& ao, const py::object& bo) {
     const py::array a = arg(ao, "a", kF32, 1), b = arg(bo, "b", kF32, 1);
-    expect_shape(b, "b", shape_of(a), "the shape of a");
+    expect_shape(b, "b", shape_of(a), [] { return "the shape of a"; });
     require_clean_mxcsr();
     float r;
     {
@@ -166,7 +167,7 @@ py::object py_cdot(const py::object& ao, const py::object& bo) {
 
 double py_cdot64(const py::object& ao, const py::object& bo) {
     const py::array a = arg(ao, "a", kF64, 1), b = arg(bo, "b", kF64, 1);
-    expect_shape(b, "b", shape_of(a), "the shape of a");
+    expect_shape(b, "b", shape_of(a), [] { return "the shape of a"; });
     require_clean_mxcsr();
     py::gil_scoped_release nogil;
     return cdot64(ptr<double>(a), ptr<double>(b), static_cast<size_t>(a.shape(0)));
@@ -255,7 +256,8 @@ py::array py_decode_fp8_weight(const py::object& qo, const py::object& so) {
     const py::array q = arg(qo, "q", kE4M3Codes(), 2);
     const py::array s = arg(so, "scale_inv", kF32, 2);
     const py::ssize_t R = q.shape(0), C = q.shape(1);
-    expect_shape(s, "scale_inv", fp8_scale_shape(R, C), "[ceil(R/128), ceil(C/128)] for q of shape " + shape_str({R, C}));
+    expect_shape(s, "scale_inv", fp8_scale_shape(R, C),
+                 [&] { return "[ceil(R/128), ceil(C/128)] for q of shape " + shape_str({R, C}); });
     require_clean_mxcsr();
     py::array_t<float> w({R, C});
     float* out = w.mutable_data();
@@ -272,7 +274,7 @@ py::ssize_t check_mxfp4(const py::array& p, const py::array& s) {
     if (C % 32 != 0)
         bad("packed: expected [R, C/2] with C a multiple of 32 (packed.shape[1] a multiple of 16), given shape " +
             shape_str(shape_of(p)));
-    expect_shape(s, "scale", {R, C / 32}, "[R, C/32] for packed of shape " + shape_str(shape_of(p)));
+    expect_shape(s, "scale", {R, C / 32}, [&] { return "[R, C/32] for packed of shape " + shape_str(shape_of(p)); });
     return C;
 }
 
@@ -294,7 +296,7 @@ py::array py_matvec_bf16(const py::object& wo, const py::object& xo, const py::o
     const py::array W = arg(wo, "W", kBf16(), 2);
     const py::array x = arg(xo, "x", kF32, 1);
     const py::ssize_t R = W.shape(0), C = W.shape(1);
-    expect_shape(x, "x", {C}, "[C] for W of shape " + shape_str({R, C}));
+    expect_shape(x, "x", {C}, [&] { return "[C] for W of shape " + shape_str({R, C}); });
     const unsigned threads = arg_threads(to);
     require_clean_mxcsr();
     py::array_t<float> y(R);
@@ -311,8 +313,9 @@ py::array py_matvec_fp8(const py::object& qo, const py::object& so, const py::ob
     const py::array s = arg(so, "scale_inv", kF32, 2);
     const py::array x = arg(xo, "x", kF32, 1);
     const py::ssize_t R = q.shape(0), C = q.shape(1);
-    expect_shape(s, "scale_inv", fp8_scale_shape(R, C), "[ceil(R/128), ceil(C/128)] for q of shape " + shape_str({R, C}));
-    expect_shape(x, "x", {C}, "[C] for q of shape " + shape_str({R, C}));
+    expect_shape(s, "scale_inv", fp8_scale_shape(R, C),
+                 [&] { return "[ceil(R/128), ceil(C/128)] for q of shape " + shape_str({R, C}); });
+    expect_shape(x, "x", {C}, [&] { return "[C] for q of shape " + shape_str({R, C}); });
     const unsigned threads = arg_threads(to);
     require_clean_mxcsr();
     py::array_t<float> y(R);
@@ -329,7 +332,7 @@ py::array py_matvec_mxfp4(const py::object& po, const py::object& so, const py::
     const py::array s = arg(so, "scale", kE8M0Codes(), 2);
     const py::array x = arg(xo, "x", kF32, 1);
     const py::ssize_t R = p.shape(0), C = check_mxfp4(p, s);
-    expect_shape(x, "x", {C}, "[C] for packed of shape " + shape_str(shape_of(p)));
+    expect_shape(x, "x", {C}, [&] { return "[C] for packed of shape " + shape_str(shape_of(p)); });
     const unsigned threads = arg_threads(to);
     require_clean_mxcsr();
     py::array_t<float> y(R);
@@ -366,7 +369,7 @@ LinArg lin_arg(const std::string& release, const py::object& dobj, const py::obj
         a.w.fmt = WFmt::FP8;
         a.w.C = static_cast<size_t>(a.data.shape(1));
         expect_shape(a.scale, "scale", fp8_scale_shape(a.data.shape(0), a.data.shape(1)),
-                     "[ceil(R/128), ceil(C/128)] for data of shape " + shape_str(shape_of(a.data)));
+                     [&] { return "[ceil(R/128), ceil(C/128)] for data of shape " + shape_str(shape_of(a.data)); });
     } else if (release == "mxfp4") {
         a.data = arg(dobj, "data", kU8("uint8 (two E2M1 nibbles per byte)"), 2);
         a.scale = arg(sobj, "scale", kE8M0Codes(), 2);

@@ -896,3 +896,44 @@ def test_accepted_ml_dtypes_views():
     p, e = _mxfp4_weight(rng, 5, 64)
     assert_same_bits(core.matvec_mxfp4(p, e.view(ml_dtypes.float8_e8m0fnu), x[:64].copy()),
                      core.matvec_mxfp4(p, e, x[:64].copy()))
+
+
+def test_bad_input_messages_print_shapes_as_python_tuples():
+    with pytest.raises(ValueError) as e:
+        core.matvec_fp8(q8, s8, f[:10])
+    assert str(e.value) == "x: expected shape (64,) ([C] for q of shape (4, 64)), given (10,)"
+    with pytest.raises(ValueError) as e:
+        core.matvec_bf16(u16w, np.ones((), F32))
+    assert str(e.value) == "x: expected a 1-D array, given 0-D with shape ()"
+
+
+def _undefined_dynamic_symbols(path):
+    """Names of the undefined symbols in an x86-64 ELF shared object's .dynsym (what it imports)."""
+    import struct
+    data = open(path, "rb").read()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, f"{path}: not a little-endian ELF64 file"
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = []
+    for _, sh_type, _, _, off, size, link, _, _, entsize in sections:
+        if sh_type != 11:  # SHT_DYNSYM
+            continue
+        stroff = sections[link][4]
+        for k in range(size // entsize):
+            st_name, _, _, st_shndx = struct.unpack_from("<IBBH", data, off + k * entsize)
+            if st_shndx == 0 and st_name:  # SHN_UNDEF
+                names.append(data[stroff + st_name:data.index(b"\0", stroff + st_name)].decode())
+    return names
+
+
+def test_core_uses_no_iostreams():
+    # Stream output consults the locale's facets by facet ids that belong to one libstdc++. fast._core
+    # built by the GPU machine's toolchain carries its own libstdc++ while the process holds another,
+    # and its first ostringstream (every matvec/linear call formatted a shape for its messages) called
+    # the wrong facet and crashed. Messages are made with std::to_string; nothing may bring streams back.
+    imported = _undefined_dynamic_symbols(core.__file__)
+    assert any(n.startswith("Py") for n in imported)  # the reader works: the module imports the C API
+    streams = [n for n in imported if n.startswith(("_ZNSo", "_ZNSi", "_ZNSt6locale", "_ZNSt8ios_base"))
+               or "basic_ostringstream" in n or "basic_ios" in n or "basic_streambuf" in n]
+    assert not streams, f"fast._core imports iostream/locale symbols: {streams[:5]}"
