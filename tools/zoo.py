@@ -3,6 +3,10 @@
     make_checkpoint("tiny", "fp8", "zoo/tiny-fp8")        # one release
     make_zoo("small", "zoo")                              # zoo/small-{bf16,fp8,mxfp4}
     oracle make-checkpoint tiny --release all --out zoo   # the CLI (main_make_checkpoint)
+    oracle make-checkpoint slice --set num_hidden_layers=6 --dry-run   # the sizes only
+
+Before writing, the exact size of every file is known (checkpoint_sizes) and checked against the free
+space of the target's filesystem: what does not fit is refused (NoSpaceError; the CLI exits 2).
 
 Every release is written from one master: BF16 values for `linear` and `bf16` tensors, F32 values for
 `f32` tensors (see oracle/names.py). The FP8 and MXFP4 releases quantize the BF16 master; nothing
