@@ -63,19 +63,56 @@ class StageSink:
 
 
 class Cache:
-    """Everything a model keeps between forward calls of one sequence."""
+    """Everything a model keeps between forward calls of one sequence.
+
+    A cache belongs to the model that made it (`model.new_cache()`): its checkpoint, precision and
+    config; `Model.forward` refuses a cache of another model. `fork()` gives an independent copy, so
+    that two continuations of one prefix can be run from the same state.
+    """
 
     def __init__(self, model: "Model"):
         c = model.config
         self.length = 0
+        self.owner = _owner(model)
         self.layers = [KDACache(model.P, c) if c.is_kda(l) else MLACache(model.P, c, c.has_indexer(l))
                        for l in range(c.num_hidden_layers)]
 
-    def copy(self) -> "Cache":
+    def fork(self) -> "Cache":
+        """An independent copy: extending either leaves the other as it was."""
         other = object.__new__(Cache)
         other.length = self.length
+        other.owner = self.owner
         other.layers = [layer.copy() for layer in self.layers]
         return other
+
+    copy = fork  # the older name
+
+    def __repr__(self) -> str:
+        path, precision, c = self.owner
+        kinds = "".join("K" if c.is_kda(l) else "M" for l in range(c.num_hidden_layers))
+        return (f"oracle.Cache(model={path!r}, precision={precision!r}, layers={c.num_hidden_layers} ({kinds}), "
+                f"positions={self.length})")
+
+
+def _owner(model: "Model") -> tuple:
+    """What a cache must come from to be usable by `model`: (checkpoint path, precision, config)."""
+    return (getattr(model.ckpt, "path", None), model.P.name, model.config)
+
+
+def _cache_mismatch(cache_owner: tuple, model_owner: tuple) -> str | None:
+    """Why a cache made for `cache_owner` cannot run on `model_owner` (None: it can)."""
+    if cache_owner == model_owner:
+        return None
+    (p0, prec0, c0), (p1, prec1, c1) = cache_owner, model_owner
+    if c0 != c1:
+        d0, d1 = c0.to_dict(), c1.to_dict()
+        diff = [k for k in sorted(set(d0) | set(d1)) if d0.get(k) != d1.get(k)]
+        shown = ", ".join(f"{k}: cache {d0.get(k)!r}, model {d1.get(k)!r}" for k in diff[:3])
+        more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
+        return f"the cache was made for another config ({shown}{more})"
+    if prec0 != prec1:
+        return f"the cache was made in precision {prec0!r}, this model runs in {prec1!r}"
+    return f"the cache was made by the model of {p0!r}, this model is {p1!r}"
 
 
 class DecoderLayer:
@@ -180,6 +217,11 @@ class Model:
                 inject: Injection | None = None) -> np.ndarray:
         """Run the tokens `ids` at the next positions of `cache` (appending to it) -> logits [T, V] f32."""
         cache = cache if cache is not None else self.new_cache()
+        if not isinstance(cache, Cache):
+            raise TypeError(f"cache must be an oracle.model.Cache (model.new_cache()), got {type(cache).__name__}")
+        why = _cache_mismatch(cache.owner, _owner(self))
+        if why is not None:
+            raise ValueError(f"cache of another model: {why}; make one with this model's new_cache()")
         ids = self.check_ids(ids, cache.length)
         P, c, pos0 = self.P, self.config, cache.length
         e = StageSink(capture, 0, pos0, inject)("embed", P.weight(self.embed[ids]))

@@ -100,3 +100,54 @@ def test_float64_mode_is_close_to_canonical_before_routing(golden_dir):
     assert a.dtype == np.float32 and b.dtype == np.float64
     rel = np.max(np.abs(a - b)) / np.max(np.abs(b))
     assert 0 < rel < 0.02, rel
+
+
+def test_fork_gives_independent_branches(golden_dir):
+    """Two continuations of one forked prefix equal two runs from scratch, bit for bit, whichever runs first."""
+    model = oracle.load(golden_dir / "tiny-bf16")
+    prefix, a, b = [5, 17, 42, 7], [9, 100], [250]
+    cache = model.new_cache()
+    model.forward(prefix, cache)
+    branch = cache.fork()
+    got_b = model.forward(b, branch)
+    got_a = model.forward(a, cache)
+    want_a = model.forward(prefix + a)[len(prefix):]
+    want_b = model.forward(prefix + b)[len(prefix):]
+    assert np.array_equal(got_a.view(np.uint32), want_a.view(np.uint32))
+    assert np.array_equal(got_b.view(np.uint32), want_b.view(np.uint32))
+    assert (cache.length, branch.length) == (len(prefix) + len(a), len(prefix) + len(b))
+    assert cache.copy is not None and type(cache.copy()) is type(cache)
+
+
+def test_cache_repr_names_model_layers_and_positions(golden_dir):
+    model = oracle.load(golden_dir / "tiny-bf16")
+    cache = model.new_cache()
+    model.forward([1, 2, 3], cache)
+    r = repr(cache)
+    c = model.config
+    kinds = "".join("K" if c.is_kda(l) else "M" for l in range(c.num_hidden_layers))
+    assert "tiny-bf16" in r and "positions=3" in r and f"layers={c.num_hidden_layers} ({kinds})" in r
+    assert "positions=3" in repr(cache.layers[c.mla_layers[0]])
+
+
+def test_a_cache_of_another_model_is_refused(golden_dir):
+    bf16 = oracle.load(golden_dir / "tiny-bf16")
+    cache = bf16.new_cache()
+    bf16.forward([1, 2], cache)
+    oracle.load(golden_dir / "tiny-bf16").forward([3], cache)   # the same checkpoint loaded again is the same model
+    assert cache.length == 3
+    for other, what in ((oracle.load(golden_dir / "tiny-fp8"), "tiny-fp8"),
+                        (oracle.load(golden_dir / "tiny-bf16", precision="float64"), "float64")):
+        with pytest.raises(ValueError, match=f"cache of another model.*{what}"):
+            other.forward([4], cache)
+    assert cache.length == 3
+    with pytest.raises(TypeError, match="new_cache"):
+        bf16.forward([4], object())
+
+
+def test_a_cache_of_another_config_names_the_fields(golden_dir):
+    from oracle.model import _cache_mismatch, _owner
+    model = oracle.load(golden_dir / "tiny-bf16")
+    path, precision, config = _owner(model)
+    why = _cache_mismatch((path, precision, config.replace(n_group=1)), _owner(model))
+    assert why is not None and "n_group: cache 1, model 2" in why

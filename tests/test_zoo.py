@@ -106,6 +106,63 @@ def test_cli_writes_the_same_bytes(tmp_path, capsys):
     assert "n_group" in capsys.readouterr().err
 
 
+# ----------------------------------------------------------------------------- size and free space
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_size_estimate_is_exact(release):
+    """checkpoint_sizes names every file make_checkpoint writes with its size (the golden files are its output)."""
+    d = GOLDEN / f"tiny-{release}"
+    assert zoo.checkpoint_sizes("tiny", release) == {fn: os.path.getsize(d / fn) for fn in os.listdir(d)}
+
+
+def _fake_free(monkeypatch, free):
+    import shutil
+    from collections import namedtuple
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(free + 10**9, 10**9, free))
+
+
+def test_refuses_what_does_not_fit_before_writing(tmp_path, monkeypatch, capsys):
+    need = sum(zoo.checkpoint_sizes("tiny", "bf16").values())
+    margin = zoo.SPACE_MARGIN + need // 50
+    _fake_free(monkeypatch, need + margin - 1)
+    args = ["tiny", "--release", "bf16", "--out", str(tmp_path / "z")]
+    assert zoo.main_make_checkpoint(args) == 2
+    err = capsys.readouterr().err
+    assert "not enough space" in err and f"{need:,} bytes" in err and f"{need + margin - 1:,} bytes" in err
+    assert not (tmp_path / "z").exists()
+    with pytest.raises(zoo.NoSpaceError, match="nothing was written"):
+        zoo.make_checkpoint("tiny", "bf16", tmp_path / "z")
+    assert not (tmp_path / "z").exists()
+    _fake_free(monkeypatch, need + margin)
+    assert zoo.main_make_checkpoint(args + ["--quiet"]) == 0
+    assert sum(os.path.getsize(p) for p in (tmp_path / "z" / "tiny-bf16").iterdir()) == need
+    # writing over an existing checkpoint needs only the growth
+    fits, _, needed, _, _ = zoo.space_check([tmp_path / "z" / "tiny-bf16"], [need])
+    assert fits and needed == 0
+
+
+def test_dry_run_prints_the_size_and_writes_nothing(tmp_path, capsys):
+    assert zoo.main_make_checkpoint(["tiny", "--out", str(tmp_path / "z"), "--dry-run", "--set", "num_hidden_layers=9"]) == 0
+    out = capsys.readouterr().out
+    for r in RELEASES:
+        n = sum(zoo.checkpoint_sizes("tiny", r, num_hidden_layers=9).values())
+        assert f"tiny-{r}  {n:,} bytes" in out
+    assert not (tmp_path / "z").exists()
+
+
+def test_no_progress_bar_into_a_pipe(tmp_path):
+    import subprocess
+    import sys
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "tools", "make-checkpoint", "tiny", "--release", "bf16", "--out",
+                        str(tmp_path)], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    n = sum(zoo.checkpoint_sizes("tiny", "bf16").values())
+    assert f"{n:,} bytes" in r.stderr and "\r" not in r.stderr and "%" not in r.stderr
+
+
 # ----------------------------------------------------------------------------- quantization
 
 
@@ -346,6 +403,43 @@ def test_tiny_g1_writes_and_loads(tmp_path):
     assert c.config.n_group == 1 and c.release_summary()["experts"] == {"bf16": [2], "mxfp4": [1, 3, 4, 5]}
 
 
+def test_each_entry_schedule_gives_its_own_lists():
+    """The schedules that extend an entry to any layer count reproduce the entry's lists at its own count."""
+    for name, z in zoo.ZOO.items():
+        for k, v in z.schedule(z.fields["num_hidden_layers"]).items():
+            if z.fields.get(k) is not None:  # (slice's first-dense rule: test_tiny_g1_and_small_configs)
+                assert list(v) == list(z.fields[k]), (name, k)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "slice"])
+def test_layer_count_alone_extends_the_schedules(name):
+    for n in (1, 2, 5, 9, 16):
+        c = zoo.zoo_config(name, num_hidden_layers=n)
+        assert len(c.layer_types) == len(c.mlp_layer_types) == len(c.indexer_types) == n
+        base = zoo.zoo_config(name)
+        m = min(n, base.num_hidden_layers)  # the entry's own layers keep their kinds
+        assert c.layer_types[:m] == base.layer_types[:m] and c.mlp_layer_types[:m] == base.mlp_layer_types[:m]
+        assert c.indexer_types[:m] == base.indexer_types[:m]
+    c = zoo.zoo_config("tiny", num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["indexed_attention"])
+    assert c.indexer_types == ("full",) * 4
+
+
+def test_tiny_with_nine_layers_runs_the_same_on_oracle_and_engine(tmp_path, capsys):
+    """`make-checkpoint tiny --set num_hidden_layers=9` needed three hand-written lists."""
+    import fast
+    import oracle
+    assert zoo.main_make_checkpoint(["tiny", "--release", "bf16", "--out", str(tmp_path), "--quiet",
+                                     "--set", "num_hidden_layers=9"]) == 0
+    d = str(tmp_path / "tiny-bf16")
+    m = oracle.load(d)
+    assert m.config.num_hidden_layers == 9 and m.config.mla_layers == (3, 4)
+    ids = [(i * 37 + 11) % 300 for i in range(9)]
+    toks, logits = m.generate(ids, 3, return_logits=True)
+    got_toks, got_logits = fast.Engine(d, threads=2).generate(ids, 3, return_logits=True)
+    assert got_toks == toks
+    assert np.array_equal(got_logits.view(np.uint32), logits.view(np.uint32))
+
+
 SLICE_SMALL = dict(hidden_size=256, vocab_size=512, pad_token_id=None, n_routed_experts=4, num_experts_per_tok=2,
                    moe_intermediate_size=64, intermediate_size=160, num_attention_heads=2, num_key_value_heads=2,
                    q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=2,
@@ -370,6 +464,8 @@ def test_slice_streams_into_shards(tmp_path, release):
     for k in c.keys():
         a, b = c.raw(k), c2.raw(k)
         assert np.array_equal(a.data, b.data) and (a.scale is None or np.array_equal(a.scale, b.scale)), k
+    assert zoo.checkpoint_sizes("slice", release, shard_bytes=300_000, **SLICE_SMALL) == {
+        fn: os.path.getsize(Path(d) / fn) for fn in os.listdir(d)}
     # and again in the same place: stale shards are removed first
     zoo.make_checkpoint("slice", release, tmp_path / "s2", shard_bytes=300_000, **SLICE_SMALL)
     assert zoo.file_hashes(tmp_path / "s2") == zoo.file_hashes(d)

@@ -3,6 +3,10 @@
     make_checkpoint("tiny", "fp8", "zoo/tiny-fp8")        # one release
     make_zoo("small", "zoo")                              # zoo/small-{bf16,fp8,mxfp4}
     oracle make-checkpoint tiny --release all --out zoo   # the CLI (main_make_checkpoint)
+    oracle make-checkpoint slice --set num_hidden_layers=6 --dry-run   # the sizes only
+
+Before writing, the exact size of every file is known (checkpoint_sizes) and checked against the free
+space of the target's filesystem: what does not fit is refused (NoSpaceError; the CLI exits 2).
 
 Every release is written from one master: BF16 values for `linear` and `bf16` tensors, F32 values for
 `f32` tensors (see oracle/names.py). The FP8 and MXFP4 releases quantize the BF16 master; nothing
@@ -41,6 +45,9 @@ __all__ = [
     "zoo_config",
     "zoo_options",
     "make_checkpoint",
+    "checkpoint_sizes",
+    "space_check",
+    "NoSpaceError",
     "make_zoo",
     "main_make_checkpoint",
     "tensor_key",
@@ -137,16 +144,30 @@ _SMALL = dict(
 @dataclass(frozen=True)
 class ZooEntry:
     name: str
-    fields: dict  # Config fields (None schedules: the peer's default rule, or `schedule`)
+    fields: dict  # Config fields (None schedules: the peer's default rule)
     mxfp4_bf16_expert_layers: tuple[int, ...]  # routed experts that stay BF16 in the MXFP4 release
     tokenizer: bool = False
     shard_bytes: int = 0  # 0: one file
-    schedule: Callable[[int], dict] | None = None  # layer-count dependent schedules (slice)
+    # the three per-layer lists for any layer count (`--set num_hidden_layers=N`); at the entry's own
+    # count they are its `fields`
+    schedule: Callable[[int], dict] | None = None
     doc: str = ""
 
 
-def _slice_schedule(n: int) -> dict:
-    return {"mlp_layer_types": [DENSE] + [SPARSE] * (n - 1)}
+def _first_dense(k: int) -> Callable[[int], list]:
+    return lambda n: [DENSE] * min(k, n) + [SPARSE] * max(n - k, 0)
+
+
+def _tiny_schedule(n: int) -> dict:
+    """tiny's six layers repeated (and cut): every count from 5 on keeps a shared-indexer MLA layer."""
+    lt, it = _TINY["layer_types"], _TINY["indexer_types"]
+    return {"layer_types": [lt[i % len(lt)] for i in range(n)], "indexer_types": [it[i % len(it)] for i in range(n)],
+            "mlp_layer_types": _first_dense(1)(n)}
+
+
+def _default_schedule(dense: int) -> Callable[[int], dict]:
+    """The real model's rules (MLA where idx % 4 == 3, every indexer full), the first `dense` MLPs dense."""
+    return lambda n: {"layer_types": None, "indexer_types": None, "mlp_layer_types": _first_dense(dense)(n)}
 
 
 ZOO: dict[str, ZooEntry] = {
@@ -155,32 +176,44 @@ ZOO: dict[str, ZooEntry] = {
         _TINY,
         (2,),
         tokenizer=True,
+        schedule=_tiny_schedule,
         doc="CI: every layer kind, shared indexer, group-limited routing, low swiglu_limit, odd sizes",
     ),
     "tiny-g1": ZooEntry(
-        "tiny-g1", dict(_TINY, n_group=1, topk_group=1), (2,), tokenizer=True, doc="tiny without expert groups"
+        "tiny-g1", dict(_TINY, n_group=1, topk_group=1), (2,), tokenizer=True, schedule=_tiny_schedule,
+        doc="tiny without expert groups",
     ),
-    "small": ZooEntry("small", _SMALL, (5,), doc="wider: several KDA head blocks, 16 experts top 4, 8 layers"),
+    "small": ZooEntry("small", _SMALL, (5,), schedule=_default_schedule(2),
+                      doc="wider: several KDA head blocks, 16 experts top 4, 8 layers"),
     "slice": ZooEntry(
         "slice",
         dict(num_hidden_layers=4, layer_types=None, mlp_layer_types=None, indexer_types=None),
         (3,),
         shard_bytes=4 << 30,
-        schedule=_slice_schedule,
+        schedule=_default_schedule(1),
         doc="real GLM-5.3-Flash widths, 4 layers (KDA, KDA, KDA, MLA; first dense): GPU benchmarks",
     ),
 }
 
+_SCHEDULES = ("layer_types", "mlp_layer_types", "indexer_types")
+
 
 def zoo_config(name: str, **overrides: Any) -> Config:
-    """The Config of a zoo entry; any Config field may be overridden."""
+    """The Config of a zoo entry; any Config field may be overridden.
+
+    With another num_hidden_layers, the per-layer lists not given too follow the entry's schedule;
+    layer_types given without indexer_types get the default indexers (every one full), as the
+    entry's shared-indexer pattern belongs to its own layer pattern."""
     if name not in ZOO:
         raise KeyError(f"unknown zoo checkpoint {name!r}; known: {', '.join(ZOO)}")
     z = ZOO[name]
     d = dict(z.fields)
     if z.schedule is not None:
         n = overrides.get("num_hidden_layers", d.get("num_hidden_layers", Config.num_hidden_layers))
-        d.update(z.schedule(n))
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 1:  # else Config names the bad value
+            d.update(z.schedule(n))
+            if "layer_types" in overrides and "indexer_types" not in overrides:
+                d["indexer_types"] = None
     d.update(overrides)
     return Config(**{k: v for k, v in d.items()})
 
@@ -721,37 +754,41 @@ def _shards(jobs: list[_Job], shard_bytes: int) -> int:
     return n + 1
 
 
-def make_checkpoint(
-    name: str,
-    release: str,
-    out_dir: str | os.PathLike,
-    *,
-    seed: int = DEFAULT_SEED,
-    shard_bytes: int | None = None,
-    mxfp4_bf16_expert_layers: Iterable[int] | None = None,
-    tokenizer: bool | None = None,
-    progress: Callable[[str, float], None] | None = None,
-    workers: int = 1,
-    **overrides: Any,
-) -> str:
-    """Write zoo checkpoint `name` in `release` ('bf16' | 'fp8' | 'mxfp4') into `out_dir`.
+class NoSpaceError(OSError):
+    """A checkpoint that would not fit on its filesystem (refused before anything is written)."""
 
-    Any Config field may be overridden (e.g. n_routed_experts=16, num_hidden_layers=2 for `slice`).
-    Tensors are generated and written one row-chunk at a time: memory stays small at any size.
-    workers > 1 produces the tensors in that many processes (the same bytes). Returns out_dir.
-    """
+
+SPACE_MARGIN = 64 << 20  # kept free beyond the checkpoint (and 2% of its size): logs, temp files
+
+
+@dataclass
+class _Layout:
+    """Everything make_checkpoint writes, decided before a byte is written."""
+
+    cfg: Config
+    jobs: list[_Job]
+    fnames: list[str]  # the .safetensors files
+    heads: list[bytes]  # their headers
+    texts: dict[str, str]  # config.json, tokenizer.json, the shard index
+
+    def sizes(self) -> dict[str, int]:
+        """file name -> its exact size in bytes."""
+        out = {}
+        for i, fn in enumerate(self.fnames):
+            out[fn] = len(self.heads[i]) + sum(o.nbytes for j in self.jobs for o in j.outs if o.shard == i)
+        for fn, text in self.texts.items():
+            out[fn] = len(text.encode("utf-8"))
+        return out
+
+
+def _layout(name: str, release: str, seed: int, shard_bytes: int | None, mxfp4_bf16_expert_layers: Iterable[int] | None,
+            tokenizer: bool | None, overrides: dict) -> _Layout:
     cfg = zoo_config(name, **overrides)
     opts = zoo_options(name, cfg, mxfp4_bf16_expert_layers)
     if shard_bytes is None:
         shard_bytes = opts["shard_bytes"]
     if tokenizer is None:
         tokenizer = opts["tokenizer"]
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    for fn in os.listdir(out_dir):  # a stale shard from an earlier run would be read as part of the model
-        if fn.endswith(".safetensors") or fn == "model.safetensors.index.json":
-            os.remove(os.path.join(out_dir, fn))
-
     jobs = plan(cfg, release, opts["mxfp4_bf16_expert_layers"])
     nshards = _shards(jobs, shard_bytes)
     metadata = {
@@ -770,12 +807,117 @@ def make_checkpoint(
         else [f"model-{i + 1:05d}-of-{nshards:05d}.safetensors" for i in range(nshards)]
     )
     all_outs = [o for j in jobs for o in j.outs]
+    heads = [_header([o for o in all_outs if o.shard == i], metadata) for i in range(nshards)]  # places the tensors
+    texts = {}
+    if nshards > 1:
+        index = {
+            "metadata": {"total_size": sum(o.nbytes for o in all_outs)},
+            "weight_map": {o.key: fnames[o.shard] for o in sorted(all_outs, key=lambda o: o.key)},
+        }
+        texts["model.safetensors.index.json"] = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    conf = cfg.to_dict()
+    conf["dtype"] = "bfloat16"
+    texts["config.json"] = json.dumps(conf, indent=2, sort_keys=True) + "\n"
+    if tokenizer:
+        texts["tokenizer.json"] = tokenizer_json(cfg.vocab_size)
+    return _Layout(cfg, jobs, fnames, heads, texts)
+
+
+def _replaced_bytes(out_dir: str) -> int:
+    """Bytes of the files in out_dir that writing a checkpoint there removes or overwrites."""
+    if not os.path.isdir(out_dir):
+        return 0
+    return sum(
+        os.path.getsize(os.path.join(out_dir, fn))
+        for fn in os.listdir(out_dir)
+        if (fn.endswith(".safetensors") or fn in ("model.safetensors.index.json", "config.json", "tokenizer.json"))
+        and os.path.isfile(os.path.join(out_dir, fn))
+    )
+
+
+def space_check(out_dirs: Iterable[str], sizes: Iterable[int]) -> tuple[bool, str, int, int, int]:
+    """Would checkpoints of `sizes` bytes fit into `out_dirs` (on one filesystem: the nearest existing
+    ancestor of the first)? -> (fits, that directory, bytes needed, free bytes, margin). Files the
+    writes replace count as free."""
+    import shutil
+
+    out_dirs = [os.path.abspath(os.fspath(d)) for d in out_dirs]
+    total = sum(sizes)
+    needed = max(total - sum(_replaced_bytes(d) for d in out_dirs), 0)
+    where = out_dirs[0]
+    while not os.path.isdir(where):
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    margin = SPACE_MARGIN + total // 50
+    return needed + margin <= free, where, needed, free, margin
+
+
+def _no_space_message(where: str, needed: int, free: int, margin: int) -> str:
+    return (f"not enough space on the filesystem of {where}: the checkpoint needs {_human(needed)} ({needed:,} bytes) "
+            f"plus a margin of {_human(margin)}, {_human(free)} ({free:,} bytes) are free; nothing was written")
+
+
+def _human(n: int) -> str:
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << k:
+            return f"{n / (1 << k):.1f} {unit}"
+    return f"{n} B"
+
+
+def checkpoint_sizes(
+    name: str,
+    release: str,
+    *,
+    seed: int = DEFAULT_SEED,
+    shard_bytes: int | None = None,
+    mxfp4_bf16_expert_layers: Iterable[int] | None = None,
+    tokenizer: bool | None = None,
+    **overrides: Any,
+) -> dict[str, int]:
+    """The files make_checkpoint would write with these arguments -> their exact sizes (nothing is written)."""
+    return _layout(name, release, seed, shard_bytes, mxfp4_bf16_expert_layers, tokenizer, overrides).sizes()
+
+
+def make_checkpoint(
+    name: str,
+    release: str,
+    out_dir: str | os.PathLike,
+    *,
+    seed: int = DEFAULT_SEED,
+    shard_bytes: int | None = None,
+    mxfp4_bf16_expert_layers: Iterable[int] | None = None,
+    tokenizer: bool | None = None,
+    progress: Callable[[str, float], None] | None = None,
+    workers: int = 1,
+    check_space: bool = True,
+    **overrides: Any,
+) -> str:
+    """Write zoo checkpoint `name` in `release` ('bf16' | 'fp8' | 'mxfp4') into `out_dir`.
+
+    Any Config field may be overridden (e.g. n_routed_experts=16, num_hidden_layers=2 for `slice`).
+    Tensors are generated and written one row-chunk at a time: memory stays small at any size.
+    workers > 1 produces the tensors in that many processes (the same bytes). Raises NoSpaceError,
+    before writing anything, when the files would not fit (check_space). Returns out_dir.
+    """
+    lay = _layout(name, release, seed, shard_bytes, mxfp4_bf16_expert_layers, tokenizer, overrides)
+    out_dir = os.fspath(out_dir)
+    if check_space:
+        fits, where, needed, free, margin = space_check([out_dir], [sum(lay.sizes().values())])
+        if not fits:
+            raise NoSpaceError(_no_space_message(where, needed, free, margin))
+    os.makedirs(out_dir, exist_ok=True)
+    for fn in os.listdir(out_dir):  # a stale shard from an earlier run would be read as part of the model
+        if fn.endswith(".safetensors") or fn == "model.safetensors.index.json":
+            os.remove(os.path.join(out_dir, fn))
+
+    cfg, jobs, fnames = lay.cfg, lay.jobs, lay.fnames
+    opts = zoo_options(name, cfg, mxfp4_bf16_expert_layers)
+    all_outs = [o for j in jobs for o in j.outs]
     fds: dict[int, int] = {}
     try:
         for i, fn in enumerate(fnames):
-            outs = [o for o in all_outs if o.shard == i]
-            head = _header(outs, metadata)
-            total = len(head) + sum(o.nbytes for o in outs)
+            head = lay.heads[i]
+            total = len(head) + sum(o.nbytes for o in all_outs if o.shard == i)
             fd = os.open(os.path.join(out_dir, fn), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             fds[i] = fd
             os.pwrite(fd, head, 0)
@@ -805,19 +947,10 @@ def make_checkpoint(
         for fd in fds.values():
             os.close(fd)
 
-    if nshards > 1:
-        index = {
-            "metadata": {"total_size": sum(o.nbytes for o in all_outs)},
-            "weight_map": {o.key: fnames[o.shard] for o in sorted(all_outs, key=lambda o: o.key)},
-        }
-        _write_text(os.path.join(out_dir, "model.safetensors.index.json"), json.dumps(index, indent=2, sort_keys=True) + "\n")
-    conf = cfg.to_dict()
-    conf["dtype"] = "bfloat16"
-    _write_text(os.path.join(out_dir, "config.json"), json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    for fn, text in lay.texts.items():
+        _write_text(os.path.join(out_dir, fn), text)
     tok_path = os.path.join(out_dir, "tokenizer.json")
-    if tokenizer:
-        _write_text(tok_path, tokenizer_json(cfg.vocab_size))
-    elif os.path.exists(tok_path):
+    if "tokenizer.json" not in lay.texts and os.path.exists(tok_path):
         os.remove(tok_path)
     return out_dir
 
@@ -960,7 +1093,8 @@ def main_make_checkpoint(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-gb", type=float, default=None, help="shard size in GiB (default: one file; slice: 4)")
     p.add_argument("--mxfp4-bf16-layers", default=None, help="comma list of layers whose routed experts stay BF16 in mxfp4")
     p.add_argument("--quiet", action="store_true")
-    p.add_argument("--json", action="store_true", help="print the written directories as JSON")
+    p.add_argument("--dry-run", action="store_true", help="print the size of what would be written; write nothing")
+    p.add_argument("--json", action="store_true", help="print the written directories (and sizes) as JSON")
     a = p.parse_args(argv)
 
     overrides = {}
@@ -981,6 +1115,27 @@ def main_make_checkpoint(argv: list[str] | None = None) -> int:
         print(f"oracle make-checkpoint: {e}", file=sys.stderr)
         return 2
 
+    # the sizes first: a checkpoint that does not fit is refused before anything is written
+    dirs = [os.path.join(a.out, f"{a.name}-{r}") for r in releases]
+    sizes = [sum(checkpoint_sizes(a.name, r, **kw).values()) for r in releases]
+    if not a.json:
+        out = sys.stdout if a.dry_run else sys.stderr
+        if a.dry_run or not a.quiet:
+            for d, n in zip(dirs, sizes):
+                print(f"{d}  {n:,} bytes ({_human(n)})", file=out)
+            if len(dirs) > 1:
+                print(f"total  {sum(sizes):,} bytes ({_human(sum(sizes))})", file=out)
+    fits, where, needed, free, margin = space_check(dirs, sizes)
+    if a.dry_run:
+        if a.json:
+            print(json.dumps({"sizes": dict(zip(dirs, sizes)), "needed": needed, "free": free, "fits": fits}))
+        elif not fits:
+            print(f"(would not fit: {_no_space_message(where, needed, free, margin)})")
+        return 0
+    if not fits:
+        print(f"oracle make-checkpoint: {_no_space_message(where, needed, free, margin)}", file=sys.stderr)
+        return 2
+
     last = [0.0]
 
     def progress(key: str, frac: float) -> None:
@@ -993,19 +1148,17 @@ def main_make_checkpoint(argv: list[str] | None = None) -> int:
                 sys.stderr.write("\n")
             sys.stderr.flush()
 
-    dirs = []
-    for r in releases:
-        d = os.path.join(a.out, f"{a.name}-{r}")
+    bar = not a.quiet and sys.stderr.isatty()  # a progress bar only where someone watches it, never into a pipe
+    for r, d in zip(releases, dirs):
         if not a.quiet:
             print(f"writing {d}", file=sys.stderr)
         t0 = time.monotonic()
-        make_checkpoint(a.name, r, d, progress=None if a.quiet else progress, **kw)
-        dirs.append(d)
+        make_checkpoint(a.name, r, d, progress=progress if bar else None, check_space=False, **kw)
         if not a.quiet and not a.json:
             size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
             print(f"{d}  {size / 2**20:.1f} MiB  {time.monotonic() - t0:.1f} s")
     if a.json:
-        print(json.dumps({"checkpoints": dirs}))
+        print(json.dumps({"checkpoints": dirs, "sizes": dict(zip(dirs, sizes))}))
     return 0
 
 

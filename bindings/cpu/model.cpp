@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "engine.hpp"
+#include "../inject_step.hpp"
 #include "../tensor_roles.hpp"
 #include "formats.hpp"
 #include "smalldot.hpp"
@@ -88,12 +89,8 @@ void Step::inject_f32(int layer, int stage, size_t t, float* p, size_t off, size
     const int64_t e = inject_element(layer, stage, t);
     if (e < 0 || static_cast<size_t>(e) < off || static_cast<size_t>(e) >= off + n) return;
     float* v = p + (static_cast<size_t>(e) - off);
-    if (kStages[stage].dtype == SDType::BF16) {
-        const uint16_t b = static_cast<uint16_t>((f32_bits(*v) >> 16) + static_cast<uint64_t>(inj.ulps));
-        *v = f32_from_bf16(b);
-    } else {
-        *v = f32_from_bits(static_cast<uint32_t>(f32_bits(*v) + static_cast<uint64_t>(inj.ulps)));
-    }
+    *v = f32_from_bits(kStages[stage].dtype == SDType::BF16 ? inject_step_bf16(f32_bits(*v), inj.ulps)
+                                                             : inject_step_f32(f32_bits(*v), inj.ulps));
     std::lock_guard<std::mutex> lk(cap_mutex);
     out->injected += 1;
 }
@@ -104,7 +101,7 @@ void Step::inject_f64(int layer, int stage, size_t t, double* p, size_t off, siz
     double* v = p + (static_cast<size_t>(e) - off);
     uint64_t u;
     std::memcpy(&u, v, 8);
-    u += static_cast<uint64_t>(inj.ulps);
+    u = inject_step_f64(u, inj.ulps);
     std::memcpy(v, &u, 8);
     std::lock_guard<std::mutex> lk(cap_mutex);
     out->injected += 1;
@@ -139,7 +136,7 @@ void Step::emit64(int layer, int stage, size_t t, double* p, std::vector<int64_t
 void Step::emit_i32(int layer, int stage, size_t t, int32_t* p, std::vector<int64_t> shape) {
     const int64_t e = inject_element(layer, stage, t);
     if (e >= 0 && static_cast<size_t>(e) < numel(shape)) {
-        p[e] = static_cast<int32_t>(static_cast<uint32_t>(p[e]) + static_cast<uint32_t>(static_cast<uint64_t>(inj.ulps)));
+        p[e] = inject_step_i32(p[e], inj.ulps);
         std::lock_guard<std::mutex> lk(cap_mutex);
         out->injected += 1;
     }

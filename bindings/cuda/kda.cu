@@ -8,6 +8,7 @@
 // order, so a prefill chunk is the same per-token computation as decode, and the state stays on the
 // GPU between steps (stored transposed, S[h][j][i], column contiguous).
 #include "engine.cuh"
+#include "../inject_step.hpp"
 
 namespace glm::cuda {
 namespace {
@@ -189,7 +190,7 @@ __global__ void __launch_bounds__(256) k_kda_rec(const float* __restrict__ qs, c
 #pragma unroll
                     for (int l = 0; l < 8; ++l)
                         if (64 * c + 8 * g + l == ii)
-                            S[c][l] = f32_from_bits(static_cast<uint32_t>(f32_bits(S[c][l]) + static_cast<uint64_t>(inj_ulps)));
+                            S[c][l] = f32_from_bits(inject_step_f32(f32_bits(S[c][l]), inj_ulps));
             }
         }
         if (act_t && cap != nullptr) {

@@ -5,6 +5,7 @@
 // One block per row; the row's sums are block64_dot (64 threads, one partial sum each).
 // Also the small shared kernels: row copies and the one-element fault injection.
 #include "engine.cuh"
+#include "../inject_step.hpp"
 
 namespace glm::cuda {
 namespace {
@@ -63,23 +64,22 @@ __global__ void k_inject(void* p, int dtype, int64_t ulps) {
     switch (dtype) {
         case static_cast<int>(SDType::F32): {
             uint32_t* u = static_cast<uint32_t*>(p);
-            *u = static_cast<uint32_t>(*u + static_cast<uint64_t>(ulps));
+            *u = inject_step_f32(*u, ulps);
             break;
         }
         case static_cast<int>(SDType::BF16): {
             uint32_t* u = static_cast<uint32_t*>(p);
-            const uint16_t b = static_cast<uint16_t>((*u >> 16) + static_cast<uint64_t>(ulps));
-            *u = static_cast<uint32_t>(b) << 16;
+            *u = inject_step_bf16(*u, ulps);
             break;
         }
         case static_cast<int>(SDType::F64): {
             uint64_t* u = static_cast<uint64_t*>(p);
-            *u = *u + static_cast<uint64_t>(ulps);
+            *u = inject_step_f64(*u, ulps);
             break;
         }
         default: {
-            uint32_t* u = static_cast<uint32_t*>(p);
-            *u = *u + static_cast<uint32_t>(static_cast<uint64_t>(ulps));
+            int32_t* v = static_cast<int32_t*>(p);
+            *v = inject_step_i32(*v, ulps);
             break;
         }
     }

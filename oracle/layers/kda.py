@@ -27,6 +27,10 @@ class KDACache:
         other.state = self.state.copy()
         return other
 
+    def __repr__(self) -> str:
+        H, d, _ = self.state.shape
+        return f"KDACache(heads={H}, head_dim={d}, state {self.state.dtype.name})"
+
 
 class KDA:
     def __init__(self, P: Precision, w, config):

@@ -24,6 +24,10 @@ class MLACache:
         other.indexer = self.indexer.copy() if self.indexer is not None else None
         return other
 
+    def __repr__(self) -> str:
+        idx = "own indexer" if self.indexer is not None else "no indexer"
+        return f"MLACache(positions={self.c.shape[0]}, kv_lora_rank={self.c.shape[1]}, {idx})"
+
 
 class MLA:
     def __init__(self, P: Precision, w, config, has_indexer: bool):
