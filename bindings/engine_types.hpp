@@ -1,7 +1,9 @@
 // The types both engines share at their host interface (plain C++, no CPU intrinsics and no CUDA):
-// the engine config (one struct, read from the one config dict fast/engine.py builds, and validated by
-// one function with each engine's limits), the stage table (names, dtypes), the injection spec, a capture record and
-// a step's output. bindings/cpu/engine.hpp and bindings/cuda/engine_api.hpp use these.
+// the engine config (one struct, read from the one config dict fast/ builds, and validated by one
+// function with each engine's limits), the stage table (names, dtypes, sizes), the injection spec, a
+// capture record and a step's output. bindings/cpu/engine.hpp and bindings/cuda/engine_api.hpp use these.
+// The config's fields, the positivity rules and the stages are oracle/schema.py's, expanded from the
+// X-macro lists of glm_schema.hpp (generated into the build folder by tools/gen_headers.py).
 #pragma once
 
 #include <cstddef>
