@@ -29,14 +29,14 @@ import numpy as np
 
 from oracle.capture import Capture
 from oracle.checkpoint import Checkpoint, open_checkpoint
-from oracle.stages import ALL_STAGE_NAMES
+from oracle.stages import ALL_STAGE_NAMES, HEAD
 
 from . import core as _C
 from .core import EngineInputError, parse_inject
 
 __all__ = ["Engine", "Cache", "EngineInputError", "parse_inject"]
 
-_HEAD_STAGES = ("head.mean", "final_norm", "logits")
+_HEAD_STAGES = tuple(name for name, _ in HEAD)  # the stages at layer L, computed with the logits
 
 # the names this module had before fast/core.py held them (tests and tools import some)
 _is_int = _C.is_int
