@@ -305,6 +305,8 @@ void register_engine(py::module_& m) {
             "One forward step for a batch of rows -> (head_rows i64[n], logits f32[n, V], captures, injected).");
 
     m.attr("ENGINE_STAGES") = glm::pyglue::stage_list();
+    m.def("stage_table", &glm::pyglue::stage_table<EngineConfig>, py::arg("config"),
+          "[(stage, dtype, elements per position or None)] under an engine config dict");
     m.def("engine_exp64", &exp64_array, py::arg("x"), "The engine's canonical double exp (mHC), elementwise.");
     m.def("engine_bench_copy", &bench_copy, py::arg("nbytes"), py::arg("threads"), py::arg("reps"),
           py::call_guard<py::gil_scoped_release>(),

@@ -1,7 +1,9 @@
 // The types both engines share at their host interface (plain C++, no CPU intrinsics and no CUDA):
-// the engine config (one struct, read from the one config dict fast/engine.py builds, and validated by
-// one function with each engine's limits), the stage table (names, dtypes), the injection spec, a capture record and
-// a step's output. bindings/cpu/engine.hpp and bindings/cuda/engine_api.hpp use these.
+// the engine config (one struct, read from the one config dict fast/ builds, and validated by one
+// function with each engine's limits), the stage table (names, dtypes, sizes), the injection spec, a
+// capture record and a step's output. bindings/cpu/engine.hpp and bindings/cuda/engine_api.hpp use these.
+// The config's fields, the positivity rules and the stages are oracle/schema.py's, expanded from the
+// X-macro lists of glm_schema.hpp (generated into the build folder by tools/gen_headers.py).
 #pragma once
 
 #include <cstddef>
@@ -10,25 +12,16 @@
 #include <string>
 #include <vector>
 
+#include "glm_schema.hpp"  // generated from oracle/schema.py (tools/gen_headers.py)
+
 namespace glm {
 
+// The engine config: its fields are oracle/schema.py's ENGINE_CONFIG (glm_schema.hpp, generated), read
+// from the dict fast/ builds from the same schema (pyglue.hpp).
 struct EngineConfig {
-    int64_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0;
-    int64_t intermediate_size = 0, moe_intermediate_size = 0;
-    int64_t n_routed_experts = 0, num_experts_per_tok = 0, n_shared_experts = 0, n_group = 1, topk_group = 1;
-    bool norm_topk_prob = true;
-    double routed_scaling_factor = 1.0, swiglu_limit = 10.0, rms_norm_eps = 1e-5;
-    int64_t num_attention_heads = 0, q_lora_rank = 0, kv_lora_rank = 0, qk_nope_head_dim = 0, qk_rope_head_dim = 0,
-            v_head_dim = 0;
-    int64_t index_topk = 0, index_head_dim = 0, index_n_heads = 0, index_kpool = 1;
-    int64_t linear_num_heads = 0, linear_head_dim = 0, linear_conv_kernel_dim = 1;
-    double linear_lower_bound = -5.0;
-    int64_t hc_mult = 4;
-    double hc_eps = 1e-6;
-    int64_t hc_sinkhorn_iters = 20;
-    bool tie_word_embeddings = false;
-    int64_t max_context = 0;
-    std::vector<uint8_t> is_kda, is_moe, has_indexer;  // per layer
+#define GLM_CONFIG_MEMBER(T, name) T name{};
+    GLM_ENGINE_CONFIG_FIELDS(GLM_CONFIG_MEMBER)
+#undef GLM_CONFIG_MEMBER
 
     int64_t kda_dim() const { return linear_num_heads * linear_head_dim; }
     int64_t hc_dim() const { return (2 + hc_mult) * hc_mult; }
@@ -93,13 +86,9 @@ inline void validate_config(const EngineConfig& c, const EngineLimits& lim) {
         if (limit > 0 && v > limit)
             bad(f, "must be <= " + std::to_string(limit) + " in the " + lim.engine + " engine, got " + std::to_string(v));
     };
-    pos("vocab_size", c.vocab_size);
-    pos("hidden_size", c.hidden_size);
-    pos("num_hidden_layers", c.num_hidden_layers);
-    pos("hc_mult", c.hc_mult);
+#define GLM_CHECK_POSITIVE(name) pos(#name, c.name);
+    GLM_POSITIVE_FIELDS_ANY(GLM_CHECK_POSITIVE)
     at_most("hc_mult", c.hc_mult, lim.max_hc_mult);
-    pos("hc_sinkhorn_iters", c.hc_sinkhorn_iters);
-    pos("max_context", c.max_context);
     at_most("max_context", c.max_context, lim.max_context);
     const size_t L = static_cast<size_t>(c.num_hidden_layers);
     if (c.is_kda.size() != L) bad("layer_types", "needs one entry per layer");
@@ -116,33 +105,20 @@ inline void validate_config(const EngineConfig& c, const EngineLimits& lim) {
                                      " is a 'shared' indexed_attention layer that does not follow a 'full' one");
     }
     if (any_kda) {
-        pos("linear_num_heads", c.linear_num_heads);
-        pos("linear_head_dim", c.linear_head_dim);
+        GLM_POSITIVE_FIELDS_KDA(GLM_CHECK_POSITIVE)
         at_most("linear_head_dim", c.linear_head_dim, lim.max_linear_head_dim);
-        pos("linear_conv_kernel_dim", c.linear_conv_kernel_dim);
     }
     if (any_mla) {
-        pos("num_attention_heads", c.num_attention_heads);
-        pos("q_lora_rank", c.q_lora_rank);
-        pos("kv_lora_rank", c.kv_lora_rank);
-        pos("qk_nope_head_dim", c.qk_nope_head_dim);
-        pos("v_head_dim", c.v_head_dim);
+        GLM_POSITIVE_FIELDS_MLA(GLM_CHECK_POSITIVE)
         if (c.qk_rope_head_dim != 0) bad("qk_rope_head_dim", "only NoPE MLA (0) is supported");
-        pos("index_kpool", c.index_kpool);
-        pos("index_topk", c.index_topk);
-        pos("index_head_dim", c.index_head_dim);
-        pos("index_n_heads", c.index_n_heads);
         if (c.index_topk % c.index_kpool != 0) bad("index_topk", "must be divisible by index_kpool");
     }
-    if (any_dense) pos("intermediate_size", c.intermediate_size);
+    if (any_dense) {
+        GLM_POSITIVE_FIELDS_DENSE(GLM_CHECK_POSITIVE)
+    }
     if (any_moe) {
-        pos("n_routed_experts", c.n_routed_experts);
+        GLM_POSITIVE_FIELDS_MOE(GLM_CHECK_POSITIVE)
         at_most("n_routed_experts", c.n_routed_experts, lim.max_routed_experts);
-        pos("moe_intermediate_size", c.moe_intermediate_size);
-        pos("n_shared_experts", c.n_shared_experts);
-        pos("n_group", c.n_group);
-        pos("topk_group", c.topk_group);
-        pos("num_experts_per_tok", c.num_experts_per_tok);
         at_most("num_experts_per_tok", c.num_experts_per_tok, lim.max_experts_per_tok);
         if (c.n_routed_experts % c.n_group != 0 || c.n_routed_experts / c.n_group < 2)
             bad("n_group", "each group needs at least 2 experts and n_routed_experts must divide evenly");
@@ -150,26 +126,18 @@ inline void validate_config(const EngineConfig& c, const EngineLimits& lim) {
         if (c.num_experts_per_tok > c.topk_group * (c.n_routed_experts / c.n_group))
             bad("num_experts_per_tok", "exceeds the experts of topk_group groups");
     }
+#undef GLM_CHECK_POSITIVE
 }
 
 // ---- a step's interface ---------------------------------------------------------------------------
 
 enum class SDType : uint8_t { F32, F64, BF16, I32 };
 
-// The stages, in the model's order, with their names and dtypes as oracle/stages.py.
+// The stages (oracle/schema.py's STAGES, generated into glm_schema.hpp), in the model's order.
 enum Stage : int {
-    S_EMBED,
-    S_ATTN_HC_PRE, S_ATTN_HC_POST, S_ATTN_HC_COMB, S_ATTN_HC_COLLAPSED, S_ATTN_NORM,
-    S_KDA_Q_PROJ, S_KDA_K_PROJ, S_KDA_V_PROJ, S_KDA_Q, S_KDA_K, S_KDA_V, S_KDA_G, S_KDA_BETA, S_KDA_STATE,
-    S_KDA_O, S_KDA_GATE, S_KDA_O_NORM, S_KDA_OUT,
-    S_MLA_Q_LAT, S_MLA_Q, S_MLA_C, S_MLA_Q_ABS, S_IDX_Q, S_IDX_K, S_IDX_GATE, S_IDX_WEIGHTS, S_IDX_SCORES,
-    S_MLA_SELECTED, S_MLA_SCORES, S_MLA_PROBS, S_MLA_O_LAT, S_MLA_O, S_MLA_OUT,
-    S_ATTN_HC_STREAMS,
-    S_FFN_HC_PRE, S_FFN_HC_POST, S_FFN_HC_COMB, S_FFN_HC_COLLAPSED, S_FFN_NORM,
-    S_MLP_GATE, S_MLP_UP, S_MLP_OUT,
-    S_MOE_LOGITS, S_MOE_SELECTED, S_MOE_WEIGHTS, S_MOE_EXPERTS, S_MOE_ROUTED, S_MOE_SHARED, S_MOE_OUT,
-    S_FFN_HC_STREAMS,
-    S_HEAD_MEAN, S_FINAL_NORM, S_LOGITS,
+#define GLM_STAGE_ENUM(id, name, dtype, size) id,
+    GLM_STAGES(GLM_STAGE_ENUM)
+#undef GLM_STAGE_ENUM
     S_COUNT
 };
 
@@ -178,28 +146,23 @@ struct StageInfo {
     SDType dtype;
 };
 inline constexpr StageInfo kStages[S_COUNT] = {
-    {"embed", SDType::BF16},
-    {"attn_hc.pre", SDType::F64}, {"attn_hc.post", SDType::F64}, {"attn_hc.comb", SDType::F64},
-    {"attn_hc.collapsed", SDType::BF16}, {"attn_norm", SDType::BF16},
-    {"kda.q_proj", SDType::BF16}, {"kda.k_proj", SDType::BF16}, {"kda.v_proj", SDType::BF16},
-    {"kda.q", SDType::BF16}, {"kda.k", SDType::BF16}, {"kda.v", SDType::BF16},
-    {"kda.g", SDType::F32}, {"kda.beta", SDType::F32}, {"kda.state", SDType::F32}, {"kda.o", SDType::F32},
-    {"kda.gate", SDType::BF16}, {"kda.o_norm", SDType::BF16}, {"kda.out", SDType::BF16},
-    {"mla.q_lat", SDType::BF16}, {"mla.q", SDType::BF16}, {"mla.c", SDType::BF16}, {"mla.q_abs", SDType::BF16},
-    {"indexer.q", SDType::BF16}, {"indexer.k", SDType::BF16}, {"indexer.gate", SDType::BF16},
-    {"indexer.weights", SDType::F32}, {"indexer.scores", SDType::F32},
-    {"mla.selected", SDType::I32}, {"mla.scores", SDType::F32}, {"mla.probs", SDType::BF16},
-    {"mla.o_lat", SDType::BF16}, {"mla.o", SDType::BF16}, {"mla.out", SDType::BF16},
-    {"attn_hc.streams", SDType::BF16},
-    {"ffn_hc.pre", SDType::F64}, {"ffn_hc.post", SDType::F64}, {"ffn_hc.comb", SDType::F64},
-    {"ffn_hc.collapsed", SDType::BF16}, {"ffn_norm", SDType::BF16},
-    {"mlp.gate", SDType::BF16}, {"mlp.up", SDType::BF16}, {"mlp.out", SDType::BF16},
-    {"moe.logits", SDType::F32}, {"moe.selected", SDType::I32}, {"moe.weights", SDType::F32},
-    {"moe.experts", SDType::BF16}, {"moe.routed", SDType::BF16}, {"moe.shared", SDType::BF16},
-    {"moe.out", SDType::BF16},
-    {"ffn_hc.streams", SDType::BF16},
-    {"head.mean", SDType::BF16}, {"final_norm", SDType::BF16}, {"logits", SDType::F32},
+#define GLM_STAGE_INFO(id, name, dtype, size) {name, SDType::dtype},
+    GLM_STAGES(GLM_STAGE_INFO)
+#undef GLM_STAGE_INFO
 };
+
+// Elements of one position's value of a stage under config c; -1 where it depends on the position.
+inline int64_t stage_size(const EngineConfig& c, int stage) {
+    switch (stage) {
+#define GLM_STAGE_SIZE(id, name, dtype, size) \
+    case id:                                  \
+        return size;
+        GLM_STAGES(GLM_STAGE_SIZE)
+#undef GLM_STAGE_SIZE
+        default:
+            return -1;
+    }
+}
 
 inline int stage_by_name(const std::string& name) {  // -1 if unknown
     for (int i = 0; i < S_COUNT; ++i)

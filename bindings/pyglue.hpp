@@ -33,46 +33,14 @@ T get(const py::dict& d, const char* key) {
     }
 }
 
-// Fills an engine config (glm::cpu::EngineConfig or glm::cuda::Config: the same field names).
+// Fills an engine config (glm::EngineConfig) from the dict fast/ builds: every field of
+// oracle/schema.py's ENGINE_CONFIG (glm_schema.hpp), each refused by name when missing or mistyped.
 template <class Config>
 Config config_from_dict(const py::dict& d) {
     Config c;
-    c.vocab_size = get<int64_t>(d, "vocab_size");
-    c.hidden_size = get<int64_t>(d, "hidden_size");
-    c.num_hidden_layers = get<int64_t>(d, "num_hidden_layers");
-    c.intermediate_size = get<int64_t>(d, "intermediate_size");
-    c.moe_intermediate_size = get<int64_t>(d, "moe_intermediate_size");
-    c.n_routed_experts = get<int64_t>(d, "n_routed_experts");
-    c.num_experts_per_tok = get<int64_t>(d, "num_experts_per_tok");
-    c.n_shared_experts = get<int64_t>(d, "n_shared_experts");
-    c.n_group = get<int64_t>(d, "n_group");
-    c.topk_group = get<int64_t>(d, "topk_group");
-    c.norm_topk_prob = get<bool>(d, "norm_topk_prob");
-    c.routed_scaling_factor = get<double>(d, "routed_scaling_factor");
-    c.swiglu_limit = get<double>(d, "swiglu_limit");
-    c.rms_norm_eps = get<double>(d, "rms_norm_eps");
-    c.num_attention_heads = get<int64_t>(d, "num_attention_heads");
-    c.q_lora_rank = get<int64_t>(d, "q_lora_rank");
-    c.kv_lora_rank = get<int64_t>(d, "kv_lora_rank");
-    c.qk_nope_head_dim = get<int64_t>(d, "qk_nope_head_dim");
-    c.qk_rope_head_dim = get<int64_t>(d, "qk_rope_head_dim");
-    c.v_head_dim = get<int64_t>(d, "v_head_dim");
-    c.index_topk = get<int64_t>(d, "index_topk");
-    c.index_head_dim = get<int64_t>(d, "index_head_dim");
-    c.index_n_heads = get<int64_t>(d, "index_n_heads");
-    c.index_kpool = get<int64_t>(d, "index_kpool");
-    c.linear_num_heads = get<int64_t>(d, "linear_num_heads");
-    c.linear_head_dim = get<int64_t>(d, "linear_head_dim");
-    c.linear_conv_kernel_dim = get<int64_t>(d, "linear_conv_kernel_dim");
-    c.linear_lower_bound = get<double>(d, "linear_lower_bound");
-    c.hc_mult = get<int64_t>(d, "hc_mult");
-    c.hc_eps = get<double>(d, "hc_eps");
-    c.hc_sinkhorn_iters = get<int64_t>(d, "hc_sinkhorn_iters");
-    c.tie_word_embeddings = get<bool>(d, "tie_word_embeddings");
-    c.max_context = get<int64_t>(d, "max_context");
-    c.is_kda = get<std::vector<uint8_t>>(d, "is_kda");
-    c.is_moe = get<std::vector<uint8_t>>(d, "is_moe");
-    c.has_indexer = get<std::vector<uint8_t>>(d, "has_indexer");
+#define GLM_READ_FIELD(T, name) c.name = get<T>(d, #name);
+    GLM_ENGINE_CONFIG_FIELDS(GLM_READ_FIELD)
+#undef GLM_READ_FIELD
     return c;
 }
 
@@ -118,15 +86,30 @@ std::vector<py::array> add_tensor(Engine& E, const std::string& role, int layer,
     return keep;
 }
 
+inline const char* dtype_name(SDType t) {
+    return t == SDType::F32 ? "f32" : t == SDType::F64 ? "f64" : t == SDType::BF16 ? "bf16" : "i32";
+}
+
 // The module attribute ENGINE_STAGES: [(stage name, dtype name)] in the engines' stage order.
 inline py::list stage_list() {
     py::list names;
-    for (int i = 0; i < S_COUNT; ++i) {
-        const SDType t = kStages[i].dtype;
-        const char* dt = t == SDType::F32 ? "f32" : t == SDType::F64 ? "f64" : t == SDType::BF16 ? "bf16" : "i32";
-        names.append(py::make_tuple(kStages[i].name, dt));
-    }
+    for (int i = 0; i < S_COUNT; ++i) names.append(py::make_tuple(kStages[i].name, dtype_name(kStages[i].dtype)));
     return names;
+}
+
+// The module function stage_table(config dict): [(stage name, dtype name, elements of one position's
+// value, or None where it varies)] as this build of the engine computes them (tests/test_schema.py
+// holds it against oracle/schema.py).
+template <class Config>
+py::list stage_table(const py::dict& d) {
+    const Config c = config_from_dict<Config>(d);
+    py::list out;
+    for (int i = 0; i < S_COUNT; ++i) {
+        const int64_t n = stage_size(c, i);
+        out.append(py::make_tuple(kStages[i].name, dtype_name(kStages[i].dtype),
+                                  n < 0 ? py::object(py::none()) : py::object(py::int_(n))));
+    }
+    return out;
 }
 
 // One forward step of an engine whose step() has the shared signature (bindings/engine_types.hpp):

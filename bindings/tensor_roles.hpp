@@ -51,6 +51,30 @@ void check_stored_lin(const std::vector<int64_t>& shape, size_t rows, size_t col
     }
 }
 
+// The checkpoint tensor roles (oracle/names.py's table, generated into glm_schema.hpp).
+enum Role : int {
+#define GLM_ROLE_ENUM(id, name) id,
+    GLM_ROLES(GLM_ROLE_ENUM)
+#undef GLM_ROLE_ENUM
+    R_COUNT
+};
+inline constexpr const char* kRoleNames[R_COUNT] = {
+#define GLM_ROLE_NAME(id, name) name,
+    GLM_ROLES(GLM_ROLE_NAME)
+#undef GLM_ROLE_NAME
+};
+
+inline int role_by_name(const std::string& name) {  // -1 if unknown
+    for (int i = 0; i < R_COUNT; ++i)
+        if (name == kRoleNames[i]) return i;
+    return -1;
+}
+
+// The switch below has no default: a role added to oracle/names.py that no case places fails the build.
+#if defined(__GNUC__) && !defined(__CUDACC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic error "-Wswitch"
+#endif
 template <class Ops>
 void assign_role(const std::string& role, int expert, const EngineConfig& c, Ops& o) {
     const size_t D = static_cast<size_t>(c.hidden_size), V = static_cast<size_t>(c.vocab_size);
@@ -64,102 +88,121 @@ void assign_role(const std::string& role, int expert, const EngineConfig& c, Ops
     const size_t kp = static_cast<size_t>(c.index_kpool);
     const size_t I = static_cast<size_t>(c.intermediate_size), Im = static_cast<size_t>(c.moe_intermediate_size);
     const size_t Is = Im * static_cast<size_t>(c.n_shared_experts), E = static_cast<size_t>(c.n_routed_experts);
+    const size_t R = static_cast<size_t>(c.hc_dim());
+    auto starts = [&](const char* prefix) { return role.rfind(prefix, 0) == 0; };
 
-    if (role == "embed") {
-        o.top().embed = o.lin(V, D);
-    } else if (role == "lm_head") {
-        o.top().lm_head = o.lin(V, D);
-    } else if (role == "final_norm") {
-        o.top().final_norm = o.vec(D);
-    } else if (role == "attn_norm") {
-        o.layer().attn_norm = o.vec(D);
-    } else if (role == "ffn_norm") {
-        o.layer().ffn_norm = o.vec(D);
-    } else if (role.rfind("attn_hc.", 0) == 0 || role.rfind("ffn_hc.", 0) == 0) {
-        auto& hw = role[0] == 'a' ? o.layer().attn_hc : o.layer().ffn_hc;
-        const std::string leaf = role.substr(role.find('.') + 1);
-        const size_t R = static_cast<size_t>(c.hc_dim());
-        if (leaf == "fn") {
-            hw.fn = o.f64(R * hc * D);
-        } else if (leaf == "base") {
-            hw.base = o.f64(R);
-        } else if (leaf == "scale") {
-            const auto f = o.host(3);
-            for (int i = 0; i < 3; ++i) hw.scale[i] = f[static_cast<size_t>(i)];
-        } else {
-            o.bad("unknown role");
-        }
-    } else if (role.rfind("kda.", 0) == 0) {
+    // the layer's weights of the role's family, after checking the layer has that family
+    auto hc_of = [&]() -> auto& { return role[0] == 'a' ? o.layer().attn_hc : o.layer().ffn_hc; };
+    auto kda = [&]() -> auto& {
         auto& lw = o.layer();
         if (!lw.kda) o.bad("is a KDA tensor but the layer is not a KDA layer");
-        auto& k = lw.k;
-        if (role == "kda.q_proj") k.q_proj = o.lin(P, D);
-        else if (role == "kda.k_proj") k.k_proj = o.lin(P, D);
-        else if (role == "kda.v_proj") k.v_proj = o.lin(P, D);
-        else if (role == "kda.f_a_proj") k.f_a = o.lin(d, D);
-        else if (role == "kda.f_b_proj") k.f_b = o.lin(P, d);
-        else if (role == "kda.b_proj") k.b_proj = o.lin(H, D);
-        else if (role == "kda.g_a_proj") k.g_a = o.lin(d, D);
-        else if (role == "kda.g_b_proj") k.g_b = o.lin(P, d);
-        else if (role == "kda.o_proj") k.o_proj = o.lin(D, P);
-        else if (role == "kda.q_conv" || role == "kda.k_conv" || role == "kda.v_conv")
-            o.conv(k, role == "kda.q_conv" ? 0 : role == "kda.k_conv" ? 1 : 2, P * K);
-        else if (role == "kda.dt_bias") k.dt_bias = o.vec(P);
-        else if (role == "kda.A_log") k.A_log = o.vec(H);
-        else if (role == "kda.o_norm") k.o_norm = o.vec(d);
-        else o.bad("unknown role");
-    } else if (role.rfind("mla.", 0) == 0) {
+        return lw.k;
+    };
+    auto mla = [&]() -> auto& {
         auto& lw = o.layer();
         if (lw.kda) o.bad("is an MLA tensor but the layer is a KDA layer");
-        auto& m = lw.m;
-        if (role == "mla.q_a_proj") m.q_a = o.lin(rq, D);
-        else if (role == "mla.q_b_proj") m.q_b = o.lin(nh * (dn + dr), rq);
-        else if (role == "mla.kv_a_proj") m.kv_a = o.lin(r + dr, D);
-        else if (role == "mla.kv_b_proj") m.kv_b = o.lin(nh * (dn + dv), r);
-        else if (role == "mla.o_proj") m.o_proj = o.lin(D, nh * dv);
-        else if (role == "mla.q_a_norm") m.q_a_norm = o.vec(rq);
-        else if (role == "mla.kv_a_norm") m.kv_a_norm = o.vec(r);
-        else o.bad("unknown role");
-    } else if (role.rfind("indexer.", 0) == 0) {
+        return lw.m;
+    };
+    auto indexer = [&]() -> auto& {
         auto& lw = o.layer();
         if (lw.kda || !lw.m.has_indexer) o.bad("is an indexer tensor but the layer has no full indexer");
-        auto& m = lw.m;
-        if (role == "indexer.wq_b") m.wq_b = o.lin(ni * di, rq);
-        else if (role == "indexer.wk") m.wk = o.lin(di, D);
-        else if (role == "indexer.weights_proj") m.weights_proj = o.lin(ni, D);
-        else if (role == "indexer.kpool_gate") m.kpool_gate = o.lin(di, D);
-        else if (role == "indexer.k_norm") m.k_norm_w = o.vec(di);
-        else if (role == "indexer.k_norm_bias") m.k_norm_b = o.vec(di);
-        else if (role == "indexer.kpool_ape") m.ape = o.vec(kp * di);
-        else o.bad("unknown role");
-    } else if (role.rfind("mlp.", 0) == 0) {
+        return lw.m;
+    };
+    auto mlp = [&]() -> auto& {
         auto& lw = o.layer();
         if (lw.f.moe) o.bad("is a dense-MLP tensor but the layer is an MoE layer");
-        if (role == "mlp.gate_proj") lw.f.gate = o.lin(I, D);
-        else if (role == "mlp.up_proj") lw.f.up = o.lin(I, D);
-        else if (role == "mlp.down_proj") lw.f.down = o.lin(D, I);
-        else o.bad("unknown role");
-    } else if (role.rfind("moe.", 0) == 0) {
+        return lw.f;
+    };
+    auto moe = [&]() -> auto& {
         auto& lw = o.layer();
         if (!lw.f.moe) o.bad("is an MoE tensor but the layer is a dense layer");
-        auto& f = lw.f;
-        if (role.rfind("moe.expert.", 0) == 0) {
+        return lw.f;
+    };
+
+    // the family's layer checks before anything is read (unknown roles of a family included), in the
+    // loader's order: the layer, its kind, then (routed experts) the expert index and ownership
+    if (starts("attn_hc.") || starts("ffn_hc.")) {
+        hc_of();
+    } else if (starts("kda.")) {
+        kda();
+    } else if (starts("mla.")) {
+        mla();
+    } else if (starts("indexer.")) {
+        indexer();
+    } else if (starts("mlp.")) {
+        mlp();
+    } else if (starts("moe.")) {
+        moe();
+        if (starts("moe.expert.")) {
             if (expert < 0 || static_cast<size_t>(expert) >= E) o.bad("expert index out of range");
             o.check_expert(expert);
-            const size_t e = static_cast<size_t>(expert);
-            if (role == "moe.expert.gate_proj") f.e_gate[e] = o.lin(Im, D);
-            else if (role == "moe.expert.up_proj") f.e_up[e] = o.lin(Im, D);
-            else if (role == "moe.expert.down_proj") f.e_down[e] = o.lin(D, Im);
-            else o.bad("unknown role");
-        } else if (role == "moe.gate") f.router = o.lin(E, D);
-        else if (role == "moe.gate_bias") f.bias = o.vec(E);
-        else if (role == "moe.shared.gate_proj") f.s_gate = o.lin(Is, D);
-        else if (role == "moe.shared.up_proj") f.s_up = o.lin(Is, D);
-        else if (role == "moe.shared.down_proj") f.s_down = o.lin(D, Is);
-        else o.bad("unknown role");
-    } else {
-        o.bad("unknown role");
+        }
+    }
+    const int id = role_by_name(role);
+    if (id < 0) o.bad("unknown role");
+    const size_t e = static_cast<size_t>(expert);
+    switch (static_cast<Role>(id)) {
+        case R_EMBED: o.top().embed = o.lin(V, D); break;
+        case R_LM_HEAD: o.top().lm_head = o.lin(V, D); break;
+        case R_FINAL_NORM: o.top().final_norm = o.vec(D); break;
+        case R_ATTN_NORM: o.layer().attn_norm = o.vec(D); break;
+        case R_FFN_NORM: o.layer().ffn_norm = o.vec(D); break;
+        case R_ATTN_HC_FN:
+        case R_FFN_HC_FN: hc_of().fn = o.f64(R * hc * D); break;
+        case R_ATTN_HC_BASE:
+        case R_FFN_HC_BASE: hc_of().base = o.f64(R); break;
+        case R_ATTN_HC_SCALE:
+        case R_FFN_HC_SCALE: {
+            auto& hw = hc_of();
+            const auto f = o.host(3);
+            for (int i = 0; i < 3; ++i) hw.scale[i] = f[static_cast<size_t>(i)];
+            break;
+        }
+        case R_KDA_Q_PROJ: kda().q_proj = o.lin(P, D); break;
+        case R_KDA_K_PROJ: kda().k_proj = o.lin(P, D); break;
+        case R_KDA_V_PROJ: kda().v_proj = o.lin(P, D); break;
+        case R_KDA_F_A_PROJ: kda().f_a = o.lin(d, D); break;
+        case R_KDA_F_B_PROJ: kda().f_b = o.lin(P, d); break;
+        case R_KDA_B_PROJ: kda().b_proj = o.lin(H, D); break;
+        case R_KDA_G_A_PROJ: kda().g_a = o.lin(d, D); break;
+        case R_KDA_G_B_PROJ: kda().g_b = o.lin(P, d); break;
+        case R_KDA_O_PROJ: kda().o_proj = o.lin(D, P); break;
+        case R_KDA_Q_CONV: o.conv(kda(), 0, P * K); break;
+        case R_KDA_K_CONV: o.conv(kda(), 1, P * K); break;
+        case R_KDA_V_CONV: o.conv(kda(), 2, P * K); break;
+        case R_KDA_DT_BIAS: kda().dt_bias = o.vec(P); break;
+        case R_KDA_A_LOG: kda().A_log = o.vec(H); break;
+        case R_KDA_O_NORM: kda().o_norm = o.vec(d); break;
+        case R_MLA_Q_A_PROJ: mla().q_a = o.lin(rq, D); break;
+        case R_MLA_Q_B_PROJ: mla().q_b = o.lin(nh * (dn + dr), rq); break;
+        case R_MLA_KV_A_PROJ: mla().kv_a = o.lin(r + dr, D); break;
+        case R_MLA_KV_B_PROJ: mla().kv_b = o.lin(nh * (dn + dv), r); break;
+        case R_MLA_O_PROJ: mla().o_proj = o.lin(D, nh * dv); break;
+        case R_MLA_Q_A_NORM: mla().q_a_norm = o.vec(rq); break;
+        case R_MLA_KV_A_NORM: mla().kv_a_norm = o.vec(r); break;
+        case R_INDEXER_WQ_B: indexer().wq_b = o.lin(ni * di, rq); break;
+        case R_INDEXER_WK: indexer().wk = o.lin(di, D); break;
+        case R_INDEXER_WEIGHTS_PROJ: indexer().weights_proj = o.lin(ni, D); break;
+        case R_INDEXER_KPOOL_GATE: indexer().kpool_gate = o.lin(di, D); break;
+        case R_INDEXER_K_NORM: indexer().k_norm_w = o.vec(di); break;
+        case R_INDEXER_K_NORM_BIAS: indexer().k_norm_b = o.vec(di); break;
+        case R_INDEXER_KPOOL_APE: indexer().ape = o.vec(kp * di); break;
+        case R_MLP_GATE_PROJ: mlp().gate = o.lin(I, D); break;
+        case R_MLP_UP_PROJ: mlp().up = o.lin(I, D); break;
+        case R_MLP_DOWN_PROJ: mlp().down = o.lin(D, I); break;
+        case R_MOE_GATE: moe().router = o.lin(E, D); break;
+        case R_MOE_GATE_BIAS: moe().bias = o.vec(E); break;
+        case R_MOE_SHARED_GATE_PROJ: moe().s_gate = o.lin(Is, D); break;
+        case R_MOE_SHARED_UP_PROJ: moe().s_up = o.lin(Is, D); break;
+        case R_MOE_SHARED_DOWN_PROJ: moe().s_down = o.lin(D, Is); break;
+        case R_MOE_EXPERT_GATE_PROJ: moe().e_gate[e] = o.lin(Im, D); break;
+        case R_MOE_EXPERT_UP_PROJ: moe().e_up[e] = o.lin(Im, D); break;
+        case R_MOE_EXPERT_DOWN_PROJ: moe().e_down[e] = o.lin(D, Im); break;
+        case R_COUNT: o.bad("unknown role");
     }
 }
+#if defined(__GNUC__) && !defined(__CUDACC__)
+#pragma GCC diagnostic pop
+#endif
 
 }  // namespace glm

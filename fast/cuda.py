@@ -21,11 +21,9 @@ from __future__ import annotations
 import importlib
 import os
 
-from oracle.checkpoint import Checkpoint, open_checkpoint
-from oracle.stages import ALL_STAGE_NAMES
-
-from .engine import (Engine, EngineInputError, _build_core, _check_switches, _context_limit, _core,
-                     _engine_config, _is_int)
+from . import core as _C
+from .core import EngineInputError
+from .engine import Engine
 
 __all__ = ["CudaEngine", "cuda_module", "cuda_available"]
 
@@ -70,6 +68,8 @@ def _use_rank_device(cu, ep) -> None:
 class CudaEngine(Engine):
     """The exact CUDA engine over one checkpoint (fast.Engine's API; weights resident on the GPU)."""
 
+    device = "cuda"
+
     def __init__(self, path, device: str = "cuda", threads: int | None = None, *, dot: str = "canonical",
                  expf: str = "canonical", inject=None, max_context: int | None = None,
                  parallel_work: int | None = None, ranks: int | None = None, expert_ranges=None,
@@ -79,46 +79,29 @@ class CudaEngine(Engine):
             raise EngineInputError(f"device {device!r}: this engine runs on 'cuda'")
         if threads is None:
             threads = 1
-        _check_switches(threads, dot, expf, parallel_work)
+        _C.check_switches(threads, dot, expf, parallel_work)
         cu = cuda_module()
-        if [tuple(s) for s in cu.ENGINE_STAGES] != [tuple(s) for s in _core().ENGINE_STAGES]:
-            raise RuntimeError("the CUDA and CPU engines' stage tables differ")  # pragma: no cover
         self.cuda = cu
         # expert parallelism (docs/ep.md, "GPU"): one GPU per rank, the routed experts split over ranks
-        ep = None
-        if (ranks is not None or expert_ranges is not None or memory_limit is not None or _ep_member is not None
-                or os.environ.get("GLM_EP") == "1"):
-            from .distributed import EPSetup
-            ep = EPSetup.resolve(ranks, expert_ranges, memory_limit, verify_ranks, _ep_member)
+        ep = self._expert_parallelism(ranks, expert_ranges, memory_limit, verify_ranks, _ep_member)
+        if ep is not None:
             _use_rank_device(cu, ep)
             if ep.memory_limit is None:  # the device's memory (the emulation: no limit)
                 ep.memory_limit = None if _emulated(cu) else int(cu.device_memory()[1])
-        self.ep = ep
-        self.checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path, verify=ep is None)
-        self.config = cfg = self.checkpoint.config
-        self.max_context = limit = _context_limit(cfg, max_context)
-        self.options = {"dot": dot, "expf": expf, "threads": int(threads), "device": "cuda"}
-        if ep is not None:
-            ep.plan(self.checkpoint, limit, 1, device="cuda")  # prints the plan; refuses before allocating
-            self.options["ranks"] = ep.ranks
-        self.release = {}
-        self.loaded = {"tensors": 0, "experts": set()}  # what this process read from the checkpoint
+        self._open(cu, path, ep, max_context, {"dot": dot, "expf": expf, "threads": int(threads), "device": "cuda"},
+                   1, {"device": "cuda"})
+        cfg, limit = self.config, self.max_context
 
         def new_core():
             try:
-                return cu._Engine(_engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf)
+                return cu._Engine(_C.engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf)
             except RuntimeError as e:
                 raise EngineInputError(f"device 'cuda': {e}") from None
 
-        self._core = _build_core(self, ep, new_core, {"device": "cuda", "threads": int(threads), "dot": dot,
-                                                      "expf": expf, "max_context": limit, "parallel_work": parallel_work})
-        self._stage_index = {name: i for i, (name, _) in enumerate(cu.ENGINE_STAGES)}
-        missing = set(ALL_STAGE_NAMES) - set(self._stage_index)
-        if missing:  # pragma: no cover - the two stage tables must agree
-            raise RuntimeError(f"engine and oracle stage tables differ: {sorted(missing)}")
-        self._n_stages = len(cu.ENGINE_STAGES)
-        self.inject = inject
-        self.injected = 0
+        executor = _C.build_core(self, ep, new_core, {"device": "cuda", "threads": int(threads), "dot": dot,
+                                                       "expf": expf, "max_context": limit,
+                                                       "parallel_work": parallel_work})
+        self._attach(executor, inject)
 
     # ---------------------------------------------------------------- extras
     @property
@@ -153,7 +136,7 @@ class CudaEngine(Engine):
         cache = self._check_cache(cache)
         if self._inject_core is not None:
             raise EngineInputError("greedy: not with an injection set (decode() runs it)")
-        if not _is_int(n) or n < 1:
+        if not _C.is_int(n) or n < 1:
             raise EngineInputError(f"n must be an int >= 1, got {n!r}")
         first = self._check_ids([first_token], cache.length)
         if cache.length + n > self.max_context:  # (the n steps feed n positions)

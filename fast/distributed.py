@@ -38,6 +38,8 @@ import numpy as np
 
 from oracle import names as N
 
+from .core import EngineInputError, engine_class, is_int
+
 __all__ = ["even_ranges", "check_ranges", "MemoryPlan", "memory_plans", "format_plans", "EPSetup",
            "launched", "shutdown"]
 
@@ -45,7 +47,6 @@ _TIMEOUT_S = float(os.environ.get("GLM_EP_TIMEOUT", "600"))
 
 
 def _error(msg: str) -> Exception:
-    from .engine import EngineInputError
     return EngineInputError(msg)
 
 
@@ -669,8 +670,7 @@ def _worker_main(rank: int, ranks: int, port: int, timeout_s: float) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks,
                             timeout=datetime.timedelta(seconds=timeout_s))
     group = _Group(torch, dist, None, rank, ranks)
-    from .engine import Engine
-    engines: dict[int, Engine] = {}
+    engines: dict[int, object] = {}  # rank 0's engine id -> this rank's engine
     desync: list[str] = []
     while True:
         box = [None]
@@ -693,7 +693,8 @@ def _worker_main(rank: int, ranks: int, port: int, timeout_s: float) -> None:
             _, eid, path, kwargs = cmd
             status = None
             try:
-                engines[eid] = Engine(path, _ep_member=(rank, ranks, group), **kwargs)
+                cls = engine_class(kwargs.get("device", "cpu"))
+                engines[eid] = cls(path, _ep_member=(rank, ranks, group), **kwargs)
             except Exception as e:  # noqa: BLE001 - reported to rank 0
                 status = f"{type(e).__name__}: {e}"
             if any(s is not None for s in group.gather(status)):  # rank 0 raises; nobody keeps it
@@ -742,14 +743,13 @@ class EPSetup:
 
     @classmethod
     def resolve(cls, ranks, expert_ranges, memory_limit, verify, member) -> "EPSetup":
-        from .engine import _is_int
         if member is not None:
             return cls(member[1], expert_ranges, memory_limit, verify, member, "worker", member[0])
         if ranks is None:
             ranks = len(expert_ranges) if expert_ranges is not None else (launched() or 1)
-        if not _is_int(ranks) or ranks < 1:
+        if not is_int(ranks) or ranks < 1:
             raise _error(f"ranks must be an int >= 1, got {ranks!r}")
-        if memory_limit is not None and (not _is_int(memory_limit) or memory_limit < 1):
+        if memory_limit is not None and (not is_int(memory_limit) or memory_limit < 1):
             raise _error(f"memory_limit must be a number of bytes >= 1, got {memory_limit!r}")
         st = cls(int(ranks), expert_ranges, memory_limit, bool(verify))
         if st.ranks > 1:

@@ -5,8 +5,10 @@
     logits = eng.forward(ids, cache, capture)     # same signature and semantics as oracle's model.forward
     logits = eng.prefill(ids, cache, chunk=5)     # chunked prefill (any chunking gives the same bits)
     logits = eng.decode([c1, c2], [t1, t2])       # one decode token for each of several sequences
-    outs = eng.generate([[1, 2, 3], [4, 5]], 8)   # greedy, continuous batching
+    outs = eng.generate([[1, 2, 3], [4, 5]], 8)   # greedy, continuous batching -> [[8 ids], [8 ids]]
+    toks = eng.generate([1, 2, 3], 8)             # one prompt -> [8 ids]
     eng = fast.Engine(path, ranks=3)              # expert parallelism over 3 processes (docs/ep.md)
+    with fast.Engine(path) as eng: ...            # eng.close() at the end: executor and caches freed
 
 Every forward step is ONE call into C++ for the whole batch of rows (all sequences, all layers).
 Inputs are validated here before they reach C++ (which checks again and raises, never crashes).
@@ -25,91 +27,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from oracle import names as N
 from oracle.capture import Capture
 from oracle.checkpoint import Checkpoint, open_checkpoint
-from oracle.stages import ALL_STAGE_NAMES, stage_dtype
+from oracle.stages import ALL_STAGE_NAMES, HEAD
+
+from . import core as _C
+from .core import EngineInputError, parse_inject
 
 __all__ = ["Engine", "Cache", "EngineInputError", "parse_inject"]
 
-_HEAD_STAGES = ("head.mean", "final_norm", "logits")
+_HEAD_STAGES = tuple(name for name, _ in HEAD)  # the stages at layer L, computed with the logits
 
-
-
-def _check_switches(threads, dot, expf, parallel_work) -> None:
-    """The options both engines take (threads already resolved to an int)."""
-    if not _is_int(threads) or not 1 <= threads <= 1024:
-        raise EngineInputError(f"threads must be an int in [1, 1024] or None, got {threads!r}")
-    if dot not in ("canonical", "sequential"):
-        raise EngineInputError(f"dot must be 'canonical' or 'sequential', got {dot!r}")
-    if expf not in ("canonical", "native"):
-        raise EngineInputError(f"expf must be 'canonical' or 'native', got {expf!r}")
-    if parallel_work is not None and (not _is_int(parallel_work) or parallel_work < 0):
-        raise EngineInputError(f"parallel_work must be an int >= 0 or None, got {parallel_work!r}")
-
-
-def _context_limit(cfg, max_context) -> int:
-    """Positions a sequence may reach: max_context if given (checked), else the checkpoint's limit."""
-    limit = int(cfg.max_position_embeddings)
-    if max_context is not None:
-        if not _is_int(max_context) or not 1 <= max_context <= limit:
-            raise EngineInputError(f"max_context must be an int in [1, {limit}], got {max_context!r}")
-        limit = int(max_context)
-    return limit
-
-
-def _load_tensors(eng, core, owns=None) -> None:
-    """Every tensor of eng.checkpoint the model expects into an engine core (owns(entry) False: skip an
-    expert another rank holds), counted in eng.release and eng.loaded."""
-    cfg = eng.checkpoint.config
-    for entry in N.expected(cfg):
-        if owns is not None and not owns(entry):
-            continue  # another rank's routed expert: never read
-        role, layer, expert = entry.spec.role, entry.layer, entry.expert
-        raw = eng.checkpoint.raw(role, layer, expert)
-        data = np.ascontiguousarray(raw.data)
-        scale = None if raw.scale is None else np.ascontiguousarray(raw.scale)
-        core.add_tensor(role, -1 if layer is None else layer, -1 if expert is None else expert,
-                        raw.release, data, scale, list(raw.shape))
-        eng.release[raw.release] = eng.release.get(raw.release, 0) + 1
-        eng.loaded["tensors"] += 1
-        if expert is not None:
-            eng.loaded["experts"].add(int(expert))
-
-def _build_core(eng, ep, new_core, kw: dict):
-    """The engine's executor: new_core() given eng.checkpoint's tensors (under expert parallelism only
-    this rank's share, after its partition) and finalized; with ep, made on every rank through
-    ep.build (kw: the engine's options, which driver mode's workers are started with)."""
-    def make_local():
-        c = new_core()
-        if ep is not None:
-            c.set_expert_partition(ep.rank, ep.ranks, ep.bounds)
-        _load_tensors(eng, c, None if ep is None else ep.owns)
-        c.finalize()
-        return c
-
-    if ep is None:
-        return make_local()
-    kw = dict(kw, ranks=ep.ranks, expert_ranges=ep.ranges, memory_limit=ep.memory_limit, verify_ranks=ep.verify)
-    return ep.build(make_local, eng.checkpoint.path, kw)
-
-
-class EngineInputError(ValueError):
-    """Input the engine cannot take: bad token ids, shapes, dtypes, context overflow, bad options."""
-
-
-def _core():
-    try:
-        from . import _core as core
-    except ImportError as e:  # pragma: no cover - build problem
-        raise ImportError("fast._core is not built: run `pip install -e .` (or `pip install .`) first") from e
-    if not hasattr(core, "_Engine"):
-        raise ImportError("fast._core was built without the CPU engine (register_engine missing)")
-    return core
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+# the names this module had before fast/core.py held them (tests and tools import some)
+_is_int = _C.is_int
+_core = _C.core_module
+_engine_config = _C.engine_config
 
 
 class Cache:
@@ -119,6 +51,7 @@ class Cache:
         self._engine = engine
         self._id = sid
         self._finalizer = weakref.finalize(self, engine._core.free_sequence, sid)
+        engine._caches.add(self)  # (Engine.close frees every live cache before its executor)
 
     @property
     def length(self) -> int:
@@ -138,118 +71,26 @@ class Cache:
         self._finalizer()
 
     def __repr__(self) -> str:
+        if not self._finalizer.alive:
+            return f"fast.Cache(id={self._id}, closed)"
         return f"fast.Cache(id={self._id}, length={self.length})"
 
 
-def parse_inject(spec, config) -> tuple | None:
-    """An injection spec -> (layer, pos, stage_index, element, ulps), validated.
-
-    Accepts None, a tuple/list (layer, pos, stage, element, ulps), a dict with those keys, or the CLI
-    string "layer,pos,stage,element,ulps" (e.g. "15,45,mla.scores,3,1").
-    """
-    if spec is None:
-        return None
-    if isinstance(spec, str):
-        parts = [p.strip() for p in spec.split(",")]
-        if len(parts) != 5:
-            raise EngineInputError(f"inject: expected 'layer,pos,stage,element,ulps', got {spec!r}")
-        try:
-            spec = (int(parts[0]), int(parts[1]), parts[2], int(parts[3]), int(parts[4]))
-        except ValueError:
-            raise EngineInputError(f"inject: layer, pos, element and ulps must be integers, got {spec!r}") from None
-    elif isinstance(spec, dict):
-        try:
-            spec = tuple(spec[k] for k in ("layer", "pos", "stage", "element", "ulps"))
-        except KeyError as e:
-            raise EngineInputError(f"inject: missing key {e}") from None
-    if not isinstance(spec, (tuple, list)) or len(spec) != 5:
-        raise EngineInputError(f"inject: expected (layer, pos, stage, element, ulps), got {spec!r}")
-    layer, pos, stage, element, ulps = spec
-    for name, v in (("layer", layer), ("pos", pos), ("element", element), ("ulps", ulps)):
-        if not _is_int(v):
-            raise EngineInputError(f"inject: {name} must be an int, got {v!r}")
-    if not isinstance(stage, str) or stage not in ALL_STAGE_NAMES:
-        raise EngineInputError(f"inject: unknown stage {stage!r}; known: {', '.join(ALL_STAGE_NAMES)}")
-    L = config.num_hidden_layers
-    if not 0 <= layer <= L:
-        raise EngineInputError(f"inject: layer {layer} out of range [0, {L}]")
-    valid = _stages_of_layer(config, layer)
-    if stage not in valid:
-        raise EngineInputError(f"inject: stage {stage!r} does not exist at layer {layer}")
-    dtype = stage_dtype(stage)
-    if pos < 0:
-        raise EngineInputError(f"inject: pos must be >= 0, got {pos}")
-    size = _stage_size(config, stage)
-    if element < 0 or (size is not None and element >= size):
-        raise EngineInputError(f"inject: element {element} out of range for {stage} (size {size})")
-    bits = {"bf16": 16, "f32": 32, "f64": 64, "i32": 32}[dtype]
-    if ulps == 0 or abs(int(ulps)) >= (1 << (bits - 1)):
-        raise EngineInputError(f"inject: ulps must be nonzero and fit the {bits}-bit pattern, got {ulps}")
-    return int(layer), int(pos), stage, int(element), int(ulps)
-
-
-def _stages_of_layer(config, layer: int) -> set[str]:
-    from oracle.stages import HEAD, layer_stages
-    L = config.num_hidden_layers
-    if layer == L:
-        return {s for s, _ in HEAD}
-    out = {s for s, _ in layer_stages(config.is_kda(layer), config.is_moe(layer), config.has_indexer(layer))}
-    if layer == 0:
-        out.add("embed")
-    return out
-
-
-def _stage_size(c, stage: str) -> int | None:
-    """Elements in one row of a fixed-size stage (None: depends on the position)."""
-    D, hc = c.hidden_size, c.hc_mult
-    P, H, d = c.linear_num_heads * c.linear_head_dim, c.linear_num_heads, c.linear_head_dim
-    nh, r = c.num_attention_heads, c.kv_lora_rank
-    sizes = {
-        "embed": D, "attn_norm": D, "ffn_norm": D, "head.mean": D, "final_norm": D, "logits": c.vocab_size,
-        "kda.q_proj": P, "kda.k_proj": P, "kda.v_proj": P, "kda.q": P, "kda.k": P, "kda.v": P, "kda.g": P,
-        "kda.beta": H, "kda.state": H * d * d, "kda.o": P, "kda.gate": P, "kda.o_norm": P, "kda.out": D,
-        "mla.q_lat": c.q_lora_rank, "mla.q": nh * c.qk_nope_head_dim, "mla.c": r, "mla.q_abs": nh * r,
-        "indexer.q": c.index_n_heads * c.index_head_dim, "indexer.k": c.index_head_dim,
-        "indexer.gate": c.index_head_dim, "indexer.weights": c.index_n_heads,
-        "mla.o_lat": nh * r, "mla.o": nh * c.v_head_dim, "mla.out": D,
-        "mlp.gate": c.intermediate_size, "mlp.up": c.intermediate_size, "mlp.out": D,
-        "moe.logits": c.n_routed_experts, "moe.weights": c.num_experts_per_tok,
-        "moe.experts": c.num_experts_per_tok * D, "moe.routed": D, "moe.shared": D, "moe.out": D,
-    }
-    for site in ("attn_hc", "ffn_hc"):
-        sizes.update({f"{site}.pre": hc, f"{site}.post": hc, f"{site}.comb": hc * hc,
-                      f"{site}.collapsed": D, f"{site}.streams": hc * D})
-    return sizes.get(stage)
-
-
-def _engine_config(cfg, max_context: int) -> dict:
-    L = cfg.num_hidden_layers
-    d = {k: getattr(cfg, k) for k in (
-        "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
-        "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group", "norm_topk_prob",
-        "routed_scaling_factor", "swiglu_limit", "rms_norm_eps", "num_attention_heads", "q_lora_rank",
-        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk", "index_head_dim",
-        "index_n_heads", "index_kpool", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
-        "linear_lower_bound", "hc_mult", "hc_eps", "hc_sinkhorn_iters", "tie_word_embeddings")}
-    for k in ("routed_scaling_factor", "swiglu_limit", "rms_norm_eps", "linear_lower_bound", "hc_eps"):
-        d[k] = float(d[k])
-    d["max_context"] = int(max_context)
-    d["is_kda"] = [1 if cfg.is_kda(l) else 0 for l in range(L)]
-    d["is_moe"] = [1 if cfg.is_moe(l) else 0 for l in range(L)]
-    d["has_indexer"] = [1 if cfg.has_indexer(l) else 0 for l in range(L)]
-    return d
-
-
 class Engine:
-    """The exact CPU engine over one checkpoint (weights stay in their release format, memory-mapped)."""
+    """The exact CPU engine over one checkpoint (weights stay in their release format, memory-mapped).
+
+    `Engine(path, device="cuda")` is the CUDA engine (fast.cuda.CudaEngine, the same API), found through
+    fast.core.DEVICES. `close()` (or leaving a `with fast.Engine(...) as eng:` block) frees the executor
+    and every cache; the engine refuses any later call.
+    """
 
     ep = None  # expert parallelism (fast.distributed.EPSetup) when ranks / expert_ranges / memory_limit are given
+    device = "cpu"
+    _executor = None  # the C++ executor (self._core); None once closed
 
     def __new__(cls, path=None, device: str = "cpu", *args, **kwargs):
-        """`Engine(path, device="cuda")` builds the CUDA engine (fast.cuda.CudaEngine, the same API)."""
-        if cls is Engine and device in ("cuda", "cuda:0"):
-            from .cuda import CudaEngine
-            return object.__new__(CudaEngine)
+        if cls is Engine and device != "cpu" and device in _C.DEVICES:
+            return object.__new__(_C.engine_class(device))
         return object.__new__(cls)
 
     def __init__(self, path, device: str = "cpu", threads: int | None = None, *, dot: str = "canonical",
@@ -260,43 +101,105 @@ class Engine:
             raise EngineInputError(f"device {device!r}: this engine runs on 'cpu' (the CUDA engine is fast._cuda)")
         # expert parallelism (fast/distributed.py, docs/ep.md): ranks / expert_ranges / memory_limit, or
         # started by fast.launch. ep is None for the plain single-process engine.
-        ep = None
-        if (ranks is not None or expert_ranges is not None or memory_limit is not None or _ep_member is not None
-                or os.environ.get("GLM_EP") == "1"):
-            from .distributed import EPSetup
-            ep = EPSetup.resolve(ranks, expert_ranges, memory_limit, verify_ranks, _ep_member)
-        self.ep = ep
+        ep = self._expert_parallelism(ranks, expert_ranges, memory_limit, verify_ranks, _ep_member)
         if threads is None:
             threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             if ep is not None:
                 threads = ep.default_threads()  # the cores shared by the ranks of this host
-        _check_switches(threads, dot, expf, parallel_work)
-        core = _core()
+        _C.check_switches(threads, dot, expf, parallel_work)
+        core = _C.core_module()
+        self._open(core, path, ep, max_context, {"dot": dot, "expf": expf, "threads": int(threads)}, int(threads), {})
+        cfg, limit = self.config, self.max_context
+
+        # parallel_work: jobs below this many multiply-adds run on one thread (None: the engine's default,
+        # about 1M; 0 splits every job over the threads, which the tests use on tiny models)
+        executor = _C.build_core(
+            self, ep, lambda: core._Engine(_C.engine_config(cfg, limit), int(threads), dot, expf,
+                                           -1 if parallel_work is None else int(parallel_work)),
+            {"threads": int(threads), "dot": dot, "expf": expf, "max_context": limit, "parallel_work": parallel_work})
+        self._attach(executor, inject)
+
+    # ---------------------------------------------------------------- construction (shared by the engines)
+    def _expert_parallelism(self, ranks, expert_ranges, memory_limit, verify_ranks, member):
+        ep = None
+        if (ranks is not None or expert_ranges is not None or memory_limit is not None or member is not None
+                or os.environ.get("GLM_EP") == "1"):
+            from .distributed import EPSetup
+            ep = EPSetup.resolve(ranks, expert_ranges, memory_limit, verify_ranks, member)
+        self.ep = ep
+        return ep
+
+    def _open(self, module, path, ep, max_context, options: dict, plan_threads: int, plan_kw: dict) -> None:
+        """The engine module's stage table (checked against the oracle's), the checkpoint, its config,
+        the context limit and the options; with expert parallelism the plan (printed; refused before
+        anything is allocated)."""
+        self._stage_index = _C.check_stage_table(module)
+        self._stage_names = list(self._stage_index)
+        self._n_stages = len(self._stage_names)
+        self._caches = weakref.WeakSet()
         # with expert parallelism the checkpoint is opened without the up-front scan of every value:
         # a rank reads (and checks) only the tensors it loads, never another rank's experts
         self.checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path, verify=ep is None)
-        self.config = cfg = self.checkpoint.config
-        self.max_context = limit = _context_limit(cfg, max_context)
-        self.options = {"dot": dot, "expf": expf, "threads": int(threads)}
+        self.config = self.checkpoint.config
+        self.max_context = limit = _C.context_limit(self.config, max_context)
+        self.options = options
         if ep is not None:
-            ep.plan(self.checkpoint, limit, int(threads))  # prints the plan; refuses before allocating
+            ep.plan(self.checkpoint, limit, plan_threads, **plan_kw)
             self.options["ranks"] = ep.ranks
         self.release = {}
         self.loaded = {"tensors": 0, "experts": set()}  # what this process read from the checkpoint
 
-        # parallel_work: jobs below this many multiply-adds run on one thread (None: the engine's default,
-        # about 1M; 0 splits every job over the threads, which the tests use on tiny models)
-        self._core = _build_core(
-            self, ep, lambda: core._Engine(_engine_config(cfg, limit), int(threads), dot, expf,
-                                           -1 if parallel_work is None else int(parallel_work)),
-            {"threads": int(threads), "dot": dot, "expf": expf, "max_context": limit, "parallel_work": parallel_work})
-        self._stage_index = {name: i for i, (name, _) in enumerate(core.ENGINE_STAGES)}
-        missing = set(ALL_STAGE_NAMES) - set(self._stage_index)
-        if missing:  # pragma: no cover - the two stage tables must agree
-            raise RuntimeError(f"engine and oracle stage tables differ: {sorted(missing)}")
-        self._n_stages = len(core.ENGINE_STAGES)
+    def _attach(self, executor, inject) -> None:
+        """The built executor and the injection."""
+        self._core = executor
         self.inject = inject
         self.injected = 0  # elements perturbed so far (fault injection)
+
+    # ---------------------------------------------------------------- lifetime
+    @property
+    def _core(self):
+        if self._executor is None:
+            raise EngineInputError(f"{self._name()} was closed (Engine.close()); make a new engine")
+        return self._executor
+
+    @_core.setter
+    def _core(self, executor) -> None:
+        self._executor = executor
+
+    @property
+    def closed(self) -> bool:
+        return self._executor is None
+
+    def close(self) -> None:
+        """Frees every cache of this engine and the executor (its weights and state); idempotent. Any
+        later call on the engine or its caches raises EngineInputError."""
+        if self._executor is None:
+            return
+        for cache in list(getattr(self, "_caches", ())):
+            cache.close()
+        self._executor = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _name(self) -> str:
+        return f"fast.{type(self).__name__}"
+
+    def __repr__(self) -> str:
+        ck = getattr(self, "checkpoint", None)
+        if ck is None:
+            return f"{self._name()}(<not built>)"
+        parts = [f"{ck.path!r}", f"device={self.device!r}", f"release={ck.release_summary()['release']!r}"]
+        parts += [f"{k}={v!r}" for k, v in self.options.items() if k != "device"]
+        parts.append(f"max_context={self.max_context}")
+        if self.inject is not None:
+            parts.append(f"inject={self.inject!r}")
+        if self.closed:
+            parts.append("closed")
+        return f"{self._name()}({', '.join(parts)})"
 
     # ---------------------------------------------------------------- options
     @property
@@ -308,10 +211,7 @@ class Engine:
         parsed = parse_inject(spec, self.config)
         self._inject = parsed
         self._inject_core = None if parsed is None else (
-            parsed[0], parsed[1], self._stage_index_of(parsed[2]), parsed[3], parsed[4])
-
-    def _stage_index_of(self, name: str) -> int:
-        return _core().ENGINE_STAGES.index((name, stage_dtype(name)))
+            parsed[0], parsed[1], self._stage_index[parsed[2]], parsed[3], parsed[4])
 
     @property
     def threads(self) -> int:
@@ -453,7 +353,7 @@ class Engine:
         cap_rows = np.zeros(T, np.bool_)
         L = self.config.num_hidden_layers
         mask = np.zeros((L + 1, self._n_stages), np.bool_)
-        names = [n for n, _ in _core().ENGINE_STAGES]
+        names = self._stage_names
         t = 0
         spans = []
         for cache, ids, capture, want, start in rows:
@@ -559,15 +459,21 @@ class Engine:
     def generate(self, prompts, max_new_tokens: int, capture=None, *, chunk: int | None = None,
                  max_batch: int | None = None, arrivals: Sequence[int] | None = None,
                  return_logits: bool = False):
-        """Greedy decoding of several prompts with continuous batching -> list of new-token lists.
+        """Greedy decoding with continuous batching.
+
+        prompts: one prompt (a flat sequence of token ids, or a 1-D integer array) -> one list of new
+        token ids; a list of prompts (each a sequence of ids; a list holding one prompt included) -> a
+        list with one such list per prompt, in the prompts' order. With return_logits, (tokens, logits)
+        in the same shape: one prompt -> (list, f32 array [rows, V]); several -> (list of lists, list of
+        arrays), where each request's rows are every position it ran (prompt and generated).
 
         Every step is one C++ call over the rows of all active requests: prompt chunks of at most
         `chunk` tokens (None: the whole rest) for requests still in prefill, one token for the others.
         Requests join when their arrival step comes (`arrivals`, default all 0) and a slot is free
         (`max_batch` active requests, default unlimited), and leave when they have max_new_tokens.
-        A single prompt (list of ints) is accepted too and returns a single list. Once one request is
-        left with its prompt fed (and no capture or logits asked), an engine with a device-resident
-        greedy loop (CUDA) produces its remaining tokens without a host round trip per token.
+        Once one request is left with its prompt fed (and no capture or logits asked), an engine with
+        a device-resident greedy loop (CUDA) produces its remaining tokens without a host round trip
+        per token.
         """
         single = len(prompts) > 0 and all(_is_int(v) for v in prompts) if isinstance(prompts, (list, tuple)) else False
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:

@@ -78,56 +78,63 @@ def _default_indexer_types(n: int, freq: int = 1, offset: int = 2) -> tuple[str,
     return tuple(FULL if (max(i - offset + 1, 0) % freq) == 0 else SHARED for i in range(n))
 
 
+def _engine(default, needed_by: str = "any"):
+    """A field the C++ engines take too (oracle/schema.py's ENGINE_CONFIG; the C++ struct and its reader
+    are generated from it). needed_by: the layer kind (any, kda, mla, dense, moe) whose presence makes
+    the engines check it (a field in _POS_INT_FIELDS must then be >= 1)."""
+    return field(default=default, metadata={"engine": needed_by})
+
+
 @dataclass(frozen=True)
 class Config:
     # sizes
-    vocab_size: int = 154880
-    hidden_size: int = 4096
-    intermediate_size: int = 12288
-    moe_intermediate_size: int = 2048
-    num_hidden_layers: int = 45
+    vocab_size: int = _engine(154880)
+    hidden_size: int = _engine(4096)
+    intermediate_size: int = _engine(12288, "dense")
+    moe_intermediate_size: int = _engine(2048, "moe")
+    num_hidden_layers: int = _engine(45)
     # MLA
-    num_attention_heads: int = 64
+    num_attention_heads: int = _engine(64, "mla")
     num_key_value_heads: int = 64
-    q_lora_rank: int = 1536
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 256
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 256
+    q_lora_rank: int = _engine(1536, "mla")
+    kv_lora_rank: int = _engine(512, "mla")
+    qk_nope_head_dim: int = _engine(256, "mla")
+    qk_rope_head_dim: int = _engine(0, "mla")
+    v_head_dim: int = _engine(256, "mla")
     attention_bias: bool = False
     # MoE
-    n_routed_experts: int = 288
-    num_experts_per_tok: int = 8
-    n_shared_experts: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 2.5
-    swiglu_limit: float = 10.0
+    n_routed_experts: int = _engine(288, "moe")
+    num_experts_per_tok: int = _engine(8, "moe")
+    n_shared_experts: int = _engine(1, "moe")
+    n_group: int = _engine(1, "moe")
+    topk_group: int = _engine(1, "moe")
+    norm_topk_prob: bool = _engine(True, "moe")
+    routed_scaling_factor: float = _engine(2.5, "moe")
+    swiglu_limit: float = _engine(10.0)
     hidden_act: str = "silu"
     # norms
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = _engine(1e-5)
     # DSA indexer
-    index_topk: int = 2048
-    index_head_dim: int = 128
-    index_n_heads: int = 32
-    index_kpool: int = 16
+    index_topk: int = _engine(2048, "mla")
+    index_head_dim: int = _engine(128, "mla")
+    index_n_heads: int = _engine(32, "mla")
+    index_kpool: int = _engine(16, "mla")
     index_kpool_always_select_tail: bool = True
     # KDA
-    linear_num_heads: int = 64
-    linear_head_dim: int = 128
-    linear_conv_kernel_dim: int = 4
-    linear_lower_bound: float | None = -5.0
+    linear_num_heads: int = _engine(64, "kda")
+    linear_head_dim: int = _engine(128, "kda")
+    linear_conv_kernel_dim: int = _engine(4, "kda")
+    linear_lower_bound: float | None = _engine(-5.0, "kda")
     # mHC
-    hc_mult: int = 4
-    hc_eps: float = 1e-6
-    hc_sinkhorn_iters: int = 20
+    hc_mult: int = _engine(4)
+    hc_eps: float = _engine(1e-6)
+    hc_sinkhorn_iters: int = _engine(20)
     # schedules (None in the constructor means: the peer's default rule)
     layer_types: tuple[str, ...] | None = None
     mlp_layer_types: tuple[str, ...] | None = None
     indexer_types: tuple[str, ...] | None = None
     # tokens / head
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = _engine(False)
     pad_token_id: int | None = 154820
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None

@@ -7,48 +7,37 @@ from __future__ import annotations
 
 import numpy as np
 
-F32, F64, BF16, I32 = "f32", "f64", "bf16", "i32"
+from . import schema as _S
+from .schema import BF16, F32, F64, I32  # noqa: F401 (the dtype names, re-exported)
 
-HC_SITE = [("pre", F64), ("post", F64), ("comb", F64), ("collapsed", BF16)]
 
-KDA = [
-    ("kda.q_proj", BF16), ("kda.k_proj", BF16), ("kda.v_proj", BF16),
-    ("kda.q", BF16), ("kda.k", BF16), ("kda.v", BF16),
-    ("kda.g", F32), ("kda.beta", F32), ("kda.state", F32), ("kda.o", F32),
-    ("kda.gate", BF16), ("kda.o_norm", BF16), ("kda.out", BF16),
-]
+def _pairs(stages) -> list[tuple[str, str]]:
+    return [(s.name, s.dtype) for s in stages]
 
-MLA = [
-    ("mla.q_lat", BF16), ("mla.q", BF16), ("mla.c", BF16), ("mla.q_abs", BF16),
-    ("indexer.q", BF16), ("indexer.k", BF16), ("indexer.gate", BF16), ("indexer.weights", F32),
-    ("indexer.scores", F32), ("mla.selected", I32),
-    ("mla.scores", F32), ("mla.probs", BF16), ("mla.o_lat", BF16), ("mla.o", BF16), ("mla.out", BF16),
-]
 
-DENSE = [("mlp.gate", BF16), ("mlp.up", BF16), ("mlp.out", BF16)]
-
-MOE = [
-    ("moe.logits", F32), ("moe.selected", I32), ("moe.weights", F32), ("moe.experts", BF16),
-    ("moe.routed", BF16), ("moe.shared", BF16), ("moe.out", BF16),
-]
-
-HEAD = [("head.mean", BF16), ("final_norm", BF16), ("logits", F32)]
+# (name, dtype) groups in execution order; oracle/schema.py defines them (with their sizes) for the
+# oracle and both engines.
+HC_SITE = [(s.name.split(".", 1)[1], s.dtype) for s in _S.ATTN_HC]
+KDA = _pairs(_S.KDA)
+MLA = _pairs(_S.MLA)
+DENSE = _pairs(_S.DENSE)
+MOE = _pairs(_S.MOE)
+HEAD = _pairs(_S.HEAD)
 
 
 def layer_stages(is_kda: bool, is_moe: bool, has_indexer: bool = True) -> list[tuple[str, str]]:
     """(stage, dtype) of one decoder layer in execution order."""
     attn = KDA if is_kda else [s for s in MLA if has_indexer or not s[0].startswith("indexer.")]
-    out = [(f"attn_hc.{n}", d) for n, d in HC_SITE] + [("attn_norm", BF16)] + attn
-    out += [("attn_hc.streams", BF16)]
-    out += [(f"ffn_hc.{n}", d) for n, d in HC_SITE] + [("ffn_norm", BF16)]
+    out = _pairs(_S.ATTN_HC) + _pairs([_S.ATTN_NORM]) + attn + _pairs([_S.ATTN_STREAMS])
+    out += _pairs(_S.FFN_HC) + _pairs([_S.FFN_NORM])
     out += MOE if is_moe else DENSE
-    out += [("ffn_hc.streams", BF16)]
+    out += _pairs([_S.FFN_STREAMS])
     return out
 
 
 def model_stages(config) -> list[tuple[int, str, str]]:
     """(layer, stage, dtype) of the whole model in execution order (per position)."""
-    out = [(0, "embed", BF16)]
+    out = [(0, _S.EMBED.name, _S.EMBED.dtype)]
     for layer in range(config.num_hidden_layers):
         kda = config.layer_types[layer] == "linear_attention"
         moe = config.mlp_layer_types[layer] == "sparse"
@@ -58,7 +47,7 @@ def model_stages(config) -> list[tuple[int, str, str]]:
     return out
 
 
-_DTYPES = dict([("embed", BF16)] + layer_stages(True, True) + layer_stages(False, False) + HEAD)
+_DTYPES = dict(_pairs(_S.STAGES))
 ALL_STAGE_NAMES = sorted(_DTYPES)
 
 

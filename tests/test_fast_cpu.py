@@ -330,3 +330,60 @@ def test_config_variants(tmp_path, name, release, overrides):
     assert got_toks == toks
     assert np.array_equal(bits(got_logits), bits(logits))
     assert got.hashes == want.hashes
+
+
+# ---------------------------------------------------------------------------------------------
+# the API's shape: what generate returns, close() and the context manager, the repr
+
+
+def test_generate_return_shapes(engines):
+    """One prompt (flat ids) -> one list of ids; a list of prompts (one included) -> a list of lists;
+    return_logits keeps the same shape, one array of every position's logits per request."""
+    eng = engines("tiny-fp8")
+    V = eng.config.vocab_size
+    one = eng.generate([1, 2, 3], 3)
+    assert isinstance(one, list) and len(one) == 3 and all(type(t) is int for t in one)
+    assert eng.generate(np.array([1, 2, 3]), 3) == one
+    assert eng.generate([[1, 2, 3]], 3) == [one]
+    many = eng.generate([[1, 2, 3], [4, 5]], 3)
+    assert len(many) == 2 and many[0] == one and all(isinstance(m, list) and len(m) == 3 for m in many)
+    toks, lg = eng.generate([1, 2, 3], 3, return_logits=True)
+    assert toks == one and lg.shape == (3 + 3 - 1, V)
+    assert one == [int(np.argmax(lg[i])) for i in (2, 3, 4)]  # each token is its position's greedy pick
+    toks2, lgs = eng.generate([[1, 2, 3], [4, 5]], 3, return_logits=True)
+    assert toks2 == many and [x.shape for x in lgs] == [(5, V), (4, V)]
+    assert np.array_equal(bits(lgs[0]), bits(lg))  # batched with another request: the same bits
+
+
+def test_close_and_context_manager(ckpt_path):
+    import gc
+    import weakref
+
+    with fast.Engine(ckpt_path("tiny-bf16"), threads=1) as eng:
+        cache = eng.new_cache()
+        eng.forward([1, 2], cache)
+        idle = eng.new_cache()
+        executor = weakref.ref(eng._core)
+        assert not eng.closed and cache.length == 2
+    assert eng.closed
+    gc.collect()
+    assert executor() is None  # the C++ executor is gone: no cache kept it alive
+    assert not cache._finalizer.alive and not idle._finalizer.alive
+    eng.close()  # idempotent
+    for call in (eng.new_cache, lambda: eng.forward([1]), lambda: eng.generate([1], 1), lambda: cache.length,
+                 lambda: eng.decode([cache], [1]), lambda: eng.threads):
+        with pytest.raises(fast.EngineInputError, match="closed"):
+            call()
+    assert repr(eng).endswith(", closed)") and repr(cache) == f"fast.Cache(id={cache._id}, closed)"
+
+
+def test_repr_names_the_engine(ckpt_path):
+    path = ckpt_path("tiny-fp8")
+    eng = fast.Engine(path, threads=2, dot="sequential", max_context=64)
+    r = repr(eng)
+    release = eng.checkpoint.release_summary()["release"]
+    assert r.startswith(f"fast.Engine({eng.checkpoint.path!r}, device='cpu', release={release!r}, ")
+    for part in ("threads=2", "dot='sequential'", "expf='canonical'", "max_context=64"):
+        assert part in r, (part, r)
+    cache = eng.new_cache()
+    assert repr(cache) == f"fast.Cache(id={cache._id}, length=0)"

@@ -217,15 +217,9 @@ def bench_peer(layers: int, experts: int, steps: int, prefill_len: int, batches,
     from transformers import Glm5NextTextConfig, Glm5NextTextModel
     from tools.zoo import zoo_config
     ocfg = zoo_config("slice", **slice_overrides(layers, experts))
-    kw = {k: getattr(ocfg, k) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-        "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group",
-        "topk_group", "norm_topk_prob", "routed_scaling_factor", "swiglu_limit", "rms_norm_eps", "index_topk",
-        "index_head_dim", "index_n_heads", "index_kpool", "linear_num_heads", "linear_head_dim",
-        "linear_conv_kernel_dim", "hc_mult", "hc_eps", "hc_sinkhorn_iters")}
-    cfg = Glm5NextTextConfig(**kw, layer_types=list(ocfg.layer_types), mlp_layer_types=list(ocfg.mlp_layer_types),
-                             indexer_types=list(ocfg.indexer_types), pad_token_id=None, tie_word_embeddings=False)
+    # the config.json our Config writes for transformers (Config.to_dict), every field as it has it
+    kw = {k: v for k, v in ocfg.to_dict().items() if k not in ("architectures", "model_type")}
+    cfg = Glm5NextTextConfig(**dict(kw, pad_token_id=None, tie_word_embeddings=False))
     res = {"transformers": transformers.__version__, "torch": torch.__version__,
            "attn_implementation": getattr(cfg, "_attn_implementation", None),
            "experts_implementation": getattr(cfg, "_experts_implementation", None)}

@@ -279,6 +279,8 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
             "One forward step for a batch of rows -> (head_rows i64[n], logits f32[n, V], captures, injected).");
 
     m.attr("ENGINE_STAGES") = glm::pyglue::stage_list();
+    m.def("stage_table", &glm::pyglue::stage_table<Config>, py::arg("config"),
+          "[(stage, dtype, elements per position or None)] under an engine config dict");
     m.def(
         "set_device", [](int i) { translate([&] { set_device(i); return 0; }); }, py::arg("index"),
         "The device this process's engines use (expert parallelism: one per rank); before making an engine.");
