@@ -20,7 +20,7 @@ import numpy as np
 
 from oracle import names as N
 from oracle import schema as S
-from oracle.stages import ALL_STAGE_NAMES, HEAD, layer_stages, stage_dtype
+from oracle.stages import ALL_STAGE_NAMES, HEAD, layer_stages
 
 __all__ = ["EngineInputError", "DEVICES", "engine_class", "parse_inject", "engine_config", "is_int"]
 
@@ -149,15 +149,15 @@ def parse_inject(spec, config) -> tuple | None:
         raise EngineInputError(f"inject: layer {layer} out of range [0, {L}]")
     if stage not in stages_of_layer(config, layer):
         raise EngineInputError(f"inject: stage {stage!r} does not exist at layer {layer}")
-    dtype = stage_dtype(stage)
     if pos < 0:
         raise EngineInputError(f"inject: pos must be >= 0, got {pos}")
     size = S.stage_size(stage, config)
     if element < 0 or (size is not None and element >= size):
         raise EngineInputError(f"inject: element {element} out of range for {stage} (size {size})")
-    bits = {"bf16": 16, "f32": 32, "f64": 64, "i32": 32}[dtype]
-    if ulps == 0 or abs(int(ulps)) >= (1 << (bits - 1)):
-        raise EngineInputError(f"inject: ulps must be nonzero and fit the {bits}-bit pattern, got {ulps}")
+    # any dtype takes any int64 ulps: the step moves in value order and stops at the largest finite value
+    if ulps == 0 or not -(1 << 63) <= int(ulps) < (1 << 63):
+        raise EngineInputError(f"inject: ulps must be nonzero and fit int64 (docs/numerics.md, fault injection), "
+                               f"got {ulps}")
     return int(layer), int(pos), stage, int(element), int(ulps)
 
 
