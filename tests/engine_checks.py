@@ -110,22 +110,24 @@ def side_skip(side: str, checkpoint: str = "", ranks: int = 1, slow_in_emulation
     return None
 
 
-def side_param(side: str, *values, checkpoint: str = "", ranks: int = 1, slow_in_emulation: bool = False,
+def side_param(side: str, *values, checkpoint: str = "", ranks: int | None = None, slow_in_emulation: bool = False,
                id: str | None = None, skip: str | None = None):
     """pytest.param(side, *values) marked gpu on the CUDA sides, skipped with the reason where the side
     cannot run here or where the case table says it does not apply (`skip`); its id: the side (with the
-    rank count on the rank sides, e.g. cuda-ranks-r2), then `id`."""
+    rank count on the rank sides, e.g. cuda-ranks-r2; `ranks` means nothing to the others), then `id`."""
     import pytest
     marks = [pytest.mark.gpu] if side.startswith("cuda") else []
-    why = skip or side_skip(side, checkpoint, ranks, slow_in_emulation)
+    ranks = ranks if side.endswith("-ranks") else None
+    why = skip or side_skip(side, checkpoint, ranks or 1, slow_in_emulation)
     if why:
         marks.append(pytest.mark.skip(reason=why))
-    name = f"{side}-r{ranks}" if side.endswith("-ranks") else side
+    name = side if ranks is None else f"{side}-r{ranks}"
     return pytest.param(side, *values, marks=marks, id=name if id is None else f"{name}-{id}")
 
 
 def make_engine(side: str, path, ranks: int | None = None, ranges=None, **kw):
-    """The engine of `side` over a checkpoint (path or opened Checkpoint)."""
+    """The engine of `side` over a checkpoint (path or opened Checkpoint); ranks and ranges (None: the
+    even split) are the rank sides' and mean nothing to the others."""
     import fast
     if side.endswith("-ranks"):
         kw = dict(ranks=ranks, expert_ranges=ranges, verify_ranks=True, **kw)

@@ -203,8 +203,7 @@ def test_chunked_prefill_and_decode(side, case, chunk, single_engines, reference
 
 
 @pytest.mark.parametrize("side,name,requests,max_batch", [
-    side_param(s, n, r, m, checkpoint=n, ranks=C.BATCH_RANKS if s in C.RANK_SIDES else 1, id=f"{n}-b{r}-max{m}",
-               skip=C.batch_skip(s, n))
+    side_param(s, n, r, m, checkpoint=n, ranks=C.BATCH_RANKS, id=f"{n}-b{r}-max{m}", skip=C.batch_skip(s, n))
     for s in C.SIDES for n in C.BATCH_CHECKPOINTS for r, m in C.BATCHES])
 def test_batched_generate(side, name, requests, max_batch, ckpt_path, single_engines, reference):
     cases = C.batch_cases(name, requests)
@@ -227,8 +226,8 @@ def test_batched_generate(side, name, requests, max_batch, ckpt_path, single_eng
 
 
 @pytest.mark.parametrize("side,spec", [
-    side_param(s, spec, checkpoint=C.INJECTION_CASE[0], ranks=C.INJECTION_RANKS if s in C.RANK_SIDES else 1,
-               id=spec, skip=C.injection_skip(spec, s))
+    side_param(s, spec, checkpoint=C.INJECTION_CASE[0], ranks=C.INJECTION_RANKS, id=spec,
+               skip=C.injection_skip(spec, s))
     for s in C.SIDES for spec in C.INJECTIONS])
 def test_injection_matches_reference(side, spec, ckpt_path, models, reference):
     name = C.INJECTION_CASE[0]
@@ -244,8 +243,7 @@ def test_injection_matches_reference(side, spec, ckpt_path, models, reference):
         ref = make_engine("cpu", path, inject=spec)
         ref.prefill(ids, ref.new_cache(), chunk=C.INJECTION_CHUNK, capture=want)
         injected = ref.injected
-    eng = make_engine(side, path, ranks=C.INJECTION_RANKS, inject=spec) if side in C.RANK_SIDES else \
-        make_engine(side, path, inject=spec)
+    eng = make_engine(side, path, ranks=C.INJECTION_RANKS, inject=spec)
     got = Capture(keep_values=False)
     eng.prefill(ids, eng.new_cache(), chunk=C.INJECTION_CHUNK, capture=got)
     assert eng.injected >= 1
@@ -283,7 +281,7 @@ def test_noncanonical_switches(side, ckpt_path, single_engines, reference, engin
 
 def _generate_matches(side, path, ids, new, generated_reference, chunk=None, ranks=None):
     toks, logits, want = generated_reference(side, path, ids, new)
-    eng = make_engine(side, path, ranks=ranks) if side in C.RANK_SIDES else make_engine(side, path)
+    eng = make_engine(side, path, ranks=ranks)
     got = Capture()
     got_toks, got_logits = eng.generate(list(ids), new, capture=got, chunk=chunk, return_logits=True)
     assert_same_capture(eng.config, want, got, range(len(ids) + new - 1))
@@ -293,8 +291,7 @@ def _generate_matches(side, path, ids, new, generated_reference, chunk=None, ran
 
 
 @pytest.mark.parametrize("side,variant", [
-    side_param(s, v, checkpoint="tiny-" + v.release, ranks=C.VARIANT_RANKS if s in C.RANK_SIDES else 1,
-               id=v.name, skip=v.skip.get(s))
+    side_param(s, v, checkpoint="tiny-" + v.release, ranks=C.VARIANT_RANKS, id=v.name, skip=v.skip.get(s))
     for s in C.SIDES for v in C.CONFIG_VARIANTS])
 def test_config_variants(side, variant, generated, generated_reference):
     path = generated(variant.name)
@@ -305,8 +302,7 @@ def test_config_variants(side, variant, generated, generated_reference):
                       ranks=C.VARIANT_RANKS)
 
 
-@pytest.mark.parametrize("side", [side_param(s, checkpoint=C.F32_SOURCE,
-                                             ranks=C.F32_RANKS if s in C.RANK_SIDES else 1) for s in C.SIDES])
+@pytest.mark.parametrize("side", [side_param(s, checkpoint=C.F32_SOURCE, ranks=C.F32_RANKS) for s in C.SIDES])
 def test_f32_stored_checkpoint(side, generated, generated_reference):
     """Weights stored as F32 (what transformers' save_pretrained writes) take the engine's F32 path."""
     path = generated("f32")
