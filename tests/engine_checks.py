@@ -1,6 +1,9 @@
-"""Helpers shared by the engine tests (CPU, CUDA, expert parallelism): prompts, bit views, and the
-first divergence between two captures in causal order (position, then the model's stage order)."""
+"""Helpers shared by the engine tests (CPU, CUDA, expert parallelism): prompts, bit views, the first
+divergence between two captures in causal order (position, then the model's stage order), and the sides
+of tests/cases.py (whether each can run here, and its engine)."""
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -61,3 +64,78 @@ def assert_same_capture(config, a: Capture, b: Capture, positions, names=("refer
     problem = first_divergence(config, a, b, positions, names)
     assert problem is None, problem
     assert a.hashes == b.hashes
+
+
+# ------------------------------------------------------------------------------------------------
+# the sides (tests/cases.py): which can run here, and their engines
+
+
+@functools.cache
+def cuda_state() -> tuple[bool, bool, int]:
+    """(available, emulated, devices): fast._cuda with a device, or fast._cuda_emu under GLM_CUDA_EMU=1."""
+    from fast.cuda import cuda_available, cuda_module
+    if not cuda_available():
+        return False, False, 0
+    cu = cuda_module()
+    return True, bool(getattr(cu, "EMULATED", False)), int(cu.device_count())
+
+
+@functools.cache
+def have_gloo() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a test dependency
+        return False
+    return dist.is_available() and dist.is_gloo_available()
+
+
+NO_CUDA = ("no CUDA device, or fast._cuda is not built (GLM_CUDA_EMU=1 runs the CPU emulation, "
+           "fast._cuda_emu, where bindings/cuda/emu is built)")
+NO_GLOO = "torch.distributed with gloo is not installed"
+EMU_SLOW = "too slow in the CPU emulation"
+
+
+def side_skip(side: str, checkpoint: str = "", ranks: int = 1, slow_in_emulation: bool = False) -> str | None:
+    """Why `side` cannot run a case here (None: it can). The emulation runs tiny checkpoints only."""
+    if side.startswith("cuda"):
+        ok, emu, devices = cuda_state()
+        if not ok:
+            return NO_CUDA
+        if emu and (slow_in_emulation or not checkpoint.startswith("tiny")):
+            return EMU_SLOW
+        if side == "cuda-ranks" and not emu and devices < ranks:
+            return f"needs {ranks} GPUs, this host has {devices}"
+    if ranks > 1 and not have_gloo():
+        return NO_GLOO
+    return None
+
+
+def side_param(side: str, *values, checkpoint: str = "", ranks: int | None = None, slow_in_emulation: bool = False,
+               id: str | None = None, skip: str | None = None):
+    """pytest.param(side, *values) marked gpu on the CUDA sides, skipped with the reason where the side
+    cannot run here or where the case table says it does not apply (`skip`); its id: the side (with the
+    rank count on the rank sides, e.g. cuda-ranks-r2; `ranks` means nothing to the others), then `id`."""
+    import pytest
+    marks = [pytest.mark.gpu] if side.startswith("cuda") else []
+    ranks = ranks if side.endswith("-ranks") else None
+    why = skip or side_skip(side, checkpoint, ranks or 1, slow_in_emulation)
+    if why:
+        marks.append(pytest.mark.skip(reason=why))
+    name = side if ranks is None else f"{side}-r{ranks}"
+    return pytest.param(side, *values, marks=marks, id=name if id is None else f"{name}-{id}")
+
+
+def make_engine(side: str, path, ranks: int | None = None, ranges=None, **kw):
+    """The engine of `side` over a checkpoint (path or opened Checkpoint); ranks and ranges (None: the
+    even split) are the rank sides' and mean nothing to the others."""
+    import fast
+    if side.endswith("-ranks"):
+        kw = dict(ranks=ranks, expert_ranges=ranges, verify_ranks=True, **kw)
+    if side.startswith("cuda"):
+        from fast.cuda import CudaEngine
+        return CudaEngine(path, **kw)
+    if side == "cpu":
+        kw = {"threads": 2, "parallel_work": 0, **kw}  # two threads splitting every job, even on tiny models
+    else:
+        kw = {"threads": 1, **kw}
+    return fast.Engine(path, device="cpu", **kw)

@@ -1,14 +1,15 @@
-"""Expert parallelism (fast/distributed.py, bindings/cpu/ep.*; docs/ep.md): 1, 2 and 3 CPU ranks give
-bit-identical stages and logits to the single-process engine, on tiny (golden) and small (generated
-here) in every release, with even and uneven expert ranges (one rank owning no expert, too), prefill
-in chunks and decode, batching, fault injection; each rank reads only its own experts; the memory
-plan refuses what does not fit before anything is allocated; the launcher runs the same command as
-N ranks.
+"""Expert parallelism on the CPU engine, its own parts (fast/distributed.py, bindings/cpu/ep.*;
+docs/ep.md): threads inside a rank; the memory plan accounts every byte and refuses what does not fit
+before anything is allocated; bad expert ranges and rank counts are refused; torch is needed only for
+ranks > 1; the launcher runs the same command as N ranks, every rank's capture equal to one process's.
 
-The reference is the single-process CPU engine (tests/test_fast_cpu.py holds it equal to the oracle).
+That 1, 2 and 3 CPU ranks are bit-identical to the single-process engine (tiny and small in every
+release, even and uneven expert ranges, one rank owning no expert, prefill in chunks and decode,
+batching, fault injection, config corners; each rank reading only its own experts) is
+tests/test_engines.py's cpu-ranks side, over the rank cases of tests/cases.py.
 Ranks > 1 run in driver mode (this process is rank 0, workers are spawned once per rank count and
-reused: the cases are ordered by rank count) with verify_ranks=True: after every step each rank's
-digest of its logits and captured rows is compared with rank 0's, so every rank's capture is checked.
+reused) with verify_ranks=True: after every step each rank's digest of its logits and captured rows is
+compared with rank 0's.
 """
 from __future__ import annotations
 
@@ -25,53 +26,12 @@ import fast
 from fast import distributed as D
 from fast.engine import EngineInputError
 from oracle.capture import Capture
-from tests.engine_checks import bits, prompt
+from tests.cases import RANK_CASES, TINY
+from tests.engine_checks import NO_GLOO, bits, have_gloo, prompt
 
-try:
-    import torch.distributed as _dist
-    HAVE_TORCH = _dist.is_available() and _dist.is_gloo_available()
-except ImportError:  # pragma: no cover - torch is a test dependency
-    HAVE_TORCH = False
-
-needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch.distributed with gloo is not installed")
+needs_torch = pytest.mark.skipif(not have_gloo(), reason=NO_GLOO)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ("tiny-bf16", "tiny-fp8", "tiny-mxfp4")
-SMALL = ("small-bf16", "small-fp8", "small-mxfp4")
-
-# (ranks, checkpoint, expert ranges or None for the even split). Ordered by rank count: the driver's
-# worker processes are started once per count.
-CASES = (
-    [(1, n, None) for n in TINY + SMALL]
-    + [(2, n, None) for n in ("tiny-bf16", "tiny-mxfp4", "small-bf16", "small-mxfp4")]
-    + [(2, "tiny-fp8", [(0, 3), (3, 8)]), (2, "small-fp8", [(0, 11), (11, 16)])]
-    + [(3, n, None) for n in ("tiny-fp8", "small-mxfp4", "small-fp8")]
-    + [(3, "tiny-bf16", [(0, 0), (0, 5), (5, 8)]),  # rank 0 owns no expert
-       (3, "tiny-mxfp4", [(0, 1), (1, 2), (2, 8)]), (3, "small-bf16", [(0, 2), (2, 3), (3, 16)])]
-)
-# (prompt length, new tokens, prefill chunk): tiny's 30 tokens make the indexer choose pools (index_topk 8)
-SHAPE = {"tiny": (30, 4, 7), "small": (20, 3, 6)}
-
-
-def case_id(c) -> str:
-    return f"r{c[0]}-{c[1]}" + ("" if c[2] is None else "-" + "_".join(f"{a}:{b}" for a, b in c[2]))
-
-
-@pytest.fixture(scope="session")
-def reference(ckpt_path):
-    """name -> (ids, tokens, logits, capture hashes) of the single-process engine's greedy generate."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            eng = fast.Engine(ckpt_path(name), threads=1)
-            n, new, _ = SHAPE[name.split("-")[0]]
-            ids = prompt(eng.config.vocab_size, n, 17)
-            cap = Capture(keep_values=False)
-            toks, logits = eng.generate(ids, new, capture=cap, return_logits=True)
-            cache[name] = (ids, toks, logits, dict(cap.hashes))
-        return cache[name]
-    return get
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -80,108 +40,16 @@ def _stop_workers():
     D.shutdown()
 
 
-def first_difference(want: dict, got: dict) -> str | None:
-    if set(want) != set(got):
-        return f"captured rows differ: only single {sorted(set(want) - set(got))[:3]}, " \
-               f"only EP {sorted(set(got) - set(want))[:3]}"
-    bad = sorted((k[2], k[0], k[1]) for k in want if want[k] != got[k])
-    return None if not bad else f"{len(bad)} rows differ, first (pos, layer, stage) {bad[0]}"
-
-
-# ------------------------------------------------------------------------------------------------
-# 1, 2, 3 ranks = one process, bit for bit
-
-
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_ep_bit_identical(case, ckpt_path, reference):
-    ranks, name, ranges = case
-    if ranks > 1 and not HAVE_TORCH:
-        pytest.skip("torch.distributed with gloo is not installed")
-    ids, toks, logits, hashes = reference(name)
-    _, new, chunk = SHAPE[name.split("-")[0]]
-    eng = fast.Engine(ckpt_path(name), ranks=ranks, expert_ranges=ranges, threads=1, verify_ranks=True)
-    assert eng.ranks == ranks
-    E = eng.config.n_routed_experts
-    want_ranges = ranges or D.even_ranges(E, ranks)
-    assert eng.expert_ranges == [tuple(r) for r in want_ranges]
-
-    # prefill in one chunk then decode (generate), every stage captured
-    cap = Capture(keep_values=False)
-    got_toks, got_logits = eng.generate(ids, new, capture=cap, return_logits=True)
-    assert got_toks == toks
-    assert np.array_equal(bits(got_logits), bits(logits))
-    assert first_difference(hashes, cap.hashes) is None, first_difference(hashes, cap.hashes)
-
-    # prefill in chunks, then decode token by token through the low-level API
-    cap2 = Capture(keep_values=False)
-    cache = eng.new_cache()
-    outs = [eng.prefill(ids, cache, chunk=chunk, capture=cap2)]
-    for t in toks[:-1]:
-        outs.append(eng.decode([cache], [t], capture=cap2))
-    assert np.array_equal(bits(np.concatenate(outs)), bits(logits))
-    assert first_difference(hashes, cap2.hashes) is None, first_difference(hashes, cap2.hashes)
-
-    # every rank read exactly its own routed experts (the engine's count and the loader's record)
-    info = eng.ep_info()
-    assert [i["rank"] for i in info] == list(range(ranks))
-    for i, (a, b) in zip(info, want_ranges):
-        assert tuple(i["experts"]) == (a, b)
-        assert i["experts_read"] == list(range(a, b)), i
-        assert i["experts_touched"] == list(range(a, b)), i
-        assert i["verify_at_open"] is False
-    stats = eng.ep_stats()
-    assert len(stats) == ranks
-    n_moe = sum(eng.config.is_moe(l) for l in range(eng.config.num_hidden_layers))
-    for s in stats:
-        assert s["exchanges"] == (0 if ranks == 1 else s["steps"] * n_moe)
-        assert s.get("desync", []) == []
-
-
-# ------------------------------------------------------------------------------------------------
-# continuous batching, threads inside a rank, fault injection
-
-
 @needs_torch
-def test_ep_batched_generate(ckpt_path):
-    name = "tiny-mxfp4"
-    single = fast.Engine(ckpt_path(name), threads=1)
-    eng = fast.Engine(ckpt_path(name), ranks=3, threads=1, verify_ranks=True)
-    prompts = [prompt(300, n, s) for n, s in ((9, 1), (17, 2), (4, 3), (12, 4))]
-    caps_a = [Capture(keep_values=False) for _ in prompts]
-    caps_b = [Capture(keep_values=False) for _ in prompts]
-    want = single.generate(prompts, 5, capture=caps_a, chunk=5, max_batch=3, arrivals=[0, 1, 1, 4])
-    got = eng.generate(prompts, 5, capture=caps_b, chunk=5, max_batch=3, arrivals=[0, 1, 1, 4])
-    assert got == want
-    for a, b in zip(caps_a, caps_b):
-        assert a.hashes == b.hashes
-
-
-@needs_torch
-@pytest.mark.parametrize("spec", ["2,7,moe.selected,1,-1", "1,6,moe.experts,100,1", "3,9,moe.weights,0,3"])
-def test_ep_injection_equals_single(spec, ckpt_path):
-    """A fault injected before, into or after the exchange propagates exactly as in one process."""
-    name = "tiny-fp8"
-    ids = prompt(300, 14, 5)
-    single = fast.Engine(ckpt_path(name), threads=1, inject=spec)
-    eng = fast.Engine(ckpt_path(name), ranks=3, threads=1, inject=spec, verify_ranks=True)
-    a, b = Capture(keep_values=False), Capture(keep_values=False)
-    la = single.prefill(ids, single.new_cache(), chunk=5, capture=a)
-    lb = eng.prefill(ids, eng.new_cache(), chunk=5, capture=b)
-    assert single.injected >= 1 and eng.injected == single.injected
-    assert np.array_equal(bits(la), bits(lb))
-    assert a.hashes == b.hashes
-
-
-@needs_torch
-def test_ep_threads_within_rank(ckpt_path, reference):
+def test_ep_threads_within_rank(ckpt_path, cpu_runs):
     """Two threads per rank splitting every job (parallel_work=0) change nothing either."""
-    name = "small-mxfp4"
-    ids, toks, logits, hashes = reference(name)
-    eng = fast.Engine(ckpt_path(name), ranks=3, threads=2, parallel_work=0, verify_ranks=True)
+    case = next(rc.case for rc in RANK_CASES if rc.ranks == 3 and rc.checkpoint == "small-mxfp4")
+    ids, toks, logits, want = cpu_runs(case)
+    eng = fast.Engine(ckpt_path(case[0]), ranks=3, threads=2, parallel_work=0, verify_ranks=True)
     cap = Capture(keep_values=False)
     got_toks, got_logits = eng.generate(ids, len(toks), capture=cap, return_logits=True)
     assert got_toks == toks and np.array_equal(bits(got_logits), bits(logits))
-    assert cap.hashes == hashes
+    assert cap.hashes == want.hashes
 
 
 # ------------------------------------------------------------------------------------------------

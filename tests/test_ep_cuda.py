@@ -1,10 +1,13 @@
-"""Expert parallelism on the CUDA engine (docs/ep.md, "GPU"): with the routed experts split over 2 or
-3 ranks, one GPU each (rows gathered through NCCL), every stage of every position, the logits and the
-tokens are bit-identical to the single-process CPU engine (itself equal to the oracle), prefill in one
-chunk or several, decode, and the device-resident greedy loop; each rank reads only its own experts;
-each step makes one exchange per MoE layer; the memory plan refuses what cannot fit before anything
-is allocated; another rank's expert is refused at registration. On `slice` (GLM_SLICE_DIR, real
-widths) two GPUs give the one-GPU logits.
+"""Expert parallelism on the CUDA engine, its own parts (docs/ep.md, "GPU"): another rank's expert is
+refused at registration; the memory plan refuses what cannot fit before anything is allocated; under
+python -m fast.launch every rank's capture, logits, tokens and device greedy loop equal the CPU
+engine's. On `slice` (GLM_SLICE_DIR, real widths) two GPUs give the one-GPU logits.
+
+That 1, 2 and 3 ranks, one GPU each (rows gathered through NCCL), are bit-identical to the
+single-process CPU engine (every stage of every position, logits, tokens; prefill in one chunk or
+several, decode, the device-resident greedy loop, batches, fault injection, config corners; each rank
+reading only its own experts; one exchange per MoE layer per step) is tests/test_engines.py's
+cuda-ranks side, over the rank cases of tests/cases.py.
 
 Ranks run in driver mode (this process is rank 0 on GPU 0, workers on GPUs 1, 2, ...), with
 verify_ranks=True: every rank's digest of each step is compared with rank 0's. Under the CPU
@@ -20,102 +23,14 @@ import numpy as np
 import pytest
 
 import fast
-from fast.cuda import CudaEngine, cuda_available, cuda_module
+from fast.cuda import CudaEngine, cuda_module
 from fast.engine import EngineInputError
 from oracle.capture import Capture
-from tests.engine_checks import assert_same_capture, bits, greedy_case, prompt
+from tests.engine_checks import NO_CUDA, NO_GLOO, bits, cuda_state, greedy_case, have_gloo, prompt
 
-try:
-    import torch.distributed as _dist
-    HAVE_GLOO = _dist.is_available() and _dist.is_gloo_available()
-except ImportError:  # pragma: no cover - torch is a test dependency
-    HAVE_GLOO = False
-
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not cuda_available(), reason="no CUDA device, or fast._cuda is not built"),
-              pytest.mark.skipif(not HAVE_GLOO, reason="torch.distributed with gloo is not installed")]
-
-EMU = cuda_available() and bool(getattr(cuda_module(), "EMULATED", False))
-DEVICES = cuda_module().device_count() if cuda_available() else 0
-
-
-def ranks_param(ranks: int, *values, slow: bool = False):
-    """A case that needs `ranks` GPUs (the emulation shares one; `slow`: too slow there)."""
-    marks = []
-    if not EMU and DEVICES < ranks:
-        marks.append(pytest.mark.skip(reason=f"needs {ranks} GPUs, this host has {DEVICES}"))
-    if EMU and slow:
-        marks.append(pytest.mark.skip(reason="too slow in the CPU emulation"))
-    return pytest.param(ranks, *values, marks=marks)
-
-
-# (ranks, checkpoint, expert ranges or None for the even split, (prompt length, seed, new tokens)),
-# ordered by rank count (the driver's workers are started once per count). tiny's 30 tokens make the
-# indexer choose pools (index_topk 8) and cross its dense threshold.
-CASES = [
-    ranks_param(2, "tiny-fp8", None, (30, 3, 4)),
-    ranks_param(2, "tiny-mxfp4", [(0, 3), (3, 8)], (12, 4, 3)),
-    ranks_param(2, "small-fp8", None, (20, 5, 3), slow=True),
-    ranks_param(2, "small-mxfp4", [(0, 11), (11, 16)], (20, 6, 3), slow=True),
-    ranks_param(3, "tiny-bf16", [(0, 0), (0, 5), (5, 8)], (12, 7, 3)),  # rank 0 owns no expert
-    ranks_param(3, "small-bf16", None, (20, 8, 3), slow=True),
-]
-
-
-def case_id(ranks, name, ranges, shape) -> str:
-    return f"r{ranks}-{name}" + ("" if ranges is None else "-" + "_".join(f"{a}:{b}" for a, b in ranges))
-
-
-@pytest.fixture(scope="module")
-def cpu_reference(ckpt_path):
-    cache = {}
-
-    def get(name, shape):
-        if (name, shape) not in cache:
-            cache[(name, shape)] = greedy_case(fast.Engine(ckpt_path(name), device="cpu"), (name, *shape))
-        return cache[(name, shape)]
-    return get
-
-
-def moe_layers(cfg) -> int:
-    from oracle.config import DENSE
-    return sum(1 for t in cfg.mlp_layer_types if t != DENSE)
-
-
-@pytest.mark.parametrize("ranks,name,ranges,shape", CASES,
-                         ids=[case_id(*c.values) for c in CASES])
-def test_ranks_bit_identical(ranks, name, ranges, shape, ckpt_path, cpu_reference):
-    ids, toks, logits, cap = cpu_reference(name, shape)
-    eng = CudaEngine(ckpt_path(name), ranks=ranks, expert_ranges=ranges, verify_ranks=True)
-    assert eng.ranks == ranks
-    # generate: prefill in one chunk, then decode on the host loop; every stage captured
-    got = Capture()
-    got_toks, got_logits = eng.generate(ids, shape[2], capture=got, return_logits=True)
-    assert_same_capture(eng.config, cap, got, range(len(ids) + shape[2] - 1))
-    assert got_toks == toks
-    assert np.array_equal(bits(got_logits), bits(logits))
-    # prefill in chunks of 5, then decode, through the low-level API
-    cache = eng.new_cache()
-    outs = [eng.prefill(ids, cache, chunk=5)]
-    for tok in toks[:-1]:
-        outs.append(eng.decode([cache], [tok]))
-    assert np.array_equal(bits(np.concatenate(outs)), bits(logits))
-    # the device-resident greedy loop, from the prompt's first token on
-    c2 = eng.new_cache()
-    first = int(np.argmax(eng.prefill(ids, c2)[-1]))
-    assert [first] + eng.greedy(c2, first, len(toks) - 1) == toks
-    # each rank read its own experts, and one exchange per MoE layer per step
-    bounds = eng.expert_ranges
-    for info in eng.ep_info():
-        a, b = bounds[info["rank"]]
-        assert info["experts_read"] == list(range(a, b)) and info["experts_touched"] == list(range(a, b))
-    stats = eng.ep_stats()
-    assert len(stats) == ranks and all(s["exchanges"] > 0 for s in stats)
-    eng.reset_ep_stats()
-    c3 = eng.new_cache()
-    eng.prefill(ids[:4], c3)
-    eng.decode([c3], [toks[0]])
-    assert [s["exchanges"] for s in eng.ep_stats()] == [2 * moe_layers(eng.config)] * ranks
+AVAILABLE, EMU, DEVICES = cuda_state()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not AVAILABLE, reason=NO_CUDA),
+              pytest.mark.skipif(not have_gloo(), reason=NO_GLOO)]
 
 
 def test_another_ranks_expert_is_refused(ckpt_path):

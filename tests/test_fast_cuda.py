@@ -1,11 +1,15 @@
-"""The CUDA engine (fast.cuda.CudaEngine over fast._cuda) is bit-identical to the canonical result:
-every captured stage, every position, the logits and the tokens, for tiny (golden/) and small
-(generated here) in every release, prefill and decode, batch 1/3/8, chunk sizes 1/5/64, fault
-injection; its device expf equals the host canonical expf (exhaustively on a GPU), its exp64 and
-decoders equal the CPU engine's; and on `slice` (real widths; GLM_SLICE_DIR) it equals the CPU engine.
+"""The CUDA engine's own parts (fast.cuda.CudaEngine over fast._cuda): batches of few pairs per expert,
+decode over several caches and forks, the device-resident greedy loop and generate's hand-over to it,
+the fused mHC streams, the roofline's weight bytes, pooled logits buffers, the golden hashes, refused
+input; its device expf equals the host canonical expf (exhaustively on a GPU), its exp64 and decoders
+equal the CPU engine's; every linear kernel equals the CPU engine's; and on `slice` (real widths;
+GLM_SLICE_DIR) it equals the CPU engine.
 
-The reference is the CPU engine (tests/test_fast_cpu.py proves it bit-identical to the oracle) and,
-for tiny, the oracle's golden hashes. Comparisons are on bits, never a tolerance.
+That the engine is bit-identical to the CPU engine over the shared cases (generate, chunked prefill,
+batches, fault injection, config corners, F32 weights, the non-canonical switches) is
+tests/test_engines.py's cuda side, over tests/cases.py. The reference is the CPU engine
+(tests/test_engines.py holds it to the oracle) and, for tiny, the oracle's golden hashes. Comparisons
+are on bits, never a tolerance.
 
 Skips cleanly without a GPU (fast._cuda not built, or no device). GLM_CUDA_EMU=1 runs the tiny cases
 on fast._cuda_emu, the CPU emulation of the same kernels (bindings/cuda/emu), slowly.
@@ -20,133 +24,15 @@ import numpy as np
 import pytest
 
 import fast
-from fast.cuda import CudaEngine, cuda_available, cuda_module
+from fast.cuda import CudaEngine, cuda_module
 from oracle.capture import Capture
+from tests.cases import TINY
+from tests.engine_checks import EMU_SLOW, NO_CUDA, assert_same_capture, bits, cuda_state, prompt
 from tools.golden import canonical_prompts, hash12
-from tests.engine_checks import assert_same_capture, bits, case_id, greedy_case, prompt
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not cuda_available(), reason="no CUDA device, or fast._cuda is not built")]
-
-EMU = cuda_available() and bool(getattr(cuda_module(), "EMULATED", False))
-needs_gpu = pytest.mark.skipif(EMU, reason="too slow in the CPU emulation")
-
-TINY = ("tiny-bf16", "tiny-fp8", "tiny-mxfp4")
-SMALL = ("small-bf16", "small-fp8", "small-mxfp4")
-
-# (checkpoint, prompt length, prompt seed, new tokens). tiny: index_topk 8, kpool 4: 40 tokens make the
-# indexer choose 2 of up to 10 pools; small: index_topk 16, kpool 4: 24 tokens -> 4 of 6.
-CASES = [
-    ("tiny-bf16", 5, 1, 4),
-    ("tiny-bf16", 40, 2, 3),
-    ("tiny-fp8", 5, 4, 4),
-    ("tiny-fp8", 40, 5, 3),
-    ("tiny-mxfp4", 5, 6, 4),
-    ("tiny-mxfp4", 40, 7, 3),
-    ("small-bf16", 24, 8, 3),
-    ("small-fp8", 24, 9, 3),
-    ("small-mxfp4", 24, 10, 3),
-]
-
-
-def maybe_slow(name):
-    return [pytest.param(name, marks=needs_gpu)] if name.startswith("small") else [name]
-
-
-@pytest.fixture(scope="session")
-def cuda_engines(ckpt_path):
-    cache = {}
-
-    def get(name: str, **kw) -> CudaEngine:
-        key = (name, tuple(sorted(kw.items())))
-        if key not in cache:
-            cache[key] = CudaEngine(ckpt_path(name), **kw)
-        return cache[key]
-    return get
-
-
-@pytest.fixture(scope="session")
-def cpu_engines(ckpt_path):
-    cache = {}
-
-    def get(name: str, **kw) -> fast.Engine:
-        key = (name, tuple(sorted(kw.items())))
-        if key not in cache:
-            cache[key] = fast.Engine(ckpt_path(name), device="cpu", **kw)
-        return cache[key]
-    return get
-
-
-@pytest.fixture(scope="session")
-def reference(cpu_engines):
-    """case -> (ids, tokens, logits, capture) of the CPU engine's greedy generate, every stage captured."""
-    cache = {}
-
-    def get(case):
-        if case not in cache:
-            cache[case] = greedy_case(cpu_engines(case[0]), case)
-        return cache[case]
-    return get
-
-
-# ---------------------------------------------------------------------------------------------
-# every stage, prefill (one chunk) then decode, via generate
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c[0].startswith("tiny")] +
-                         [pytest.param(c, marks=needs_gpu) for c in CASES if c[0].startswith("small")], ids=case_id)
-def test_generate_bit_identical(case, cuda_engines, reference):
-    ids, toks, logits, cap = reference(case)
-    eng = cuda_engines(case[0])
-    got = Capture()
-    got_toks, got_logits = eng.generate(ids, case[3], capture=got, return_logits=True)
-    assert_same_capture(eng.config, cap, got, range(len(ids) + case[3] - 1))
-    assert got_toks == toks
-    assert np.array_equal(bits(got_logits), bits(logits))
-
-
-# ---------------------------------------------------------------------------------------------
-# chunked prefill then decode through the low-level API
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 64])
-@pytest.mark.parametrize("case", [("tiny-fp8", 40, 5, 3), pytest.param(("small-mxfp4", 24, 10, 3), marks=needs_gpu)],
-                         ids=case_id)
-def test_chunked_prefill_and_decode(case, chunk, cuda_engines, reference):
-    ids, toks, logits, cap = reference(case)
-    eng = cuda_engines(case[0])
-    got = Capture()
-    cache = eng.new_cache()
-    outs = [eng.prefill(ids, cache, chunk=chunk, capture=got)]
-    for tok in toks[:-1]:
-        outs.append(eng.decode([cache], [tok], capture=got))
-    assert cache.length == len(ids) + len(toks) - 1
-    assert_same_capture(eng.config, cap, got, range(len(ids) + len(toks) - 1))
-    assert np.array_equal(bits(np.concatenate(outs)), bits(logits))
-
-
-# ---------------------------------------------------------------------------------------------
-# batches: requests of different lengths joining mid-run, against each request run alone
-
-
-@pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("name", ["tiny-mxfp4", pytest.param("small-fp8", marks=needs_gpu)])
-def test_batched_generate(name, batch, cuda_engines, cpu_engines):
-    eng = cuda_engines(name)
-    ref = cpu_engines(name)
-    V = eng.config.vocab_size
-    rng = np.random.default_rng(1000 + batch)
-    prompts = [prompt(V, int(n), 50 + i) for i, n in enumerate(rng.integers(3, 30, batch))]
-    new = 3
-    caps = [Capture(keep_values=False) for _ in prompts]
-    outs, lgs = eng.generate(prompts, new, capture=caps, chunk=6, max_batch=batch,
-                             arrivals=[i % 3 for i in range(batch)], return_logits=True)
-    for p, out, lg, cap in zip(prompts, outs, lgs, caps):
-        want = Capture(keep_values=False)
-        toks, logits = ref.generate(p, new, capture=want, return_logits=True)
-        assert out == toks
-        assert np.array_equal(bits(lg), bits(logits))
-        assert cap.hashes == want.hashes
+AVAILABLE, EMU, _ = cuda_state()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not AVAILABLE, reason=NO_CUDA)]
+needs_gpu = pytest.mark.skipif(EMU, reason=EMU_SLOW)
 
 
 @pytest.mark.parametrize("batch", [3, 8])
@@ -165,9 +51,9 @@ def test_batched_few_pairs_per_expert(tmp_path, batch):
         assert np.array_equal(bits(lg), bits(logits))
 
 
-def test_decode_batch_of_caches_and_fork(cuda_engines, cpu_engines):
+def test_decode_batch_of_caches_and_fork(cuda_engines, engines):
     """One decode step over several caches at different positions; a forked cache continues alike."""
-    eng, ref = cuda_engines("tiny-fp8"), cpu_engines("tiny-fp8")
+    eng, ref = cuda_engines("tiny-fp8"), engines("tiny-fp8")
     V = eng.config.vocab_size
     prompts = [prompt(V, n, 70 + n) for n in (3, 17, 33)]
     caches, rcaches = [], []
@@ -210,10 +96,10 @@ def test_greedy_loop_matches_decode(name, cuda_engines):
 
 
 @pytest.mark.parametrize("name", ["tiny-fp8"])
-def test_generate_hands_the_tail_to_the_device_loop(name, cuda_engines, cpu_engines, monkeypatch):
+def test_generate_hands_the_tail_to_the_device_loop(name, cuda_engines, engines, monkeypatch):
     """generate() runs a lone request's remaining tokens through greedy() (one call), with the CPU
     engine's tokens; with a capture, or GLM_DEVICE_GREEDY=0, it keeps the host loop."""
-    eng, ref = cuda_engines(name), cpu_engines(name)
+    eng, ref = cuda_engines(name), engines(name)
     p = prompt(eng.config.vocab_size, 11, 7)
     want = ref.generate(p, 6)
     calls = []
@@ -281,10 +167,10 @@ def test_device_argmax_rule():
         assert cu.argmax(x) == int(np.argmax(x)), trial
 
 
-def test_kept_logits_stay_intact(cuda_engines, cpu_engines):
+def test_kept_logits_stay_intact(cuda_engines, engines):
     """Decode logits come back in page-locked buffers of a pool (at most 32 out at once, then ordinary
     arrays): arrays kept across many steps keep their own values, equal to the CPU engine's."""
-    eng, ref = cuda_engines("tiny-bf16"), cpu_engines("tiny-bf16")
+    eng, ref = cuda_engines("tiny-bf16"), engines("tiny-bf16")
     a, b = eng.new_cache(), ref.new_cache()
     eng.prefill([1, 2, 3], a)
     ref.prefill([1, 2, 3], b)
@@ -313,61 +199,6 @@ def test_golden_hashes(name, golden_dir, cuda_engines):
         assert hash12(logits, "<f4") == want["logits"], pname
 
 
-# ---------------------------------------------------------------------------------------------
-# fault injection: the same value perturbed as in the CPU engine, propagated the same way
-
-INJECTIONS = [
-    "0,0,embed,3,1",
-    "1,3,attn_hc.comb,5,1000",
-    "0,4,kda.state,100,-2",
-    "5,11,kda.o,3,5",
-    "2,7,moe.selected,1,-1",
-    "3,10,mla.scores,5,3",
-    "3,15,indexer.scores,1,1",
-    "4,12,mla.selected,2,-1",
-    "1,6,moe.weights,0,1",
-    "6,9,logits,7,1",
-    "2,5,attn_hc.collapsed,17,1",   # the mHC site's output, read by the norm that follows
-    "4,8,ffn_hc.pre,2,1000",
-    "1,13,moe.experts,100,2",
-    "3,9,moe.shared,7,3",           # the shared expert's rows of the routed launches, read by moe.out
-]
-
-
-@pytest.mark.parametrize("spec", INJECTIONS)
-def test_injection_matches_cpu(spec, ckpt_path, cuda_engines):
-    ids = prompt(300, 40, 5)[:20]
-    ref = fast.Engine(ckpt_path("tiny-fp8"), device="cpu", inject=spec)
-    want = Capture(keep_values=False)
-    ref.prefill(ids, ref.new_cache(), chunk=7, capture=want)
-    eng = CudaEngine(ckpt_path("tiny-fp8"), inject=spec)
-    got = Capture(keep_values=False)
-    eng.prefill(ids, eng.new_cache(), chunk=7, capture=got)
-    assert eng.injected == ref.injected >= 1
-    assert got.hashes == want.hashes
-    clean = Capture(keep_values=False)
-    cuda_engines("tiny-fp8").prefill(ids, cuda_engines("tiny-fp8").new_cache(), chunk=7, capture=clean)
-    assert any(got.hashes[k] != clean.hashes[k] for k in got.hashes)
-
-
-def test_noncanonical_switches(ckpt_path, reference, cuda_engines):
-    """dot='sequential' is the CPU engine's sequential sum exactly; expf='native' (CUDA's expf) departs."""
-    case = ("tiny-bf16", 13, 3, 6)
-    ids, _, _, clean = reference(case)
-    for opts in ({"dot": "sequential"}, {"expf": "native"}):
-        eng = cuda_engines(case[0], **opts)
-        got = Capture(keep_values=False)
-        eng.forward(ids, eng.new_cache(), got)
-        assert any(got.hashes[k] != clean.hashes[k] for k in got.hashes), opts
-    seq_cpu = fast.Engine(ckpt_path(case[0]), device="cpu", dot="sequential")
-    want = Capture(keep_values=False)
-    seq_cpu.forward(ids, seq_cpu.new_cache(), want)
-    got = Capture(keep_values=False)
-    eng = cuda_engines(case[0], dot="sequential")
-    eng.forward(ids, eng.new_cache(), got)
-    assert got.hashes == want.hashes
-
-
 def test_bad_input_is_refused(cuda_engines):
     eng = cuda_engines("tiny-bf16")
     with pytest.raises(fast.EngineInputError):
@@ -377,76 +208,6 @@ def test_bad_input_is_refused(cuda_engines):
     with pytest.raises(fast.EngineInputError):
         CudaEngine(eng.checkpoint, inject="99,0,embed,0,1")
     assert eng.forward([1, 2, 3]).shape == (3, eng.config.vocab_size)
-
-
-# ---------------------------------------------------------------------------------------------
-# config corners the zoo does not ship (generated from the tiny recipe), and F32-stored weights
-
-CONFIG_VARIANTS = [
-    ("no-norm-topk", "bf16", dict(norm_topk_prob=False)),
-    ("tied-head", "fp8", dict(tie_word_embeddings=True)),
-    ("one-group", "mxfp4", dict(n_group=1, topk_group=1)),
-    ("kpool-1", "bf16", dict(index_kpool=1, index_topk=5)),
-    ("conv-1-hc-2", "fp8", dict(linear_conv_kernel_dim=1, hc_mult=2, hc_sinkhorn_iters=3)),
-    ("groups-4-top-2", "bf16", dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3)),
-    ("hc-8", "fp8", dict(hc_mult=8)),
-    ("shared-2", "fp8", dict(n_shared_experts=2)),  # shared expert wider than the routed: its own launches
-    # whole 64-column chunks: the experts' decode steps (and the shared expert's) take the staged kernel
-    ("width-128-experts-64", "fp8", dict(hidden_size=128, moe_intermediate_size=64)),
-    # the shared expert's gate | up placed as one matrix (whole 128-row blocks) and still in the tables
-    ("shared-joint-fp8", "fp8", dict(hidden_size=128, moe_intermediate_size=128)),
-    ("width-90-fp8", "fp8", dict(hidden_size=90, linear_head_dim=13, index_head_dim=11, kv_lora_rank=37)),
-    ("hc-7-shared-chain", "bf16", dict(hc_mult=7, layer_types=["linear_attention", "indexed_attention",
-                                                               "indexed_attention", "indexed_attention",
-                                                               "linear_attention", "linear_attention"],
-                                       indexer_types=["full", "full", "shared", "full", "full", "full"])),
-]
-
-
-@pytest.mark.parametrize("name,release,overrides", CONFIG_VARIANTS, ids=[v[0] for v in CONFIG_VARIANTS])
-def test_config_variants(tmp_path, name, release, overrides):
-    from tools.zoo import make_checkpoint
-    path = str(tmp_path / name)
-    make_checkpoint("tiny", release, path, **overrides)
-    ref = fast.Engine(path, device="cpu")
-    eng = CudaEngine(path)
-    ids = prompt(ref.config.vocab_size, 26, 13)
-    want, got = Capture(), Capture()
-    toks, logits = ref.generate(ids, 3, capture=want, return_logits=True)
-    got_toks, got_logits = eng.generate(ids, 3, capture=got, chunk=9, return_logits=True)
-    assert_same_capture(eng.config, want, got, range(len(ids) + 2))
-    assert got_toks == toks
-    assert np.array_equal(bits(got_logits), bits(logits))
-
-
-def test_f32_stored_checkpoint(tmp_path, golden_dir):
-    """Weights stored as F32 (what transformers' save_pretrained writes) take the F32 path."""
-    import shutil
-
-    from safetensors.numpy import save_file
-
-    from oracle import names as N
-    from oracle.checkpoint import open_checkpoint
-
-    src = golden_dir / "tiny-bf16"
-    ck = open_checkpoint(str(src))
-    tensors = {}
-    for entry in N.expected(ck.config):
-        raw = ck.raw(entry.spec.role, entry.layer, entry.expert)
-        a = np.asarray(raw.data)
-        tensors[raw.stored_key] = (a.astype(np.uint32) << 16).view(np.float32) if raw.release == "bf16" else a
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    shutil.copy(src / "config.json", tmp_path / "config.json")
-    eng = CudaEngine(str(tmp_path))
-    assert set(eng.release) == {"f32"}
-    ref = fast.Engine(str(tmp_path), device="cpu")
-    ids = prompt(ref.config.vocab_size, 21, 12)
-    want, got = Capture(keep_values=False), Capture(keep_values=False)
-    toks, logits = ref.generate(ids, 3, capture=want, return_logits=True)
-    got_toks, got_logits = eng.generate(ids, 3, capture=got, return_logits=True)
-    assert got_toks == toks
-    assert np.array_equal(bits(got_logits), bits(logits))
-    assert got.hashes == want.hashes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,6 +233,7 @@ def test_device_expf_sample():
 def test_device_expf_exhaustive():
     """All 2^32 inputs: the device's expf (made and computed on the device) = the host canonical expf."""
     import time
+
     from fast import _core
     cu = cuda_module()
     t0 = time.perf_counter()

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 import fast
 from oracle.capture import Capture
+from tests.cases import INVARIANCE_CHECKPOINT, INVARIANCE_CHUNKS, MAX_BATCHES, TINY
 
-CKPT = "tiny-fp8"
-VOCAB = 300
+CKPT = INVARIANCE_CHECKPOINT
+VOCAB = 300  # tiny's vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,8 @@ def check_against_reference(reference, prompts, new, outs, logits, caps):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompts=prompts_st, new=st.integers(1, 4), chunk=st.sampled_from([1, 5, 64, None]),
-       max_batch=st.sampled_from([1, 3, 8, None]), data=st.data())
+@given(prompts=prompts_st, new=st.integers(1, 4), chunk=st.sampled_from((*INVARIANCE_CHUNKS, None)),
+       max_batch=st.sampled_from(MAX_BATCHES), data=st.data())
 def test_schedule_invariance(engine2, reference, prompts, new, chunk, max_batch, data):
     """batch 1 = batch 3 = batch 8 = unlimited, with requests arriving mid-run, any chunk size, 2 threads."""
     arrivals = data.draw(st.lists(st.integers(0, 6), min_size=len(prompts), max_size=len(prompts)))
@@ -66,7 +67,7 @@ def test_schedule_invariance(engine2, reference, prompts, new, chunk, max_batch,
     check_against_reference(reference, prompts, new, outs, logits, caps)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("chunk", INVARIANCE_CHUNKS)
 def test_prefill_chunk_sizes(engine1, engine2, chunk):
     """prefill in chunks of 1, 5, 64 = one chunk, stage by stage (threads 1 and 2)."""
     ids = [int(v) for v in np.random.default_rng(11).integers(0, VOCAB, 45)]
@@ -79,10 +80,10 @@ def test_prefill_chunk_sizes(engine1, engine2, chunk):
         assert got.hashes == want.hashes
 
 
-@pytest.mark.parametrize("release", ["bf16", "fp8", "mxfp4"])
-def test_threads_and_batch_per_release(golden_dir, release):
+@pytest.mark.parametrize("name", TINY)
+def test_threads_and_batch_per_release(golden_dir, name):
     """Every release: threads 1 vs 2 and batch 1 vs 8 (mixed lengths) give the same bits."""
-    path = str(golden_dir / f"tiny-{release}")
+    path = str(golden_dir / name)
     e1, e2 = fast.Engine(path, threads=1), fast.Engine(path, threads=2, parallel_work=0)
     rng = np.random.default_rng(7)
     prompts = [[int(v) for v in rng.integers(0, VOCAB, n)] for n in (1, 3, 9, 17, 30, 40, 2, 12)]

@@ -110,13 +110,13 @@ for kind in ("canonical", "expf", "__expf"):
 EOF2
 
 if [ "${TESTS:-1}" != "0" ]; then
-phase "GPU tests (tests/test_fast_cuda.py; the slice test comes last)"
+phase "GPU tests (tests/test_fast_cuda.py, the cuda side of tests/test_engines.py; the slice test comes last)"
 T_TESTS=$(( $(left) - 230 )); [ "$T_TESTS" -lt 150 ] && T_TESTS=150  # the quick set takes 50-100 s
 SEL="not slice"
 [ "${TESTS:-1}" = "quick" ] && SEL="not slice and not exhaustive and not census and not small-bf16"
 [ -n "${TESTS_K:-}" ] && SEL="$TESTS_K"
-SEL="($SEL) and not linear_kernels"
-timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py -v -rsP -p no:cacheprovider --durations=15 -k "$SEL" \
+SEL="($SEL) and not linear_kernels and not cuda-ranks-r2 and not cuda-ranks-r3"  # (those: the EP phase)
+timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py tests/test_engines.py -m gpu -v -rsP -p no:cacheprovider --durations=15 -k "$SEL" \
   > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? (limit $T_TESTS s)"
 grep -E " (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | sed -E "s/^tests.test_fast_cuda.py:://" | cut -c1-110
@@ -177,7 +177,8 @@ if [ "${EP:-1}" != "0" ] && [ "$NGPU" -ge 2 ]; then
   # ranks, slice over 2) and decode on slice-fp8 over EP_RANKS GPUs against one
   phase "expert parallelism over $NGPU GPUs (tests/test_ep_cuda.py, tools/bench_ep_cuda.py)"
   T_EP=$(( $(left) / 2 )); [ "$T_EP" -lt 60 ] && T_EP=60
-  GLM_SLICE_DIR="$SLICE" GLM_EP_TIMEOUT=120 timeout "$T_EP" python3 -m pytest tests/test_ep_cuda.py -v -rs -p no:cacheprovider \
+  GLM_SLICE_DIR="$SLICE" GLM_EP_TIMEOUT=120 timeout "$T_EP" python3 -m pytest tests/test_ep_cuda.py tests/test_engines.py -v -rs -p no:cacheprovider \
+    -k "test_ep_cuda or cuda-ranks-r2 or cuda-ranks-r3" \
     > "$OUT/pytest_ep.log" 2>&1
   echo "EP tests exit $? (limit $T_EP s)"
   grep -E "PASSED|FAILED|SKIPPED|passed|failed|Error" "$OUT/pytest_ep.log" | grep -v "^\[rank" | head -30
