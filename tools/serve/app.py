@@ -297,8 +297,9 @@ class Server:
         text = self.tokenizer.decode(tokens)
         return text if text_end is None else text[:text_end]
 
-    async def _collect(self, http: HttpRequest, req: Request, q: asyncio.Queue):
-        """Wait for the whole answer; a client that disconnects cancels its sequence."""
+    def _watch(self, http: HttpRequest, req: Request) -> asyncio.Task:
+        """A task that cancels `req` when its client disconnects (the scheduler then frees the sequence
+        before its next step and sends the request a "cancelled" event)."""
         async def watch():
             while True:
                 msg = await http.receive()
@@ -306,8 +307,11 @@ class Server:
                     req.cancel()
                     self.scheduler.wake()
                     return
+        return asyncio.create_task(watch())
 
-        watcher = asyncio.create_task(watch())
+    async def _collect(self, http: HttpRequest, req: Request, q: asyncio.Queue):
+        """Wait for the whole answer; a client that disconnects cancels its sequence."""
+        watcher = self._watch(http, req)
         events = []
         try:
             while True:
@@ -360,7 +364,7 @@ class Server:
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model_name, "system_fingerprint": self.fingerprint}
         if req.stream:
-            return StreamingResponse(self._stream(req, q, head, chat), media_type="text/event-stream",
+            return StreamingResponse(self._stream(http, req, q, head, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         events = await self._collect(http, req, q)
         done = events[-1]
@@ -383,9 +387,10 @@ class Server:
                  "total_tokens": int(req.prompt.size) + len(toks)}
         return JSONResponse({**head, "choices": [choice], "usage": usage})
 
-    async def _stream(self, req: Request, q: asyncio.Queue, head: dict, chat: bool):
-        """Server-sent events: one chunk per token (its token_ids and its text so far safe to show), a
-        last chunk with finish_reason, token_ids of the whole answer and the hashes, then [DONE]."""
+    async def _stream(self, http: HttpRequest, req: Request, q: asyncio.Queue, head: dict, chat: bool):
+        """Server-sent events: one chunk per token (its token_ids: [id], and the text that became safe to
+        show), a last chunk with finish_reason, token_ids [], the rest of the text, the hashes of the
+        whole answer and its seed, then [DONE]."""
         head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
         hold = max((len(s) for s in req.stop), default=1) - 1   # text that may still become a stop string
         toks, lps, sent = [], [], 0
@@ -409,9 +414,14 @@ class Server:
                 c.update(extra)
             return "data: " + json.dumps({**head, "choices": [c]}) + "\n\n"
 
+        watcher = self._watch(http, req)
         try:
             while True:
                 ev = await q.get()
+                if req.cancelled:   # the client is gone: nothing more to write
+                    if ev["type"] == "done":
+                        return
+                    continue
                 if ev["type"] == "token":
                     toks.append(ev["token"])
                     lps.append(ev["logprob"])
@@ -433,10 +443,12 @@ class Server:
                     return
                 text = self._text(toks, ev["text_end"])
                 extra = self._result(req, toks, lps)
+                del extra["token_ids"]
                 yield chunk(text[sent:], [], [], finish=ev["reason"], extra=extra)
                 yield "data: [DONE]\n\n"
                 return
         finally:
+            watcher.cancel()
             if not req.finished:
                 req.cancel()
                 self.scheduler.wake()

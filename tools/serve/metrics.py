@@ -42,14 +42,18 @@ class Metrics:
         self.step_time = _Histogram(_STEP_BUCKETS)
         self.ttft = _Histogram(_TTFT_BUCKETS)
         self.last_batch = 0
+        self.peak_batch = 0
+        self.mixed_steps = 0
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[(endpoint, status)] += 1
 
-    def step(self, seconds: float, sequences: int, rows: int) -> None:
+    def step(self, seconds: float, sequences: int, rows: int, mixed: bool = False) -> None:
         with self._lock:
             self.steps += 1
+            self.mixed_steps += int(mixed)
+            self.peak_batch = max(self.peak_batch, sequences)
             self.step_rows += rows
             self.last_batch = sequences
             self.step_time.observe(seconds)
@@ -87,12 +91,16 @@ class Metrics:
                    [f"glm_engine_steps_total {self.steps}"])
             metric("glm_engine_step_rows_total", "counter", "Token rows over all engine steps.",
                    [f"glm_engine_step_rows_total {self.step_rows}"])
+            metric("glm_engine_mixed_steps_total", "counter", "Steps with prompt chunks and decodes together.",
+                   [f"glm_engine_mixed_steps_total {self.mixed_steps}"])
             metric("glm_sequences_active", "gauge", "Sequences in the running batch.",
                    [f"glm_sequences_active {active}"])
             metric("glm_sequences_waiting", "gauge", "Requests admitted and waiting for a batch slot.",
                    [f"glm_sequences_waiting {waiting}"])
             metric("glm_last_step_batch_size", "gauge", "Sequences in the last engine step.",
                    [f"glm_last_step_batch_size {self.last_batch}"])
+            metric("glm_peak_step_batch_size", "gauge", "Most sequences in one engine step so far.",
+                   [f"glm_peak_step_batch_size {self.peak_batch}"])
             metric("glm_engine_step_seconds", "histogram", "Wall time of one engine step.",
                    self.step_time.lines("glm_engine_step_seconds"))
             metric("glm_time_to_first_token_seconds", "histogram", "From admission to the first token.",

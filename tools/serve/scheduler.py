@@ -26,7 +26,7 @@ class QueueFull(Exception):
     """Admission refused: max_batch sequences active and max_queue waiting."""
 
 
-@dataclass
+@dataclass(eq=False)   # requests are compared by identity
 class Request:
     prompt: np.ndarray                       # int32 token ids, validated against the vocabulary
     max_tokens: int
@@ -105,6 +105,17 @@ class Scheduler:
 
     # -- the loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - a bug here: fail every request rather than hang them
+            with self._cv:
+                doomed = list(self._active) + list(self._waiting)
+                self._active, self._waiting, self._closing = [], deque(), True
+            for r in doomed:
+                self._leave(r, "error", error=f"the scheduler stopped: {type(e).__name__}: {e}")
+            raise
+
+    def _loop(self) -> None:
         while True:
             with self._cv:
                 while not self._closing and not self._waiting and not self._active:
@@ -136,6 +147,7 @@ class Scheduler:
                 segs.append((r.cache, [r.tokens[-1]], None, "last"))
                 rows.append(r)
                 budget -= 1
+        decodes = len(segs)
         for r in batch:   # then prompt chunks, in arrival order, while the budget lasts
             if r.cache is None:
                 r.cache = self.engine.new_cache()
@@ -158,7 +170,7 @@ class Scheduler:
         dt = time.perf_counter() - t0
         self.steps += 1
         if self.metrics is not None:
-            self.metrics.step(dt, len(segs), sum(len(s[1]) for s in segs))
+            self.metrics.step(dt, len(segs), sum(len(s[1]) for s in segs), mixed=0 < decodes < len(segs))
         for r, (_, _, _, want), lg in zip(rows, segs, results):
             if want is None:
                 continue

@@ -1,0 +1,235 @@
+"""`oracle serve` on the CPU engine (golden/tiny-fp8), started in this process on 127.0.0.1, talked to
+with the openai client and httpx.
+
+The heart: every answer (token ids, logprob bits, hashes) equals the batch-1 reference loop
+(oracle.sampling.sample_loop on a separate engine), whatever else the server is doing: concurrency
+1, 4 and 16, other requests of other lengths arriving at random times, some of them abandoned by
+their clients, greedy and seeded, streamed and not. Bad requests get 4xx with an OpenAI error object
+and change nobody's bits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fast._core")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from oracle.sampling import SamplingParams, sample_loop  # noqa: E402
+from tools.serve import add_arguments, build_server, serve_in_thread  # noqa: E402
+from tools.serve.app import _hash12, plain_chat_prompt  # noqa: E402
+
+CTX = 4096
+MODEL = "tiny-fp8"
+
+
+def _start(golden_dir, *extra):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--checkpoint", str(golden_dir / MODEL), "--engine", f"cpu:threads=1,max-context={CTX}",
+                         *extra])
+    srv = build_server(args)
+    uv, url = serve_in_thread(srv)
+    return srv, uv, url
+
+
+@pytest.fixture(scope="module")
+def server(golden_dir):
+    # a small step budget, so prompts are split into chunks that share steps with other requests' decodes
+    srv, uv, url = _start(golden_dir, "--max-batch", "16", "--max-queue", "64", "--max-step-tokens", "16")
+    yield srv, url
+    uv.should_exit = True
+    uv.thread.join(10)
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def reference(golden_dir):
+    """(prompt ids, max_tokens, params, eos) -> (tokens, logprobs): the batch-1 loop on its own engine."""
+    import fast
+    eng = fast.Engine(str(golden_dir / MODEL), threads=1)
+    memo = {}
+
+    def ref(ids, n, params):
+        key = (tuple(ids), n, params)
+        if key not in memo:
+            memo[key] = sample_loop(eng, ids, n, params)
+        return memo[key]
+    return ref
+
+
+def _bits(lps) -> list[int]:
+    return np.array(lps, np.float32).view(np.uint32).tolist()
+
+
+def _params(body) -> SamplingParams:
+    return SamplingParams(float(body.get("temperature", 1.0)), int(body.get("top_k") or 0),
+                          float(body.get("top_p", 1.0)), int(body["seed"]))
+
+
+def _check(result, ids, body, reference):
+    """A finished answer {token_ids, logprobs, output_hash, logprobs_hash, seed} against the reference."""
+    body = dict(body, seed=result["seed"])
+    tokens, lps = reference(ids, body["max_tokens"], _params(body))
+    assert result["token_ids"] == tokens
+    assert _bits(result["logprobs"]) == _bits(lps)
+    assert result["output_hash"] == _hash12(np.array(tokens), "<i4")
+    assert result["logprobs_hash"] == _hash12(np.array(lps, np.float32), "<f4")
+
+
+# -- talking to the server: httpx (raw JSON, streamed or not) and the openai client ----------------------
+
+def _post(client, path, body):
+    """-> the answer as {token_ids, logprobs, output_hash, logprobs_hash, seed, text, finish_reason}."""
+    if not body.get("stream"):
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        lp = c["logprobs"]
+        lps = ([t["logprob"] for t in lp["content"]] if "content" in (lp or {}) else
+               (lp["token_logprobs"] if lp else None))
+        return dict(c, logprobs=lps, text=c.get("text", (c.get("message") or {}).get("content")))
+    ids, lps, text, last = [], [], "", None
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            c = json.loads(line[6:])["choices"][0]
+            ids += c["token_ids"]
+            lp = c["logprobs"]
+            if lp:
+                lps += [t["logprob"] for t in lp["content"]] if "content" in lp else lp["token_logprobs"]
+            text += c.get("text", (c.get("delta") or {}).get("content") or "")
+            last = c
+    assert last["finish_reason"] in ("length", "stop") and last["token_ids"] == []
+    return dict(last, token_ids=ids, logprobs=lps, text=text)
+
+
+def _post_openai(oc, kind, body):
+    extra = {k: body[k] for k in ("top_k",) if k in body}
+    common = dict(model=MODEL, max_tokens=body["max_tokens"], temperature=body.get("temperature"),
+                  top_p=body.get("top_p"), seed=body.get("seed"), extra_body=extra or None)
+    if kind == "completions":
+        resp = oc.completions.create(prompt=body["prompt"], logprobs=0, stream=body.get("stream", False), **common)
+    else:
+        resp = oc.chat.completions.create(messages=body["messages"], logprobs=True,
+                                          stream=body.get("stream", False), **common)
+    if not body.get("stream"):
+        c = resp.choices[0]
+        lps = (c.logprobs.token_logprobs if kind == "completions" else [t.logprob for t in c.logprobs.content])
+        return {"token_ids": c.token_ids, "logprobs": lps, "output_hash": c.output_hash,
+                "logprobs_hash": c.logprobs_hash, "seed": c.seed, "finish_reason": c.finish_reason,
+                "system_fingerprint": resp.system_fingerprint}
+    ids, lps, last = [], [], None
+    for ch in resp:
+        c = ch.choices[0]
+        ids += c.token_ids
+        if c.logprobs:
+            lps += c.logprobs.token_logprobs if kind == "completions" else [t.logprob for t in c.logprobs.content]
+        last = c
+    return {"token_ids": ids, "logprobs": lps, "output_hash": last.output_hash,
+            "logprobs_hash": last.logprobs_hash, "seed": last.seed, "finish_reason": last.finish_reason}
+
+
+# -- the probes: the requests whose bits are checked under every load -----------------------------------
+
+PROBES = [
+    ("completions", {"prompt": [5, 17, 29, 41, 53, 65, 77, 89, 101, 113, 125, 137], "max_tokens": 12,
+                     "temperature": 0, "logprobs": 0}),
+    ("completions", {"prompt": [3, 1, 4, 1, 5, 9, 2, 6], "max_tokens": 10, "temperature": 0.8, "top_k": 40,
+                     "top_p": 0.9, "seed": 1234, "logprobs": 0, "stream": True}),
+    ("chat", {"messages": [{"role": "user", "content": "what is exact inference?"}], "max_tokens": 9,
+              "temperature": 1.2, "seed": 77, "logprobs": True}),
+    ("chat", {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+              "max_tokens": 7, "temperature": 0, "logprobs": True, "stream": True}),
+    ("openai-completions", {"prompt": [250, 3, 99, 7], "max_tokens": 8, "temperature": 0.7, "seed": 2 ** 40 + 3}),
+    ("openai-chat", {"messages": [{"role": "user", "content": "tiny"}], "max_tokens": 6, "temperature": 0.9,
+                     "top_p": 0.8, "seed": 5, "stream": True}),
+]
+
+
+def _prompt_ids(srv, kind, body):
+    if "messages" in body:
+        return srv.tokenizer.encode(plain_chat_prompt(body["messages"])).ids
+    return list(body["prompt"])
+
+
+def _run_probe(srv, client, oc, kind, body):
+    body = dict(body, model=MODEL)
+    if kind.startswith("openai-"):
+        return _post_openai(oc, kind[7:], body)
+    return _post(client, "/v1/completions" if kind == "completions" else "/v1/chat/completions", body)
+
+
+def _noise(url, rng, done, errors):
+    """Requests of random lengths and parameters, at random times, some abandoned midway."""
+    with httpx.Client(base_url=url, timeout=120) as c:
+        while not done.is_set():
+            time.sleep(rng.uniform(0, 0.03))
+            body = {"model": MODEL, "prompt": [rng.randrange(300) for _ in range(rng.randint(1, 40))],
+                    "max_tokens": rng.randint(1, 24), "temperature": rng.choice([0, 0.5, 1.0]),
+                    "top_k": rng.choice([0, 3, 50]), "seed": rng.randrange(2 ** 32)}
+            try:
+                if rng.random() < 0.2:   # a client that goes away after the first chunk
+                    with c.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+                        next(r.iter_lines())
+                    continue
+                r = c.post("/v1/completions", json=dict(body, stream=rng.random() < 0.5))
+                if r.status_code != 200:
+                    errors.append(r.text)
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                errors.append(repr(e))
+
+
+@pytest.mark.parametrize("concurrency", [1, 4, 16])
+def test_answers_do_not_depend_on_concurrency(server, reference, concurrency):
+    srv, url = server
+    mixed0 = srv.metrics.mixed_steps
+    rng = random.Random(concurrency)
+    errors: list[str] = []
+    probe_workers = min(concurrency, 3)       # the probes' own clients, the rest is noise
+    done = threading.Event()
+    threads = [threading.Thread(target=_noise, args=(url, random.Random(i), done, errors), daemon=True)
+               for i in range(concurrency - probe_workers)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while threads and srv.scheduler.load[0] < len(threads) // 2 and time.monotonic() < deadline:
+        time.sleep(0.01)   # the probes arrive into a busy server
+    results = [None] * len(PROBES)
+
+    def worker(k):
+        with httpx.Client(base_url=url, timeout=120) as client:
+            oc = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            for i in range(k, len(PROBES), probe_workers):
+                time.sleep(rng.uniform(0, 0.05))
+                try:
+                    results[i] = _run_probe(srv, client, oc, *PROBES[i])
+                except Exception as e:  # noqa: BLE001 - reported by the test
+                    errors.append(f"probe {i}: {e!r}")
+    workers = [threading.Thread(target=worker, args=(k,)) for k in range(probe_workers)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(300)
+    done.set()
+    for t in threads:
+        t.join(60)
+    for (kind, body), res in zip(PROBES, results):
+        assert res is not None, (kind, body)
+        _check(res, _prompt_ids(srv, kind, body), body, reference)
+        if "seed" not in body:   # drawn by the server and returned: replaying it gives the same answer
+            assert isinstance(res["seed"], int)
+    assert not errors, errors[:3]
+    if concurrency == 16:   # the load really was concurrent: big steps, prompt chunks next to decodes
+        assert srv.metrics.peak_batch >= 8 and srv.metrics.mixed_steps > mixed0
