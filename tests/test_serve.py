@@ -32,10 +32,10 @@ CTX = 4096
 MODEL = "tiny-fp8"
 
 
-def _start(golden_dir, *extra):
+def _start(golden_dir, *extra, ctx=CTX):
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--checkpoint", str(golden_dir / MODEL), "--engine", f"cpu:threads=1,max-context={CTX}",
+    args = p.parse_args(["--checkpoint", str(golden_dir / MODEL), "--engine", f"cpu:threads=1,max-context={ctx}",
                          *extra])
     srv = build_server(args)
     uv, url = serve_in_thread(srv)
@@ -233,3 +233,175 @@ def test_answers_do_not_depend_on_concurrency(server, reference, concurrency):
     assert not errors, errors[:3]
     if concurrency == 16:   # the load really was concurrent: big steps, prompt chunks next to decodes
         assert srv.metrics.peak_batch >= 8 and srv.metrics.mixed_steps > mixed0
+
+
+# -- bad requests: 4xx with an OpenAI error object, nothing else disturbed ------------------------------
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": "gpt-4", "prompt": [1, 2]}, 404, "model"),
+    ("/v1/completions", {"prompt": [1, 2]}, 400, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 300]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, -1]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2.5]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], [3]]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1] * (CTX + 1), "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": CTX}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": "8"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "top_p": 1.01}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "top_k": -3}, 400, "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "seed": 2 ** 64}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages[0]"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": CTX + 5}, 400, "max_completion_tokens"),
+    ("/v1/nothing", {}, 404, None),
+]
+
+
+def test_bad_requests_get_an_openai_error_and_change_no_bits(server, reference):
+    srv, url = server
+    good = ("completions", {"prompt": [9, 8, 7, 6], "max_tokens": 6, "temperature": 0.9, "seed": 31, "logprobs": 0})
+    with httpx.Client(base_url=url, timeout=60) as c:
+        before = _run_probe(srv, c, None, *good)
+        for path, body, status, param in BAD:
+            r = (c.post(path, content=body, headers={"content-type": "application/json"})
+                 if isinstance(body, bytes) else c.post(path, json=body))
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert isinstance(err["message"], str) and err["message"] and err["type"], (body, err)
+            assert err["param"] == param, (body, err)
+        r = c.get("/v1/completions")
+        assert r.status_code == 405 and "error" in r.json()
+        assert c.get("/health").json()["status"] == "ok"
+        after = _run_probe(srv, c, None, *good)
+    assert after == before
+    _check(after, good[1]["prompt"], good[1], reference)
+
+
+def test_the_openai_client_sees_the_errors(server):
+    srv, url = server
+    oc = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        oc.completions.create(model="nope", prompt=[1, 2], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.completions.create(model=MODEL, prompt=[1, 2], max_tokens=2, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+
+
+# -- admission, disconnects, seeds, stop strings, the small routes --------------------------------------
+
+def _wait(cond, seconds=20.0):
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_full_server_answers_429_and_a_client_that_leaves_frees_its_sequence(golden_dir, reference):
+    big = 1 << 17   # requests that would run for minutes: only a cancellation ends them in time
+    srv, uv, url = _start(golden_dir, "--max-batch", "1", "--max-queue", "1", ctx=big)
+    try:
+        long = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": big - 3, "temperature": 0, "stream": True}
+        with httpx.Client(base_url=url, timeout=60) as a, httpx.Client(base_url=url, timeout=60) as b:
+            with a.stream("POST", "/v1/completions", json=long) as ra:
+                lines = ra.iter_lines()   # kept: a dropped iterator closes the response
+                next(lines)                                             # running
+                with b.stream("POST", "/v1/completions", json=long) as rb:
+                    assert rb.status_code == 200                        # waiting
+                    _wait(lambda: srv.scheduler.load == (1, 1))
+                    r = httpx.post(url + "/v1/completions", json=dict(long, stream=False), timeout=60)
+                    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+            # both clients went away long before their last tokens: both sequences are freed
+            _wait(lambda: srv.scheduler.load == (0, 0))
+            assert srv.metrics.finished_by["cancelled"] == 2 and srv.metrics.generated_tokens < big
+            # a non-streamed request whose client gives up is cancelled too
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/completions", json=dict(long, stream=False), timeout=0.5)
+            _wait(lambda: srv.metrics.finished_by["cancelled"] == 3 and srv.scheduler.load == (0, 0))
+            body = {"prompt": [4, 4, 4], "max_tokens": 5, "temperature": 1.0, "seed": 8, "logprobs": 0}
+            _check(_post(a, "/v1/completions", dict(body, model=MODEL)), body["prompt"], body, reference)
+        metrics = httpx.get(url + "/metrics").text
+        assert 'glm_requests_total{endpoint="completions",code="429"} 1' in metrics
+        assert 'glm_sequences_finished_total{reason="cancelled"} 3' in metrics
+    finally:
+        uv.should_exit = True
+        uv.thread.join(10)
+        srv.close()
+
+
+def test_no_seed_draws_one_and_returns_it_so_the_answer_replays(server, reference):
+    srv, url = server
+    body = {"model": MODEL, "prompt": [11, 22, 33], "max_tokens": 8, "temperature": 1.0, "logprobs": 0}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        a, b = _post(c, "/v1/completions", body), _post(c, "/v1/completions", body)
+        assert a["seed"] != b["seed"]
+        replay = _post(c, "/v1/completions", dict(body, seed=a["seed"], stream=True))
+    assert replay["token_ids"] == a["token_ids"] and replay["output_hash"] == a["output_hash"]
+    _check(a, body["prompt"], body, reference)
+    _check(b, body["prompt"], body, reference)
+
+
+def test_stop_strings_cut_the_text_and_end_the_sequence(server, reference):
+    srv, url = server
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 30, "temperature": 0, "logprobs": 0}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        full = _post(c, "/v1/completions", body)
+        text = full["text"]
+        k = len(srv.tokenizer.decode(full["token_ids"][:6]))   # a stop string inside the 7th token's text
+        stop = text[k - 1:k + 1] if k > 0 else text[:2]
+        first = text.find(stop)
+        for stream in (False, True):
+            cut = _post(c, "/v1/completions", dict(body, stop=[stop, "\x00never"], stream=stream))
+            assert cut["finish_reason"] == "stop" and cut["text"] == text[:first]
+            n = len(cut["token_ids"])
+            assert cut["token_ids"] == full["token_ids"][:n] and n < 30
+            assert stop in srv.tokenizer.decode(cut["token_ids"]) and stop not in srv.tokenizer.decode(cut["token_ids"][:-1])
+            assert _bits(cut["logprobs"]) == _bits(full["logprobs"][:n])
+
+
+def test_chat_uses_the_plain_template_when_the_checkpoint_has_none(server):
+    srv, url = server
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert srv.chat_template is None
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2}).json()
+    ids = srv.tokenizer.encode("<|system|>\ns\n<|user|>\nhi\n<|assistant|>\n").ids
+    assert r["usage"]["prompt_tokens"] == len(ids) and r["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_health_models_and_metrics(server):
+    srv, url = server
+    with httpx.Client(base_url=url, timeout=60) as c:
+        h = c.get("/health").json()
+        models = openai.OpenAI(base_url=url + "/v1", api_key="none").models.list()
+        m = c.get("/metrics")
+    assert h["status"] == "ok" and h["max_context"] == CTX
+    fp = h["system_fingerprint"]
+    assert "cpu:threads=1" in fp and MODEL in fp and "sampling-v1" in fp
+    assert [x.id for x in models.data] == [MODEL]
+    assert m.headers["content-type"].startswith("text/plain")
+    names = {line.split()[2] for line in m.text.splitlines() if line.startswith("# TYPE")}
+    assert {"glm_requests_total", "glm_generation_tokens_total", "glm_sequences_waiting",
+            "glm_sequences_active", "glm_engine_step_seconds"} <= names
+    assert 'glm_engine_step_seconds_bucket{le="+Inf"}' in m.text

@@ -394,6 +394,7 @@ class Server:
         head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
         hold = max((len(s) for s in req.stop), default=1) - 1   # text that may still become a stop string
         toks, lps, sent = [], [], 0
+        text, prefix, read = "", 0, 0   # the text decoded so far; toks[prefix:read]: its last window
         first = True
 
         def chunk(text, ev_toks, evs, finish=None, extra=None):
@@ -425,10 +426,15 @@ class Server:
                 if ev["type"] == "token":
                     toks.append(ev["token"])
                     lps.append(ev["logprob"])
-                    text = self._text(toks, None)
+                    if self.tokenizer is not None:
+                        # incremental detokenization: decode a short window, so a token costs the same
+                        # at position 10 and 10,000 (a window that ends inside a UTF-8 sequence waits)
+                        before = self.tokenizer.decode(toks[prefix:read])
+                        now = self.tokenizer.decode(toks[prefix:])
+                        if len(now) > len(before) and not now.endswith("\ufffd"):
+                            text += now[len(before):]
+                            prefix, read = read, len(toks)
                     safe = len(text) - hold
-                    while safe > sent and text[safe - 1] == "\ufffd":   # an unfinished UTF-8 sequence
-                        safe -= 1
                     piece = text[sent:safe] if safe > sent else ""
                     out = chunk(piece, [ev["token"]], [ev])
                     sent += len(piece)

@@ -198,10 +198,14 @@ class Scheduler:
         if t in r.eos:
             reason = "stop"
         elif r.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(r.tokens)
-            hits = [i for i in (text.find(s) for s in r.stop) if i >= 0]
-            if hits:
-                reason, text_end = "stop", min(hits)
+            # a stop string ends within the last few tokens (a char takes at most 4 byte-tokens): look
+            # there first, and at the whole text only on a hit
+            tail = self.tokenizer.decode(r.tokens[-(4 * max(map(len, r.stop)) + 4):])
+            if any(s in tail for s in r.stop):
+                text = self.tokenizer.decode(r.tokens)
+                hits = [i for i in (text.find(s) for s in r.stop) if i >= 0]
+                if hits:
+                    reason, text_end = "stop", min(hits)
         if reason is None and len(r.tokens) >= r.max_tokens:
             reason = "length"
         self._emit(r, {"type": "token", "token": t, "logprob": float(r.logprobs[-1]), "top": top})
