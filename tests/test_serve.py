@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import threading
 import time
@@ -30,12 +31,15 @@ from tools.serve.app import _hash12, plain_chat_prompt  # noqa: E402
 
 CTX = 4096
 MODEL = "tiny-fp8"
+# GLM_SERVE_ENGINE=cuda runs the server on the CUDA engine; the reference stays the CPU engine (the two
+# give the same logits bit for bit, so the same answers)
+ENGINE = os.environ.get("GLM_SERVE_ENGINE", "cpu:threads=1")
 
 
 def _start(golden_dir, *extra, ctx=CTX):
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--checkpoint", str(golden_dir / MODEL), "--engine", f"cpu:threads=1,max-context={ctx}",
+    args = p.parse_args(["--checkpoint", str(golden_dir / MODEL), "--engine", f"{ENGINE}{',' if ':' in ENGINE else ':'}max-context={ctx}",
                          *extra])
     srv = build_server(args)
     uv, url = serve_in_thread(srv)
@@ -398,7 +402,7 @@ def test_health_models_and_metrics(server):
         m = c.get("/metrics")
     assert h["status"] == "ok" and h["max_context"] == CTX
     fp = h["system_fingerprint"]
-    assert "cpu:threads=1" in fp and MODEL in fp and "sampling-v1" in fp
+    assert ENGINE in fp and MODEL in fp and "sampling-v1" in fp
     assert [x.id for x in models.data] == [MODEL]
     assert m.headers["content-type"].startswith("text/plain")
     names = {line.split()[2] for line in m.text.splitlines() if line.startswith("# TYPE")}
