@@ -325,6 +325,12 @@ def _wait(cond, seconds=20.0):
 def test_a_full_server_answers_429_and_a_client_that_leaves_frees_its_sequence(golden_dir, reference):
     big = 1 << 17   # requests that would run for minutes: only a cancellation ends them in time
     srv, uv, url = _start(golden_dir, "--max-batch", "1", "--max-queue", "1", ctx=big)
+    caches, new_cache = [], srv.engine.new_cache
+
+    def tracked():
+        caches.append(new_cache())
+        return caches[-1]
+    srv.engine.new_cache = tracked   # the scheduler's thread is the only caller
     try:
         long = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": big - 3, "temperature": 0, "stream": True}
         with httpx.Client(base_url=url, timeout=60) as a, httpx.Client(base_url=url, timeout=60) as b:
@@ -343,6 +349,8 @@ def test_a_full_server_answers_429_and_a_client_that_leaves_frees_its_sequence(g
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(url + "/v1/completions", json=dict(long, stream=False), timeout=0.5)
             _wait(lambda: srv.metrics.finished_by["cancelled"] == 3 and srv.scheduler.load == (0, 0))
+            # the waiting request never got a cache; the two that ran had theirs freed in the engine
+            assert len(caches) == 2 and not any(c._finalizer.alive for c in caches)
             body = {"prompt": [4, 4, 4], "max_tokens": 5, "temperature": 1.0, "seed": 8, "logprobs": 0}
             _check(_post(a, "/v1/completions", dict(body, model=MODEL)), body["prompt"], body, reference)
         metrics = httpx.get(url + "/metrics").text
@@ -409,3 +417,23 @@ def test_health_models_and_metrics(server):
     assert {"glm_requests_total", "glm_generation_tokens_total", "glm_sequences_waiting",
             "glm_sequences_active", "glm_engine_step_seconds"} <= names
     assert 'glm_engine_step_seconds_bucket{le="+Inf"}' in m.text
+
+
+def test_the_command_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tools.serve import register
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"), console=None)
+    args = parser.parse_args(["serve", "--checkpoint", "x", "--engine", "cuda:threads=1", "--max-batch", "3"])
+    assert (args.checkpoint, args.engine, args.max_batch, args.max_queue, args.port) == ("x", "cuda:threads=1", 3, 64, 8000)
+    assert callable(args.func)
+    root = Path(__file__).resolve().parent.parent
+    for argv, says in ((["--checkpoint", str(tmp_path / "none")], "none"),
+                       (["--checkpoint", str(root / "golden" / MODEL), "--engine", "oracle"], "fast engine"),
+                       (["--checkpoint", str(root / "golden" / MODEL), "--max-batch", "0"], "--max-batch")):
+        r = subprocess.run([sys.executable, "-m", "tools.serve", *argv], cwd=root, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and says in r.stderr, (argv, r.stderr[-500:])

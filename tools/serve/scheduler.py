@@ -150,7 +150,11 @@ class Scheduler:
         decodes = len(segs)
         for r in batch:   # then prompt chunks, in arrival order, while the budget lasts
             if r.cache is None:
-                r.cache = self.engine.new_cache()
+                try:
+                    r.cache = self.engine.new_cache()
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory: this request fails, not the server
+                    self._finish(r, "error", error=f"no cache for the sequence: {type(e).__name__}: {e}")
+                    continue
             if r.fed < r.prompt.size and budget > 0:
                 take = min(budget, r.prompt.size - r.fed)
                 done = r.fed + take == r.prompt.size
