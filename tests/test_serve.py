@@ -437,3 +437,21 @@ def test_the_command_line(tmp_path):
         r = subprocess.run([sys.executable, "-m", "tools.serve", *argv], cwd=root, capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2 and says in r.stderr, (argv, r.stderr[-500:])
+
+
+def test_an_eos_token_ends_the_answer_and_is_kept_in_token_ids(server):
+    srv, url = server
+    body = {"model": MODEL, "prompt": [2, 71, 13], "max_tokens": 12, "temperature": 0.8, "seed": 99, "logprobs": 0}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        full = _post(c, "/v1/completions", body)
+        eos = full["token_ids"][4]
+        first = full["token_ids"].index(eos)
+        old = srv.eos
+        srv.eos = frozenset({eos})   # as if config.json named it
+        try:
+            for stream in (False, True):
+                cut = _post(c, "/v1/completions", dict(body, stream=stream))
+                assert cut["finish_reason"] == "stop" and cut["token_ids"] == full["token_ids"][:first + 1]
+                assert _bits(cut["logprobs"]) == _bits(full["logprobs"][:first + 1])
+        finally:
+            srv.eos = old
