@@ -121,6 +121,8 @@ def _post(client, path, body):
 
 def _post_openai(oc, kind, body):
     extra = {k: body[k] for k in ("top_k",) if k in body}
+    if "stream_options" in body:
+        extra["stream_options"] = body["stream_options"]
     common = dict(model=MODEL, max_tokens=body["max_tokens"], temperature=body.get("temperature"),
                   top_p=body.get("top_p"), seed=body.get("seed"), extra_body=extra or None)
     if kind == "completions":
@@ -134,13 +136,18 @@ def _post_openai(oc, kind, body):
         return {"token_ids": c.token_ids, "logprobs": lps, "output_hash": c.output_hash,
                 "logprobs_hash": c.logprobs_hash, "seed": c.seed, "finish_reason": c.finish_reason,
                 "system_fingerprint": resp.system_fingerprint}
-    ids, lps, last = [], [], None
+    ids, lps, last, usage = [], [], None, None
     for ch in resp:
+        if not ch.choices:   # stream_options.include_usage: the usage chunk
+            usage = ch.usage
+            continue
         c = ch.choices[0]
         ids += c.token_ids
         if c.logprobs:
             lps += c.logprobs.token_logprobs if kind == "completions" else [t.logprob for t in c.logprobs.content]
         last = c
+    if "stream_options" in body:
+        assert usage is not None and usage.completion_tokens == len(ids)
     return {"token_ids": ids, "logprobs": lps, "output_hash": last.output_hash,
             "logprobs_hash": last.logprobs_hash, "seed": last.seed, "finish_reason": last.finish_reason}
 
@@ -158,7 +165,7 @@ PROBES = [
               "max_tokens": 7, "temperature": 0, "logprobs": True, "stream": True}),
     ("openai-completions", {"prompt": [250, 3, 99, 7], "max_tokens": 8, "temperature": 0.7, "seed": 2 ** 40 + 3}),
     ("openai-chat", {"messages": [{"role": "user", "content": "tiny"}], "max_tokens": 6, "temperature": 0.9,
-                     "top_p": 0.8, "seed": 5, "stream": True}),
+                     "top_p": 0.8, "seed": 5, "stream": True, "stream_options": {"include_usage": True}}),
 ]
 
 
@@ -270,6 +277,8 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages[0]"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400,

@@ -264,10 +264,16 @@ class Server:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "stream must be a boolean", "stream")
+        so = body.get("stream_options")
+        if so is not None and (not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool)):
+            raise ApiError(400, "stream_options must be an object with a boolean include_usage", "stream_options")
+        include_usage = bool(so and so.get("include_usage"))
+        if include_usage and not stream:
+            raise ApiError(400, "stream_options is only for stream: true", "stream_options")
         params = SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
         req = Request(prompt=np.asarray(ids, np.int32), max_tokens=int(max_tokens), params=params,
                       top_logprobs=top, eos=self.eos, stop=tuple(stop))
-        req.want_logprobs, req.stream = want_lp, stream
+        req.want_logprobs, req.stream, req.include_usage = want_lp, stream, include_usage
         return req
 
     # -- generation ---------------------------------------------------------------------------------
@@ -451,6 +457,10 @@ class Server:
                 extra = self._result(req, toks, lps)
                 del extra["token_ids"]
                 yield chunk(text[sent:], [], [], finish=ev["reason"], extra=extra)
+                if req.include_usage:   # OpenAI's form: one more chunk, no choices, the usage
+                    usage = {"prompt_tokens": int(req.prompt.size), "completion_tokens": len(toks),
+                             "total_tokens": int(req.prompt.size) + len(toks)}
+                    yield "data: " + json.dumps({**head, "choices": [], "usage": usage}) + "\n\n"
                 yield "data: [DONE]\n\n"
                 return
         finally:
