@@ -1,0 +1,239 @@
+"""The continuous-batching loop: one thread owns the engine and runs one engine step at a time.
+
+Between two steps requests join (from the waiting queue, while fewer than max_batch are active) and
+leave (finished, or cancelled because the client went away: their cache is freed at once). One step
+is one `engine.step` call over every active sequence: one token for each sequence in decode, and
+prompt chunks for sequences still in prefill, as many prompt tokens as `max_step_tokens` leaves.
+
+Nothing a request gets depends on the others: the engine's logits of a sequence depend only on its
+own tokens (any batch, any chunking: docs/contract.md), and the token is chosen from those logits by
+oracle.sampling with u(seed, position), never the slot or the step number.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from oracle.sampling import SamplingParams, log_softmax, sample
+
+
+class QueueFull(Exception):
+    """Admission refused: max_batch sequences active and max_queue waiting."""
+
+
+@dataclass(eq=False)   # requests are compared by identity
+class Request:
+    prompt: np.ndarray                       # int32 token ids, validated against the vocabulary
+    max_tokens: int
+    params: SamplingParams
+    top_logprobs: int = 0                    # alternatives per token (0: only the chosen token's)
+    eos: frozenset = frozenset()             # token ids that end the sequence (finish_reason "stop")
+    stop: tuple = ()                         # strings that end it (matched in the decoded text)
+    deliver: object = None                   # deliver(event): called on the scheduler thread
+    id: int = field(default_factory=itertools.count().__next__)
+    # state, owned by the scheduler thread
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)   # np.float32 values
+    fed: int = 0
+    cache: object = None
+    cancelled: bool = False
+    finished: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+
+    def cancel(self) -> None:
+        """The client is gone: the scheduler frees the sequence before its next step."""
+        self.cancelled = True
+
+
+class Scheduler:
+    """Drives `engine` (a fast.Engine: new_cache, step) for many requests on one thread."""
+
+    def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 64, max_step_tokens: int = 512,
+                 tokenizer=None, metrics=None):
+        if max_batch < 1 or max_queue < 0 or max_step_tokens < 1:
+            raise ValueError("max_batch and max_step_tokens must be >= 1, max_queue >= 0")
+        self.engine = engine
+        self.max_batch, self.max_queue, self.max_step_tokens = max_batch, max_queue, max_step_tokens
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._cv = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._closing = False
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="glm-serve-scheduler", daemon=True)
+
+    # -- the HTTP side ------------------------------------------------------------------------------
+    def start(self) -> "Scheduler":
+        self._thread.start()
+        return self
+
+    def submit(self, req: Request) -> None:
+        """Queue a request, or raise QueueFull (the server answers 429)."""
+        with self._cv:
+            if self._closing:
+                raise QueueFull("the server is shutting down")
+            if len(self._active) + len(self._waiting) >= self.max_batch + self.max_queue:
+                raise QueueFull(f"{len(self._active)} sequences active (max_batch {self.max_batch}) and "
+                                f"{len(self._waiting)} waiting (max_queue {self.max_queue})")
+            self._waiting.append(req)
+            self._cv.notify()
+
+    def wake(self) -> None:
+        """A request was cancelled: let an idle loop look at it."""
+        with self._cv:
+            self._cv.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(active, waiting)."""
+        with self._cv:
+            return len(self._active), len(self._waiting)
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - a bug here: fail every request rather than hang them
+            with self._cv:
+                doomed = list(self._active) + list(self._waiting)
+                self._active, self._waiting, self._closing = [], deque(), True
+            for r in doomed:
+                self._leave(r, "error", error=f"the scheduler stopped: {type(e).__name__}: {e}")
+            raise
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closing and not self._waiting and not self._active:
+                    self._cv.wait()
+                if self._closing:
+                    doomed = list(self._active) + list(self._waiting)
+                    self._active, self._waiting = [], deque()
+                    break
+                for r in [r for r in self._active if r.cancelled]:
+                    self._active.remove(r)
+                    self._leave(r, "cancelled")
+                while self._waiting and len(self._active) < self.max_batch:
+                    r = self._waiting.popleft()
+                    if r.cancelled:
+                        self._leave(r, "cancelled")
+                        continue
+                    self._active.append(r)
+                batch = list(self._active)
+            if batch:
+                self._step(batch)
+        for r in doomed:
+            self._leave(r, "cancelled")
+
+    def _step(self, batch: list[Request]) -> None:
+        segs, rows = [], []
+        budget = self.max_step_tokens
+        for r in batch:   # decodes first: one token each, always
+            if r.cache is not None and r.fed == r.prompt.size:
+                segs.append((r.cache, [r.tokens[-1]], None, "last"))
+                rows.append(r)
+                budget -= 1
+        decodes = len(segs)
+        for r in batch:   # then prompt chunks, in arrival order, while the budget lasts
+            if r.cache is None:
+                try:
+                    r.cache = self.engine.new_cache()
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory: this request fails, not the server
+                    self._finish(r, "error", error=f"no cache for the sequence: {type(e).__name__}: {e}")
+                    continue
+            if r.fed < r.prompt.size and budget > 0:
+                take = min(budget, r.prompt.size - r.fed)
+                done = r.fed + take == r.prompt.size
+                segs.append((r.cache, r.prompt[r.fed:r.fed + take], None, "last" if done else None))
+                rows.append(r)
+                r.fed += take
+                budget -= take
+        if not segs:
+            return
+        t0 = time.perf_counter()
+        try:
+            results = self.engine.step(segs)
+        except Exception as e:  # noqa: BLE001 - the engine refused: those requests fail, the server lives
+            for r in rows:
+                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            return
+        dt = time.perf_counter() - t0
+        self.steps += 1
+        if self.metrics is not None:
+            self.metrics.step(dt, len(segs), sum(len(s[1]) for s in segs), mixed=0 < decodes < len(segs))
+        for r, (_, _, _, want), lg in zip(rows, segs, results):
+            if want is None:
+                continue
+            self._produce(r, lg[-1])
+
+    def _produce(self, r: Request, row: np.ndarray) -> None:
+        position = r.prompt.size + len(r.tokens)   # where the chosen token will sit
+        try:
+            t = sample(row, r.params, position)
+            lp = log_softmax(row)
+        except ValueError as e:
+            self._finish(r, "error", error=str(e))
+            return
+        r.tokens.append(t)
+        r.logprobs.append(lp[t])
+        top = None
+        if r.top_logprobs:
+            order = np.argsort(-lp, kind="stable")[:r.top_logprobs]   # ties: the lower id first
+            top = [(int(i), float(lp[i])) for i in order]
+        if r.t_first is None:
+            r.t_first = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.token(first=len(r.tokens) == 1, since_submit=r.t_first - r.t_submit)
+        reason, text_end = None, None
+        if t in r.eos:
+            reason = "stop"
+        elif r.stop and self.tokenizer is not None:
+            # a stop string ends within the last few tokens (a char takes at most 4 byte-tokens): look
+            # there first, and at the whole text only on a hit
+            tail = self.tokenizer.decode(r.tokens[-(4 * max(map(len, r.stop)) + 4):])
+            if any(s in tail for s in r.stop):
+                text = self.tokenizer.decode(r.tokens)
+                hits = [i for i in (text.find(s) for s in r.stop) if i >= 0]
+                if hits:
+                    reason, text_end = "stop", min(hits)
+        if reason is None and len(r.tokens) >= r.max_tokens:
+            reason = "length"
+        self._emit(r, {"type": "token", "token": t, "logprob": float(r.logprobs[-1]), "top": top})
+        if reason is not None:
+            self._finish(r, reason, text_end=text_end)
+
+    def _finish(self, r: Request, reason: str, text_end=None, error=None) -> None:
+        with self._cv:
+            if r in self._active:
+                self._active.remove(r)
+        self._leave(r, reason, text_end=text_end, error=error)
+
+    def _leave(self, r: Request, reason: str, text_end=None, error=None) -> None:
+        if r.finished:
+            return
+        r.finished = True
+        if r.cache is not None:
+            r.cache.close()
+            r.cache = None
+        if self.metrics is not None:
+            self.metrics.finished(reason, len(r.tokens), r.prompt.size)
+        self._emit(r, {"type": "done", "reason": reason, "text_end": text_end, "error": error})
+
+    @staticmethod
+    def _emit(r: Request, event: dict) -> None:
+        if r.deliver is not None:
+            r.deliver(event)
