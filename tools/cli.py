@@ -240,9 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("rest", nargs=argparse.REMAINDER)
     m.set_defaults(func=lambda args: 0)
 
-    from . import bench, census, diff, trace  # the tools register their own parsers
+    from . import bench, census, diff, serve, trace  # the tools register their own parsers
     console = term.out()
-    for tool in (diff, trace, census, bench):
+    for tool in (diff, trace, census, bench, serve):
         tool.register(sub, console)
     return p
 

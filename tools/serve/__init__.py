@@ -17,30 +17,33 @@ __all__ = ["register", "add_arguments", "build_server", "serve_in_thread", "main
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
     p.add_argument("--engine", default="cpu", help="cpu | cuda, options after a colon (cpu:threads=4,max-context=4096)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences in the running batch")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; more get 429")
     p.add_argument("--max-step-tokens", type=int, default=512, help="prompt + decode tokens in one engine step")
     p.add_argument("--model-name", default=None, help="the model id clients use (default: the checkpoint's folder name)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the checkpoint's)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="uvicorn's log level")
 
 
 def build_server(args):
     """The Server (engine loaded, scheduler not yet started) from parsed arguments."""
-    from ..sides import make_engine
+    from ..sides import open_side, parse_spec, refuse_options
     from .app import Server
-    name = args.engine.partition(":")[0]
-    if name not in ("cpu", "cuda"):
+    spec = parse_spec(args.engine)                 # the one SPEC parser of every command
+    if spec.engine not in ("cpu", "cuda"):
         raise ValueError(f"--engine {args.engine!r}: the server drives a fast engine (cpu or cuda)")
+    # what a server can honour: how the engine runs, not per-request schedules or fault injection
+    refuse_options(spec, ("threads", "dot", "expf", "ranks", "memory-limit", "verify-ranks", "max-context"),
+                   "oracle serve")
     for flag, v, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
                          ("--max-step-tokens", args.max_step_tokens, 1)):
         if v < low:
             raise ValueError(f"{flag} must be >= {low}, got {v}")
-    engine = make_engine(args.engine, args.checkpoint)
+    engine = open_side(spec, args.checkpoint).engine
     return Server(engine, args.checkpoint, args.engine, model_name=args.model_name, max_batch=args.max_batch,
                   max_queue=args.max_queue, max_step_tokens=args.max_step_tokens, chat_template=args.chat_template)
 
