@@ -2,7 +2,8 @@
 what the page says fails here.
 
 An example is a fenced block marked ```console whose first line is `$ oracle ...`; the rest of the block
-is the expected output (stdout and stderr together, as a terminal shows them). Before comparing, both
+is the expected output (stdout and stderr together, in the order they were written, as a terminal
+shows them). Before comparing, both
 sides are normalized for what legitimately varies between runs and machines: timings (numbers followed by
 s, ms, tok/s, tokens/s), table borders and runs of blank space; and a value the page writes as `…` (a
 bare timing in a table cell, say) matches any one word. Hashes, token ids, stage names, ULP counts and
@@ -62,12 +63,14 @@ def test_the_page_has_examples():
 def test_example_output_matches(command, expected):
     argv = shlex.split(command)
     assert argv[0] == "oracle"
-    env = dict(os.environ, COLUMNS="100", NO_COLOR="1")
-    r = subprocess.run([sys.executable, "-m", "tools", *argv[1:]], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
-    got = normalize(r.stdout + r.stderr)
+    # one pipe for stdout and stderr, unbuffered: the lines come in the order they were written, as a
+    # terminal shows them (a warning before the table it belongs to, progress before the verdict)
+    env = dict(os.environ, COLUMNS="100", NO_COLOR="1", PYTHONUNBUFFERED="1")
+    r = subprocess.run([sys.executable, "-m", "tools", *argv[1:]], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=600)
+    got = normalize(r.stdout)
     want = normalize(expected)
-    assert len(got) == len(want) and all(matches(w, g) for w, g in zip(want, got)), (f"`{command}` (exit {r.returncode}) printed:\n{r.stdout}{r.stderr}\n"
+    assert len(got) == len(want) and all(matches(w, g) for w, g in zip(want, got)), (f"`{command}` (exit {r.returncode}) printed:\n{r.stdout}\n"
                          f"docs/cli.md shows:\n{expected}")
 
 
