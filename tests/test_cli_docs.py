@@ -18,7 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "cli.md"
@@ -59,19 +58,28 @@ def test_the_page_has_examples():
     assert len(examples()) >= 3
 
 
-@pytest.mark.parametrize("command,expected", examples(), ids=[c for c, _ in examples()])
-def test_example_output_matches(command, expected):
-    argv = shlex.split(command)
+def run_example(command: str, scratch: Path) -> subprocess.CompletedProcess:
+    argv = shlex.split(command.replace("/tmp/glm-", f"{scratch}/glm-"))
     assert argv[0] == "oracle"
     # one pipe for stdout and stderr, unbuffered: the lines come in the order they were written, as a
     # terminal shows them (a warning before the table it belongs to, progress before the verdict)
     env = dict(os.environ, COLUMNS="100", NO_COLOR="1", PYTHONUNBUFFERED="1")
-    r = subprocess.run([sys.executable, "-m", "tools", *argv[1:]], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=600)
-    got = normalize(r.stdout)
-    want = normalize(expected)
-    assert len(got) == len(want) and all(matches(w, g) for w, g in zip(want, got)), (f"`{command}` (exit {r.returncode}) printed:\n{r.stdout}\n"
-                         f"docs/cli.md shows:\n{expected}")
+    return subprocess.run([sys.executable, "-m", "tools", *argv[1:]], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+
+
+def test_examples_print_what_the_page_shows(tmp_path):
+    # One test, the examples in page order: later examples read what earlier ones wrote (trace files),
+    # which separate tests spread over xdist workers could not guarantee. Files the page writes under
+    # /tmp/glm-* go to this test's own folder, so concurrent runs do not share them.
+    failures = []
+    for command, expected in examples():
+        r = run_example(command, tmp_path)
+        got = normalize(r.stdout.replace(f"{tmp_path}/glm-", "/tmp/glm-"))
+        want = normalize(expected)
+        if not (len(got) == len(want) and all(matches(w, g) for w, g in zip(want, got))):
+            failures.append(f"`{command}` (exit {r.returncode}) printed:\n{r.stdout}\ndocs/cli.md shows:\n{expected}")
+    assert not failures, f"{len(failures)} of {len(examples())} examples differ:\n\n" + "\n\n".join(failures)
 
 
 def test_normalize_keeps_what_matters():
