@@ -14,8 +14,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -68,17 +70,22 @@ def run_example(command: str, scratch: Path) -> subprocess.CompletedProcess:
                           stderr=subprocess.STDOUT, text=True, timeout=600)
 
 
-def test_examples_print_what_the_page_shows(tmp_path):
+def test_examples_print_what_the_page_shows():
     # One test, the examples in page order: later examples read what earlier ones wrote (trace files),
     # which separate tests spread over xdist workers could not guarantee. Files the page writes under
     # /tmp/glm-* go to this test's own folder, so concurrent runs do not share them.
+    # a short folder name: the page's lines must not grow past the pipe's width because of it
+    scratch = Path(tempfile.mkdtemp(prefix="gd", dir="/tmp"))
     failures = []
-    for command, expected in examples():
-        r = run_example(command, tmp_path)
-        got = normalize(r.stdout.replace(f"{tmp_path}/glm-", "/tmp/glm-"))
-        want = normalize(expected)
-        if not (len(got) == len(want) and all(matches(w, g) for w, g in zip(want, got))):
-            failures.append(f"`{command}` (exit {r.returncode}) printed:\n{r.stdout}\ndocs/cli.md shows:\n{expected}")
+    try:
+        for command, expected in examples():
+            r = run_example(command, scratch)
+            got = normalize(r.stdout.replace(f"{scratch}/glm-", "/tmp/glm-"))
+            want = normalize(expected)
+            if not (len(got) == len(want) and all(matches(w, g) for w, g in zip(want, got))):
+                failures.append(f"`{command}` (exit {r.returncode}) printed:\n{r.stdout}\ndocs/cli.md shows:\n{expected}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     assert not failures, f"{len(failures)} of {len(examples())} examples differ:\n\n" + "\n\n".join(failures)
 
 

@@ -29,6 +29,7 @@ from oracle.stages import BF16, F32, F64, I32, stage_dtype
 
 from .fit import fit_tables, plural
 from .prompts import DEFAULT_NEW, prompt_ids
+from .sides import options_help
 from .term import wide
 from .trace import HashComparison, Trace, compare_traces, run_traced
 
@@ -604,9 +605,7 @@ def register(sub, console) -> None:
         "diff", help="localize where two runs part: layer, position, stage, element, ULPs",
         description="Run two sides traced, find where the row hashes part, capture values only there and "
                     "report the first divergence in causal order and every causally minimal one. "
-                    "SPEC: oracle | cpu | cuda, with options after a colon: batch=N, chunk=N, prefix-cache[=N], "
-                    "threads=N, inject=L,P,STAGE,ELEM,ULPS, precision=float64 (oracle), dot=sequential, "
-                    "expf=native (engines). Exit 0 identical, 1 differ, 2 error (bad input, or the plot could not "
+                    + options_help() + ". Exit 0 identical, 1 differ, 2 error (bad input, or the plot could not "
                     "be written: the report is printed first). Tables wider than the terminal continue below "
                     "(the key columns repeated), so no stage name, hash or value is cut.")
     add_run_arguments(d)

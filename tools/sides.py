@@ -65,6 +65,25 @@ class SideSpec:
         return self.text or self.engine
 
 
+def options_help() -> str:
+    """The SPEC grammar for --help texts, from OPTIONS (so a new option is documented where it is defined)."""
+    def form(k, kind):
+        if kind == "int":
+            return f"{k}=N"
+        if kind == "flag":
+            return k
+        if kind == "flag-or-int":
+            return f"{k}[=N]"
+        if kind == "inject":
+            return f"{k}=L,P,STAGE,ELEM,ULPS"
+        return f"{k}={'|'.join(kind)}"
+    parts = []
+    for k, (kind, engines) in OPTIONS.items():
+        who = "" if len(engines) == len(ENGINES) else f" ({', '.join(engines)})"
+        parts.append(form(k, kind) + who)
+    return "SPEC: oracle | cpu | cuda, with options after a colon, comma-separated: " + "; ".join(parts)
+
+
 def engine_options(engine: str) -> list[str]:
     """The options `engine` takes, in the order of OPTIONS."""
     return [k for k, (_, engines) in OPTIONS.items() if engine in engines]

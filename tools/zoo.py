@@ -1076,7 +1076,9 @@ def _parse_value(s: str) -> Any:
 
 
 def main_make_checkpoint(argv: list[str] | None = None) -> int:
-    """`oracle make-checkpoint`: write zoo checkpoints. Exit 0 on success, 2 on a usage/config error."""
+    """`oracle make-checkpoint`: write zoo checkpoints. Exit 0 on success, 2 on a usage/config error.
+    Errors as every command reports them (tools/term.py): `error: ...` on stderr, or a JSON object."""
+    from .term import error
     p = argparse.ArgumentParser(
         prog="oracle make-checkpoint",
         description="Write a seeded synthetic GLM-5.3-Flash checkpoint (the zoo) in one or all releases.",
@@ -1112,8 +1114,7 @@ def main_make_checkpoint(argv: list[str] | None = None) -> int:
     try:
         zoo_config(a.name, **overrides)
     except (ValueError, TypeError) as e:
-        print(f"oracle make-checkpoint: {e}", file=sys.stderr)
-        return 2
+        return error(str(e), a.json)
 
     # the sizes first: a checkpoint that does not fit is refused before anything is written
     dirs = [os.path.join(a.out, f"{a.name}-{r}") for r in releases]
@@ -1133,8 +1134,7 @@ def main_make_checkpoint(argv: list[str] | None = None) -> int:
             print(f"(would not fit: {_no_space_message(where, needed, free, margin)})")
         return 0
     if not fits:
-        print(f"oracle make-checkpoint: {_no_space_message(where, needed, free, margin)}", file=sys.stderr)
-        return 2
+        return error(_no_space_message(where, needed, free, margin), a.json, needed=needed, free=free)
 
     last = [0.0]
 
