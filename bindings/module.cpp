@@ -25,6 +25,7 @@
 #include "cpu/threadpool.hpp"
 #include "cpu/weights.hpp"
 #include "engine_types.hpp"
+#include "pyglue.hpp"
 
 namespace py = pybind11;
 using namespace glm::cpu;
@@ -35,7 +36,7 @@ namespace {
 
 // ---- validation ---------------------------------------------------------------------------------
 
-[[noreturn]] void bad(const std::string& msg) { throw py::value_error(msg); }
+using glm::pyglue::bad;  // one ValueError helper for both binding files (pyglue.hpp)
 
 using glm::shape_str;  // (py::ssize_t is int64_t here)
 static_assert(std::is_same_v<py::ssize_t, int64_t>, "shapes are passed as int64_t vectors");
@@ -75,7 +76,7 @@ bool dtype_ok(const py::array& a, const DType& d) {
 }
 
 // Check an argument: ndarray, dtype, ndim (-1 = any), C-contiguous, aligned.
-py::array arg(const py::object& obj, const char* name, const DType& d, int ndim) {
+py::array checked_arg(const py::object& obj, const char* name, const DType& d, int ndim) {
     if (!py::isinstance<py::array>(obj))
         bad(std::string(name) + ": expected a numpy.ndarray of " + d.what + ", given " + type_name(obj));
     py::array a = py::reinterpret_borrow<py::array>(obj);
@@ -154,7 +155,7 @@ DType kU8(const char* what) { return dt<uint8_t>(what); }
 // ---- the functions ------------------------------------------------------------------------------
 
 py::object py_cdot(const py::object& ao, const py::object& bo) {
-    const py::array a = arg(ao, "a", kF32, 1), b = arg(bo, "b", kF32, 1);
+    const py::array a = checked_arg(ao, "a", kF32, 1), b = checked_arg(bo, "b", kF32, 1);
     expect_shape(b, "b", shape_of(a), [] { return "the shape of a"; });
     require_clean_mxcsr();
     float r;
@@ -166,7 +167,7 @@ py::object py_cdot(const py::object& ao, const py::object& bo) {
 }
 
 double py_cdot64(const py::object& ao, const py::object& bo) {
-    const py::array a = arg(ao, "a", kF64, 1), b = arg(bo, "b", kF64, 1);
+    const py::array a = checked_arg(ao, "a", kF64, 1), b = checked_arg(bo, "b", kF64, 1);
     expect_shape(b, "b", shape_of(a), [] { return "the shape of a"; });
     require_clean_mxcsr();
     py::gil_scoped_release nogil;
@@ -174,7 +175,7 @@ double py_cdot64(const py::object& ao, const py::object& bo) {
 }
 
 py::object py_csum(const py::object& xo) {
-    const py::array x = arg(xo, "x", kF32, 1);
+    const py::array x = checked_arg(xo, "x", kF32, 1);
     require_clean_mxcsr();
     float r;
     {
@@ -185,7 +186,7 @@ py::object py_csum(const py::object& xo) {
 }
 
 py::array py_expf(const py::object& xo) {
-    const py::array x = arg(xo, "x", kF32, -1);
+    const py::array x = checked_arg(xo, "x", kF32, -1);
     require_clean_mxcsr();
     auto y = empty_like_shape<float>(x);
     float* out = y.mutable_data();
@@ -211,7 +212,7 @@ py::tuple py_check_range(const py::object& loo, const py::object& hio) {
 }
 
 py::array py_bf16_from_f32(const py::object& xo) {
-    const py::array x = arg(xo, "x", kF32, -1);
+    const py::array x = checked_arg(xo, "x", kF32, -1);
     auto y = empty_like_shape<uint16_t>(x);
     uint16_t* out = y.mutable_data();
     {
@@ -222,7 +223,7 @@ py::array py_bf16_from_f32(const py::object& xo) {
 }
 
 py::array py_bf16_from_f64(const py::object& xo) {
-    const py::array x = arg(xo, "x", kF64, -1);
+    const py::array x = checked_arg(xo, "x", kF64, -1);
     require_clean_mxcsr();  // the f64 -> f32 step must not flush f32 subnormals
     auto y = empty_like_shape<uint16_t>(x);
     uint16_t* out = y.mutable_data();
@@ -237,7 +238,7 @@ py::array py_bf16_from_f64(const py::object& xo) {
 
 template <size_t N>
 py::array decode_table(const py::object& co, const DType& d, const std::array<float, N>& table) {
-    const py::array c = arg(co, "codes", d, -1);
+    const py::array c = checked_arg(co, "codes", d, -1);
     auto y = empty_like_shape<float>(c);
     const uint8_t* in = ptr<uint8_t>(c);
     float* out = y.mutable_data();
@@ -253,8 +254,8 @@ std::vector<py::ssize_t> fp8_scale_shape(py::ssize_t R, py::ssize_t C) {
 }
 
 py::array py_decode_fp8_weight(const py::object& qo, const py::object& so) {
-    const py::array q = arg(qo, "q", kE4M3Codes(), 2);
-    const py::array s = arg(so, "scale_inv", kF32, 2);
+    const py::array q = checked_arg(qo, "q", kE4M3Codes(), 2);
+    const py::array s = checked_arg(so, "scale_inv", kF32, 2);
     const py::ssize_t R = q.shape(0), C = q.shape(1);
     expect_shape(s, "scale_inv", fp8_scale_shape(R, C),
                  [&] { return "[ceil(R/128), ceil(C/128)] for q of shape " + shape_str({R, C}); });
@@ -279,8 +280,8 @@ py::ssize_t check_mxfp4(const py::array& p, const py::array& s) {
 }
 
 py::array py_decode_mxfp4_weight(const py::object& po, const py::object& so) {
-    const py::array p = arg(po, "packed", kU8("uint8 (two E2M1 nibbles per byte)"), 2);
-    const py::array s = arg(so, "scale", kE8M0Codes(), 2);
+    const py::array p = checked_arg(po, "packed", kU8("uint8 (two E2M1 nibbles per byte)"), 2);
+    const py::array s = checked_arg(so, "scale", kE8M0Codes(), 2);
     const py::ssize_t R = p.shape(0), C = check_mxfp4(p, s);
     require_clean_mxcsr();
     py::array_t<float> w({R, C});
@@ -293,8 +294,8 @@ py::array py_decode_mxfp4_weight(const py::object& po, const py::object& so) {
 }
 
 py::array py_matvec_bf16(const py::object& wo, const py::object& xo, const py::object& to) {
-    const py::array W = arg(wo, "W", kBf16(), 2);
-    const py::array x = arg(xo, "x", kF32, 1);
+    const py::array W = checked_arg(wo, "W", kBf16(), 2);
+    const py::array x = checked_arg(xo, "x", kF32, 1);
     const py::ssize_t R = W.shape(0), C = W.shape(1);
     expect_shape(x, "x", {C}, [&] { return "[C] for W of shape " + shape_str({R, C}); });
     const unsigned threads = arg_threads(to);
@@ -309,9 +310,9 @@ py::array py_matvec_bf16(const py::object& wo, const py::object& xo, const py::o
 }
 
 py::array py_matvec_fp8(const py::object& qo, const py::object& so, const py::object& xo, const py::object& to) {
-    const py::array q = arg(qo, "q", kE4M3Codes(), 2);
-    const py::array s = arg(so, "scale_inv", kF32, 2);
-    const py::array x = arg(xo, "x", kF32, 1);
+    const py::array q = checked_arg(qo, "q", kE4M3Codes(), 2);
+    const py::array s = checked_arg(so, "scale_inv", kF32, 2);
+    const py::array x = checked_arg(xo, "x", kF32, 1);
     const py::ssize_t R = q.shape(0), C = q.shape(1);
     expect_shape(s, "scale_inv", fp8_scale_shape(R, C),
                  [&] { return "[ceil(R/128), ceil(C/128)] for q of shape " + shape_str({R, C}); });
@@ -328,9 +329,9 @@ py::array py_matvec_fp8(const py::object& qo, const py::object& so, const py::ob
 }
 
 py::array py_matvec_mxfp4(const py::object& po, const py::object& so, const py::object& xo, const py::object& to) {
-    const py::array p = arg(po, "packed", kU8("uint8 (two E2M1 nibbles per byte)"), 2);
-    const py::array s = arg(so, "scale", kE8M0Codes(), 2);
-    const py::array x = arg(xo, "x", kF32, 1);
+    const py::array p = checked_arg(po, "packed", kU8("uint8 (two E2M1 nibbles per byte)"), 2);
+    const py::array s = checked_arg(so, "scale", kE8M0Codes(), 2);
+    const py::array x = checked_arg(xo, "x", kF32, 1);
     const py::ssize_t R = p.shape(0), C = check_mxfp4(p, s);
     expect_shape(x, "x", {C}, [&] { return "[C] for packed of shape " + shape_str(shape_of(p)); });
     const unsigned threads = arg_threads(to);
@@ -356,23 +357,23 @@ struct LinArg {
 LinArg lin_arg(const std::string& release, const py::object& dobj, const py::object& sobj, bool nan_free) {
     LinArg a;
     if (release == "bf16") {
-        a.data = arg(dobj, "data", kBf16(), 2);
+        a.data = checked_arg(dobj, "data", kBf16(), 2);
         a.w.fmt = WFmt::BF16;
         a.w.C = static_cast<size_t>(a.data.shape(1));
     } else if (release == "f32") {
-        a.data = arg(dobj, "data", kF32, 2);
+        a.data = checked_arg(dobj, "data", kF32, 2);
         a.w.fmt = WFmt::F32;
         a.w.C = static_cast<size_t>(a.data.shape(1));
     } else if (release == "fp8") {
-        a.data = arg(dobj, "data", kE4M3Codes(), 2);
-        a.scale = arg(sobj, "scale", kF32, 2);
+        a.data = checked_arg(dobj, "data", kE4M3Codes(), 2);
+        a.scale = checked_arg(sobj, "scale", kF32, 2);
         a.w.fmt = WFmt::FP8;
         a.w.C = static_cast<size_t>(a.data.shape(1));
         expect_shape(a.scale, "scale", fp8_scale_shape(a.data.shape(0), a.data.shape(1)),
                      [&] { return "[ceil(R/128), ceil(C/128)] for data of shape " + shape_str(shape_of(a.data)); });
     } else if (release == "mxfp4") {
-        a.data = arg(dobj, "data", kU8("uint8 (two E2M1 nibbles per byte)"), 2);
-        a.scale = arg(sobj, "scale", kE8M0Codes(), 2);
+        a.data = checked_arg(dobj, "data", kU8("uint8 (two E2M1 nibbles per byte)"), 2);
+        a.scale = checked_arg(sobj, "scale", kE8M0Codes(), 2);
         a.w.fmt = WFmt::MXFP4;
         a.w.C = static_cast<size_t>(check_mxfp4(a.data, a.scale));
     } else {
@@ -393,7 +394,7 @@ LinArg lin_arg(const std::string& release, const py::object& dobj, const py::obj
 py::array py_linear(const std::string& release, const py::object& dobj, const py::object& sobj, const py::object& xo,
                     const py::object& r0o, const py::object& r1o, bool nan_free, bool round, const py::object& to) {
     LinArg a = lin_arg(release, dobj, sobj, nan_free);
-    const py::array X = arg(xo, "X", kF32, 2);
+    const py::array X = checked_arg(xo, "X", kF32, 2);
     const size_t C = a.w.C, T = static_cast<size_t>(X.shape(0));
     if (static_cast<size_t>(X.shape(1)) != C)
         bad("X: expected shape [T, " + std::to_string(C) + "], given " + shape_str(shape_of(X)));
@@ -417,7 +418,7 @@ py::array py_linear(const std::string& release, const py::object& dobj, const py
 double py_linear_bench(const std::string& release, const py::object& dobj, const py::object& sobj,
                        const py::object& xo, bool nan_free, const py::object& to, const py::object& repo) {
     LinArg a = lin_arg(release, dobj, sobj, nan_free);
-    const py::array X = arg(xo, "X", kF32, 2);
+    const py::array X = checked_arg(xo, "X", kF32, 2);
     const size_t C = a.w.C, T = static_cast<size_t>(X.shape(0)), R = a.R;
     if (static_cast<size_t>(X.shape(1)) != C)
         bad("X: expected shape [T, " + std::to_string(C) + "], given " + shape_str(shape_of(X)));
@@ -438,7 +439,7 @@ double py_linear_bench(const std::string& release, const py::object& dobj, const
 }
 
 py::array py_div_probe(const py::object& xo, const py::object& dobj) {
-    const py::array x = arg(xo, "x", kF32, 1);
+    const py::array x = checked_arg(xo, "x", kF32, 1);
     const float d = arg_f32(dobj, "d");
     require_clean_mxcsr();
     py::array_t<float> y(x.shape(0));
