@@ -42,6 +42,9 @@
 
 #define GLM_DEV __device__ __forceinline__
 
+// the scalar numerics shared with the CPU engine (bit views, BF16, expf, exp64): glm::num
+#include "../numerics_dev.hpp"
+
 namespace glm::cuda {
 
 #if !defined(GLM_CUDA_EMU)
@@ -154,10 +157,10 @@ GLM_DEV double mul(double a, double b) { return __dmul_rn(a, b); }
 GLM_DEV float fma_(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 GLM_DEV double fma_(double a, double b, double c) { return __fma_rn(a, b, c); }
 
-GLM_DEV uint32_t f32_bits(float x) { return __float_as_uint(x); }
-GLM_DEV float f32_from_bits(uint32_t u) { return __uint_as_float(u); }
-GLM_DEV uint64_t f64_bits(double x) { return static_cast<uint64_t>(__double_as_longlong(x)); }
-GLM_DEV double f64_from_bits(uint64_t u) { return __longlong_as_double(static_cast<long long>(u)); }
+using num::f32_bits;
+using num::f32_from_bits;
+using num::f64_bits;
+using num::f64_from_bits;
 GLM_DEV bool is_nan(float x) { return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
 GLM_DEV bool is_nan64(double x) { return (f64_bits(x) & 0x7FFFFFFFFFFFFFFFull) > 0x7FF0000000000000ull; }
 

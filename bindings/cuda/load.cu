@@ -88,10 +88,7 @@ std::vector<float> to_f32(const std::string& what, const std::string& release, c
     std::vector<float> out(n);
     if (release == "bf16") {
         const uint16_t* p = static_cast<const uint16_t*>(data);
-        for (size_t i = 0; i < n; ++i) {
-            const uint32_t u = static_cast<uint32_t>(p[i]) << 16;
-            std::memcpy(&out[i], &u, 4);
-        }
+        for (size_t i = 0; i < n; ++i) out[i] = num::bf16_to_f32(p[i]);
     } else if (release == "f32") {
         std::memcpy(out.data(), data, n * sizeof(float));
     } else {

@@ -27,10 +27,7 @@ __global__ void k_exp64(const double* x, double* y, int64_t n) {
     if (i < n) y[i] = exp64(x[i]);
 }
 
-GLM_DEV uint32_t bf16_bits_of(uint32_t u) {
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
+using num::bf16_bits_of;
 GLM_DEV int64_t ordered(uint32_t u) {
     return (u & 0x80000000u) ? -static_cast<int64_t>(u & 0x7FFFFFFFu) - 1 : static_cast<int64_t>(u);
 }
