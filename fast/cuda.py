@@ -67,13 +67,36 @@ def _use_rank_device(cu, ep) -> None:
     torch.cuda.set_device(local)
 
 
+# The CUDA engine's runtime knobs (bindings/cuda/engine_api.hpp, EngineOptions; none changes a bit of any
+# result) take their defaults from these environment variables, read here only: tools/gpu_check.sh's A/B
+# runs (AB="GLM_PDL=0 ...") set them for whole processes. cuda_options= overrides them per engine.
+_ENV_OPTIONS = {
+    "GLM_PDL": ("pdl", lambda v: v != "0"),
+    "GLM_CUDA_TUNE": ("tune", lambda v: v != "0"),
+    "GLM_STREAM_EARLY": ("stream_early", lambda v: v == "1"),
+    "GLM_HC_FUSE": ("hc_fuse", lambda v: v != "0"),
+    "GLM_EXPERT_TILE": ("expert_tile", lambda v: int(v) if v in ("1", "4", "8") else 0),
+    "GLM_PINNED_LOGITS": ("pinned_logits", lambda v: v != "0"),
+}
+
+
+def _cuda_options(given) -> dict:
+    opts = {name: conv(os.environ[var]) for var, (name, conv) in _ENV_OPTIONS.items() if var in os.environ}
+    if given is not None:
+        if not isinstance(given, dict):
+            raise EngineInputError(f"cuda_options must be a dict, got {type(given).__name__}")
+        opts.update(given)
+    return opts
+
+
 class CudaEngine(Engine):
     """The exact CUDA engine over one checkpoint (fast.Engine's API; weights resident on the GPU)."""
 
     def __init__(self, path, device: str = "cuda", threads: int | None = None, *, dot: str = "canonical",
                  expf: str = "canonical", inject=None, max_context: int | None = None,
                  parallel_work: int | None = None, ranks: int | None = None, expert_ranges=None,
-                 memory_limit: int | None = None, verify_ranks: bool = False, _ep_member=None):
+                 memory_limit: int | None = None, verify_ranks: bool = False, cuda_options: dict | None = None,
+                 _ep_member=None):
         # threads and parallel_work are accepted for fast.Engine's API; the GPU work split is the grid's
         if device not in ("cuda", "cuda:0", "gpu"):
             raise EngineInputError(f"device {device!r}: this engine runs on 'cuda'")
@@ -98,6 +121,7 @@ class CudaEngine(Engine):
         self.config = cfg = self.checkpoint.config
         self.max_context = limit = _context_limit(cfg, max_context)
         self.options = {"dot": dot, "expf": expf, "threads": int(threads), "device": "cuda"}
+        cuda_opts = _cuda_options(cuda_options)
         if ep is not None:
             ep.plan(self.checkpoint, limit, 1, device="cuda")  # prints the plan; refuses before allocating
             self.options["ranks"] = ep.ranks
@@ -106,12 +130,17 @@ class CudaEngine(Engine):
 
         def new_core():
             try:
-                return cu._Engine(_engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf)
+                return cu._Engine(_engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf, cuda_opts)
             except RuntimeError as e:
                 raise EngineInputError(f"device 'cuda': {e}") from None
+            except ValueError as e:
+                raise EngineInputError(str(e)) from None
 
         self._core = _build_core(self, ep, new_core, {"device": "cuda", "threads": int(threads), "dot": dot,
-                                                      "expf": expf, "max_context": limit, "parallel_work": parallel_work})
+                                                      "expf": expf, "max_context": limit, "parallel_work": parallel_work,
+                                                      "cuda_options": cuda_opts})
+        core_opts = getattr(self._core, "options", None)  # (every knob with its value; driver mode: as given)
+        self.options["cuda"] = dict(core_opts) if isinstance(core_opts, dict) else dict(cuda_opts)
         self._stage_index = {name: i for i, (name, _) in enumerate(cu.ENGINE_STAGES)}
         missing = set(ALL_STAGE_NAMES) - set(self._stage_index)
         if missing:  # pragma: no cover - the two stage tables must agree
@@ -119,6 +148,9 @@ class CudaEngine(Engine):
         self._n_stages = len(cu.ENGINE_STAGES)
         self.inject = inject
         self.injected = 0
+
+    def __repr__(self) -> str:
+        return f"fast.cuda.CudaEngine({self.checkpoint.path!r}, options={self.options!r})"
 
     # ---------------------------------------------------------------- extras
     @property

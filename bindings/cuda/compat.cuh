@@ -30,7 +30,7 @@
 // Every launch may overlap the tail of the kernel before it in its stream (programmatic dependent
 // launch, sm_90): the kernel's blocks start as the previous grid's blocks retire, and each kernel
 // waits for its predecessor's completion (pdl_enter) before it touches global memory, so results
-// are those of plain stream order. GLM_PDL=0 in the environment launches without the attribute.
+// are those of plain stream order. The engine option pdl=False launches without the attribute.
 #define GLM_LAUNCH(kernel, grid, block, smem, ...) \
     ::glm::cuda::launch_kernel(kernel, dim3(grid), dim3(block), (smem), cudaStream_t(0), __VA_ARGS__)
 #define GLM_LAUNCH_ON(stream, kernel, grid, block, smem, ...) \
@@ -48,7 +48,7 @@
 namespace glm::cuda {
 
 #if !defined(GLM_CUDA_EMU)
-bool pdl_enabled();  // model.cu: GLM_PDL, read once
+bool pdl_enabled();  // model.cu: the pdl option of the engine call in progress
 
 template <typename... P, typename... A>
 inline void launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
@@ -89,12 +89,6 @@ GLM_DEV void pdl_wait() {
 #if !defined(GLM_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-}
-
-// The engine's switches in the environment (GLM_PDL=0, GLM_CUDA_TUNE=0, ...): is `name` set to `value`?
-inline bool env_is(const char* name, const char* value) {
-    const char* v = std::getenv(name);
-    return v && std::strcmp(v, value) == 0;
 }
 
 inline void check(cudaError_t e, const char* what) {

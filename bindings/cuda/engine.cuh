@@ -329,8 +329,23 @@ class SideStream {
     bool pending_ = false;
 };
 
+// The options of the engine call in progress on this thread (its launches read pdl, tune and
+// stream_early through launch_options(); defaults outside engine calls, e.g. the test entry points).
+const EngineOptions& launch_options();
+class ActiveOptions {
+   public:
+    explicit ActiveOptions(const EngineOptions& o);
+    ~ActiveOptions();
+    ActiveOptions(const ActiveOptions&) = delete;
+    ActiveOptions& operator=(const ActiveOptions&) = delete;
+
+   private:
+    const EngineOptions* prev_;
+};
+
 struct EngineCore {
     Config cfg;
+    EngineOptions opts;
     Nm nm;
     bool hw8 = true;
     std::string decode_path = "software";

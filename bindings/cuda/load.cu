@@ -198,6 +198,7 @@ void Engine::add_tensor(const std::string& role, int layer, int expert, const st
                         const std::vector<int64_t>& scale_shape) {
     Impl& E_ = *p_;
     if (E_.finalized) throw std::logic_error("add_tensor after finalize");
+    const ActiveOptions active(E_.opts);
     const Config& c = E_.cfg;
     const int64_t L = c.num_hidden_layers;
     std::string what = role + (layer >= 0 ? " (layer " + std::to_string(layer) + ")" : "") +
@@ -349,6 +350,7 @@ ExpertTable make_table(EngineCore& E_, const std::vector<Lin>& ls, const std::st
 
 void Engine::finalize() {
     Impl& E_ = *p_;
+    const ActiveOptions active(E_.opts);
     const Config& c = E_.cfg;
     std::vector<std::string> missing;
     auto need = [&](bool ok, const std::string& role, int layer, int expert = -1) {

@@ -20,11 +20,21 @@ size_t elem_bytes(SDType t) { return t == SDType::F64 ? 8 : 4; }
 
 }  // namespace
 
-#if !defined(GLM_CUDA_EMU)
-bool pdl_enabled() {
-    static const bool on = !env_is("GLM_PDL", "0");
-    return on;
+// ---- options ----------------------------------------------------------------------------------------
+
+namespace {
+thread_local const EngineOptions* t_active_options = nullptr;
+}  // namespace
+
+const EngineOptions& launch_options() {
+    static const EngineOptions defaults;
+    return t_active_options ? *t_active_options : defaults;
 }
+ActiveOptions::ActiveOptions(const EngineOptions& o) : prev_(t_active_options) { t_active_options = &o; }
+ActiveOptions::~ActiveOptions() { t_active_options = prev_; }
+
+#if !defined(GLM_CUDA_EMU)
+bool pdl_enabled() { return launch_options().pdl; }
 #endif
 
 // ---- config ---------------------------------------------------------------------------------------
@@ -203,10 +213,16 @@ __global__ void k_e4m3_selftest(int* mismatches) {
 
 }  // namespace
 
-Engine::Engine(const Config& cfg, bool seq_dot, bool native_exp) : p_(std::make_unique<Impl>()) {
+Engine::Engine(const Config& cfg, bool seq_dot, bool native_exp, const EngineOptions& options)
+    : p_(std::make_unique<Impl>()) {
     Impl& e = *p_;
     e.cfg = cfg;
     validate_config(e.cfg, kCudaLimits);
+    if (options.expert_tile != 0 && options.expert_tile != 1 && options.expert_tile != 4 && options.expert_tile != 8)
+        throw std::invalid_argument("options: expert_tile must be 0 (the engine's rule), 1, 4 or 8, got " +
+                                    std::to_string(options.expert_tile));
+    e.opts = options;
+    const ActiveOptions active(e.opts);
     e.nm.seq = seq_dot;
     e.nm.native = native_exp;
     int ndev = 0;
@@ -245,6 +261,8 @@ Engine::Engine(const Config& cfg, bool seq_dot, bool native_exp) : p_(std::make_
     }
     e.scratch.reset();
 }
+
+const EngineOptions& Engine::options() const { return p_->opts; }
 
 Engine::~Engine() {
     if (p_) {
@@ -404,6 +422,7 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
                   const std::vector<uint8_t>& want_head, const std::vector<uint8_t>& cap_rows,
                   const std::vector<uint8_t>& cap_mask, const Injection& inj, StepOutput& out) {
     const auto t0 = std::chrono::steady_clock::now();
+    const ActiveOptions active(p_->opts);
     step_on(*p_, seq_ids, tokens, want_head, cap_rows, cap_mask, inj, out, nullptr);
     p_->ep.stats.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -411,6 +430,7 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
 std::vector<int32_t> Engine::greedy(int64_t seq_id, int32_t first, int n) {
     Impl& E_ = *p_;
     if (!E_.finalized) throw std::logic_error("the engine's weights are not finalized");
+    const ActiveOptions active(E_.opts);
     const Config& c = E_.cfg;
     auto it = E_.seqs.find(seq_id);
     if (it == E_.seqs.end()) throw std::invalid_argument("unknown sequence " + std::to_string(seq_id));

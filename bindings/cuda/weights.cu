@@ -13,8 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "engine_api.hpp"
-#include "weights.cuh"
+#include "engine.cuh"
 // the kernels (one translation unit: each file below is a part of this one)
 #include "lin_device.cuh"
 #include "lin_register.cuh"
@@ -178,9 +177,8 @@ void launch_sm_dec(const LinArgs& a, dim3 g) {
     auto k = k_linear_stream<FMT, EXPERT, DEC, MINB, XS>;
     const size_t smem = static_cast<size_t>(sm_block_bytes<FMT, MINB, XS>()) + (XS ? static_cast<size_t>(a.C) * 4 : 0);
     allow_smem(k, smem);
-    static const bool early = env_is("GLM_STREAM_EARLY", "1");  // (an A/B switch: off by default)
     LinArgs b = a;
-    b.early = early && !EXPERT;
+    b.early = launch_options().stream_early && !EXPERT;  // (an A/B switch: off by default)
     // every unit's block resident at once: at most MINB blocks per SM (expert launches: as many units
     // as the largest work list could hold; blocks past the device's count of units exit at once)
     const int64_t units = (a.R + 3) / 4 * (EXPERT ? static_cast<int64_t>(a.max_items) * g.z : 1);
@@ -482,8 +480,7 @@ bool tuning_on() {
 #if defined(GLM_CUDA_EMU)
     return false;
 #else
-    static const bool on = !env_is("GLM_CUDA_TUNE", "0");
-    return on;
+    return launch_options().tune;
 #endif
 }
 std::string choice_name(const LinChoice& c) {
