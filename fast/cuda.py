@@ -65,6 +65,28 @@ def _use_rank_device(cu, ep) -> None:
     torch.cuda.set_device(local)
 
 
+# The CUDA engine's runtime knobs (bindings/cuda/engine_api.hpp, EngineOptions; none changes a bit of any
+# result) take their defaults from these environment variables, read here only: tools/gpu_check.sh's A/B
+# runs (AB="GLM_PDL=0 ...") set them for whole processes. cuda_options= overrides them per engine.
+_ENV_OPTIONS = {
+    "GLM_PDL": ("pdl", lambda v: v != "0"),
+    "GLM_CUDA_TUNE": ("tune", lambda v: v != "0"),
+    "GLM_STREAM_EARLY": ("stream_early", lambda v: v == "1"),
+    "GLM_HC_FUSE": ("hc_fuse", lambda v: v != "0"),
+    "GLM_EXPERT_TILE": ("expert_tile", lambda v: int(v) if v in ("1", "4", "8") else 0),
+    "GLM_PINNED_LOGITS": ("pinned_logits", lambda v: v != "0"),
+}
+
+
+def _cuda_options(given) -> dict:
+    opts = {name: conv(os.environ[var]) for var, (name, conv) in _ENV_OPTIONS.items() if var in os.environ}
+    if given is not None:
+        if not isinstance(given, dict):
+            raise EngineInputError(f"cuda_options must be a dict, got {type(given).__name__}")
+        opts.update(given)
+    return opts
+
+
 class CudaEngine(Engine):
     """The exact CUDA engine over one checkpoint (fast.Engine's API; weights resident on the GPU)."""
 
@@ -73,7 +95,8 @@ class CudaEngine(Engine):
     def __init__(self, path, device: str = "cuda", threads: int | None = None, *, dot: str = "canonical",
                  expf: str = "canonical", inject=None, max_context: int | None = None,
                  parallel_work: int | None = None, ranks: int | None = None, expert_ranges=None,
-                 memory_limit: int | None = None, verify_ranks: bool = False, _ep_member=None):
+                 memory_limit: int | None = None, verify_ranks: bool = False, cuda_options: dict | None = None,
+                 _ep_member=None):
         # threads and parallel_work are accepted for fast.Engine's API; the GPU work split is the grid's
         if device not in ("cuda", "cuda:0", "gpu"):
             raise EngineInputError(f"device {device!r}: this engine runs on 'cuda'")
@@ -88,19 +111,24 @@ class CudaEngine(Engine):
             _use_rank_device(cu, ep)
             if ep.memory_limit is None:  # the device's memory (the emulation: no limit)
                 ep.memory_limit = None if _emulated(cu) else int(cu.device_memory()[1])
+        cuda_opts = _cuda_options(cuda_options)
         self._open(cu, path, ep, max_context, {"dot": dot, "expf": expf, "threads": int(threads), "device": "cuda"},
                    1, {"device": "cuda"})
         cfg, limit = self.config, self.max_context
 
         def new_core():
             try:
-                return cu._Engine(_C.engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf)
+                return cu._Engine(_C.engine_config(cfg, min(limit, (1 << 30) - 1)), int(threads), dot, expf, cuda_opts)
             except RuntimeError as e:
                 raise EngineInputError(f"device 'cuda': {e}") from None
+            except ValueError as e:
+                raise EngineInputError(str(e)) from None
 
         executor = _C.build_core(self, ep, new_core, {"device": "cuda", "threads": int(threads), "dot": dot,
                                                        "expf": expf, "max_context": limit,
-                                                       "parallel_work": parallel_work})
+                                                       "parallel_work": parallel_work, "cuda_options": cuda_opts})
+        core_opts = getattr(executor, "options", None)  # (every knob with its value; driver mode: as given)
+        self.options["cuda"] = dict(core_opts) if isinstance(core_opts, dict) else dict(cuda_opts)
         self._attach(executor, inject)
 
     # ---------------------------------------------------------------- extras

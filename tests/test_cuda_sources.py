@@ -62,3 +62,13 @@ def test_launches_go_through_the_launch_helper():
     raw = [f"{p.name}:{i + 1}" for p in SOURCES for i, line in enumerate(p.read_text().splitlines())
            if "<<<" in line and not line.lstrip().startswith("//")]
     assert not raw, raw
+
+
+def test_the_engine_reads_no_environment():
+    # the engine's runtime knobs are options given at construction (engine_api.hpp: EngineOptions), never
+    # environment reads inside the engine (fast/cuda.py maps the A/B variables onto options, in one place)
+    host = SOURCES + sorted(CUDA.glob("*.cpp")) + sorted(CUDA.glob("*.hpp"))
+    reads = [f"{p.name}:{i + 1}" for p in host for i, line in enumerate(p.read_text().splitlines())
+             if re.search(r"\b(getenv|env_is|environ)\b", line) and not line.lstrip().startswith("//")]
+    assert not reads, reads
+    assert host and any(p.name == "engine_api.hpp" for p in host)

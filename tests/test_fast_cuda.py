@@ -478,3 +478,37 @@ def test_slice_matches_cpu():
         assert gtoks == toks
         assert np.array_equal(bits(glogits), bits(logits))
         del eng
+
+
+def test_engine_options(tmp_path, monkeypatch):
+    """The runtime knobs (EngineOptions) are options given at construction, shown with every value in
+    the engine's options and repr, defaulted from the environment's A/B variables; no setting changes a
+    logit (batches decode the CPU engine's bits with every knob flipped); bad options are refused."""
+    from tools.zoo import make_checkpoint
+    path = str(tmp_path / "w128-fp8")
+    make_checkpoint("tiny", "fp8", path, hidden_size=128)
+    defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0,
+                "pinned_logits": True}
+    for var in ("GLM_PDL", "GLM_CUDA_TUNE", "GLM_STREAM_EARLY", "GLM_HC_FUSE", "GLM_EXPERT_TILE", "GLM_PINNED_LOGITS"):
+        monkeypatch.delenv(var, raising=False)
+    assert CudaEngine(path).options["cuda"] == defaults
+    flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8,
+               "pinned_logits": False}
+    eng, ref = CudaEngine(path, cuda_options=flipped), fast.Engine(path, device="cpu")
+    assert eng.options["cuda"] == flipped and "'expert_tile': 8" in repr(eng)
+    V = eng.config.vocab_size
+    prompts = [prompt(V, 6 + i, 40 + i) for i in range(3)]
+    outs, lgs = eng.generate(prompts, 3, max_batch=3, return_logits=True)
+    for p, out, lg in zip(prompts, outs, lgs):
+        toks, logits = ref.generate(p, 3, return_logits=True)
+        assert out == toks and np.array_equal(bits(lg), bits(logits))
+    monkeypatch.setenv("GLM_HC_FUSE", "0")
+    monkeypatch.setenv("GLM_EXPERT_TILE", "4")
+    assert CudaEngine(path).options["cuda"] == dict(defaults, hc_fuse=False, expert_tile=4)
+    assert CudaEngine(path, cuda_options={"hc_fuse": True}).options["cuda"] == dict(defaults, expert_tile=4)
+    with pytest.raises(fast.EngineInputError, match="unknown option 'fuse'"):
+        CudaEngine(path, cuda_options={"fuse": True})
+    with pytest.raises(fast.EngineInputError, match="expert_tile must be 0"):
+        CudaEngine(path, cuda_options={"expert_tile": 3})
+    with pytest.raises(fast.EngineInputError, match="pdl must be True or False"):
+        CudaEngine(path, cuda_options={"pdl": 1})

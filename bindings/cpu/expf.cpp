@@ -10,50 +10,10 @@
 
 namespace glm::cpu {
 
-const uint64_t kExpfTable[32] = {
-    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51,
-    0x3fef72b83c7d517b, 0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1,
-    0x3fef06fe0a31b715, 0x3feef1a7373aa9cb, 0x3feedea64c123422, 0x3feece086061892d,
-    0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429, 0x3feea47eb03a5585,
-    0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
-    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d,
-    0x3feee89f995ad3ad, 0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069,
-    0x3fef5818dcfba487, 0x3fef7c97337b9b5f, 0x3fefa4afa2a490da, 0x3fefd0765b6e4540,
-};
+float expf(float x) { return num::expf(x); }
 
-namespace {
-constexpr double kN = 32.0;
-constexpr double kInvLn2N = 0x1.71547652b82fep0 * kN;
-constexpr double kShift = 0x1.8p+52;
-constexpr double kC0 = 0x1.c6af84b912394p-5 / kN / kN / kN;
-constexpr double kC1 = 0x1.ebfce50fac4f3p-3 / kN / kN;
-constexpr double kC2 = 0x1.62e42ff0c52d6p-1 / kN;
-constexpr uint32_t kAbsTop88 = 0x42B;            // top12(88.0f)
-constexpr float kOverflowAbove = 0x1.62e42ep6f;  // log(0x1p128)
-constexpr float kUnderflowBelow = -0x1.9fe368p6f;  // log(0x1p-150)
-}  // namespace
-
-float expf(float x) {
-    const uint32_t ux = f32_bits(x);
-    if (((ux >> 20) & 0x7FF) >= kAbsTop88) {  // |x| >= 88, inf or NaN
-        if (ux == 0xFF800000u) return 0.0f;   // -inf
-        if (((ux >> 20) & 0x7FF) >= 0x7F8) return x + x;  // NaN or +inf
-        if (x > kOverflowAbove) return f32_from_bits(0x7F800000u);
-        if (x < kUnderflowBelow) return 0.0f;
-    }
-    const double xd = static_cast<double>(x);
-    double kd = std::fma(kInvLn2N, xd, kShift);
-    const uint64_t ki = f64_bits(kd);
-    kd -= kShift;
-    const double r = std::fma(kInvLn2N, xd, -kd);
-    const double s = f64_from_bits(kExpfTable[ki % 32] + (ki << 47));
-    const double z = std::fma(kC0, r, kC1);
-    const double r2 = r * r;
-    double y = std::fma(kC2, r, 1.0);
-    y = std::fma(z, r2, y);
-    y = y * s;
-    return static_cast<float>(y);
-}
+// The vector path: the same operations as num::expf on its constants and table, four lanes of double.
+using namespace num::expf_consts;
 
 namespace {
 

@@ -7,12 +7,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../numerics_dev.hpp"
+
 namespace glm::cpu {
 
-// T[i] = bits(2^(i/32) correctly rounded to double) - (i << 47).
-extern const uint64_t kExpfTable[32];
+// T[i] = bits(2^(i/32) correctly rounded to double) - (i << 47) (bindings/numerics_dev.hpp).
+using num::kExpfTable;
 
-float expf(float x);
+float expf(float x);  // num::expf, the definition both engines share
 
 // Eight lanes at once; bit-identical to expf on every input (checked exhaustively by the tests).
 __m256 expf8(__m256 x);

@@ -1,7 +1,8 @@
 // Number formats of the canonical numerics (SPEC 4.1): BF16 rounding, and exact decoding of the
 // E4M3 (fn), E2M1 and E8M0 codes and of the FP8 / MXFP4 weight layouts.
 //
-// This is the fast engine's own implementation; it shares no code with the Python oracle.
+// This is the fast engine's own implementation; it shares no code with the Python oracle (the scalar
+// bit views and BF16 rounding it shares with the CUDA engine: bindings/numerics_dev.hpp).
 #pragma once
 
 #include <immintrin.h>
@@ -11,46 +12,27 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../numerics_dev.hpp"
+
 namespace glm::cpu {
 
-inline uint32_t f32_bits(float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    return u;
-}
-inline float f32_from_bits(uint32_t u) {
-    float x;
-    std::memcpy(&x, &u, 4);
-    return x;
-}
-inline uint64_t f64_bits(double x) {
-    uint64_t u;
-    std::memcpy(&u, &x, 8);
-    return u;
-}
-inline double f64_from_bits(uint64_t u) {
-    double x;
-    std::memcpy(&x, &u, 8);
-    return x;
-}
+// Bit views and the scalar BF16 rounding: bindings/numerics_dev.hpp, shared with the CUDA engine.
+using num::f32_bits;
+using num::f32_from_bits;
+using num::f64_bits;
+using num::f64_from_bits;
 
 // ---- BF16 -------------------------------------------------------------------------------------
 
-constexpr uint16_t kBf16CanonicalNaN = 0x7FC0;
+constexpr uint16_t kBf16CanonicalNaN = num::kBf16CanonicalNaN;
 
-// f32 -> bf16 bits: round to nearest, ties to even; every NaN -> 0x7FC0.
-// (Infinities and overflow need no special case: 0x7F7FFFFF + 0x7FFF + 1 carries into 0x7F80.)
-inline uint16_t bf16_bits(float x) {
-    uint32_t u = f32_bits(x);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return kBf16CanonicalNaN;
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-}
+// f32 -> bf16 bits: round to nearest, ties to even; every NaN -> 0x7FC0 (num::bf16_bits_of).
+inline uint16_t bf16_bits(float x) { return static_cast<uint16_t>(num::bf16_bits_of(f32_bits(x))); }
 
 // f64 -> f32 (RNE, the C++ conversion under the default rounding mode) -> bf16 (RNE).
 inline uint16_t bf16_bits_from_f64(double x) { return bf16_bits(static_cast<float>(x)); }
 
-inline float f32_from_bf16(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
+inline float f32_from_bf16(uint16_t h) { return num::bf16_to_f32(h); }
 
 // The value of bf16(x) as an f32.
 inline float bf16_round(float x) { return f32_from_bf16(bf16_bits(x)); }

@@ -56,25 +56,9 @@ double Numerics::sum64(const double* x, size_t n) const {
     return dot64(x, ones.data(), n);
 }
 
-// expf="native": the classic Cephes-style single-precision exp (range reduction by ln2 in two
-// parts, a degree-5 polynomial, 2^n by exponent bits) -- what a fast vectorized libm would do.
-// About 1 ulp; differs from the canonical expf on a good fraction of inputs, by design.
-float Numerics::fast_expf(float x) {
-    if (x != x) return x;
-    if (x > 88.3762626647949f) return INFINITY;
-    if (x < -103.972084f) return 0.0f;
-    const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
-    float r = x - fx * 0.693359375f;
-    r = r - fx * -2.12194440e-4f;
-    float y = 1.9875691500E-4f;
-    y = y * r + 1.3981999507E-3f;
-    y = y * r + 8.3334519073E-3f;
-    y = y * r + 4.1665795894E-2f;
-    y = y * r + 1.6666665459E-1f;
-    y = y * r + 5.0000001201E-1f;
-    y = y * r * r + r + 1.0f;
-    return std::ldexp(y, static_cast<int>(fx));
-}
+// expf="native": the classic Cephes-style single-precision exp (bindings/numerics_dev.hpp), what a
+// fast vectorized libm would do; differs from the canonical expf on a good fraction of inputs, by design.
+float Numerics::fast_expf(float x) { return num::expf_cephes(x); }
 
 // ---- config -------------------------------------------------------------------------------------
 

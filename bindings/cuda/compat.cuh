@@ -30,7 +30,7 @@
 // Every launch may overlap the tail of the kernel before it in its stream (programmatic dependent
 // launch, sm_90): the kernel's blocks start as the previous grid's blocks retire, and each kernel
 // waits for its predecessor's completion (pdl_enter) before it touches global memory, so results
-// are those of plain stream order. GLM_PDL=0 in the environment launches without the attribute.
+// are those of plain stream order. The engine option pdl=False launches without the attribute.
 #define GLM_LAUNCH(kernel, grid, block, smem, ...) \
     ::glm::cuda::launch_kernel(kernel, dim3(grid), dim3(block), (smem), cudaStream_t(0), __VA_ARGS__)
 #define GLM_LAUNCH_ON(stream, kernel, grid, block, smem, ...) \
@@ -42,10 +42,13 @@
 
 #define GLM_DEV __device__ __forceinline__
 
+// the scalar numerics shared with the CPU engine (bit views, BF16, expf, exp64): glm::num
+#include "../numerics_dev.hpp"
+
 namespace glm::cuda {
 
 #if !defined(GLM_CUDA_EMU)
-bool pdl_enabled();  // model.cu: GLM_PDL, read once
+bool pdl_enabled();  // model.cu: the pdl option of the engine call in progress
 
 template <typename... P, typename... A>
 inline void launch_kernel(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
@@ -86,12 +89,6 @@ GLM_DEV void pdl_wait() {
 #if !defined(GLM_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-}
-
-// The engine's switches in the environment (GLM_PDL=0, GLM_CUDA_TUNE=0, ...): is `name` set to `value`?
-inline bool env_is(const char* name, const char* value) {
-    const char* v = std::getenv(name);
-    return v && std::strcmp(v, value) == 0;
 }
 
 inline void check(cudaError_t e, const char* what) {
@@ -154,10 +151,10 @@ GLM_DEV double mul(double a, double b) { return __dmul_rn(a, b); }
 GLM_DEV float fma_(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 GLM_DEV double fma_(double a, double b, double c) { return __fma_rn(a, b, c); }
 
-GLM_DEV uint32_t f32_bits(float x) { return __float_as_uint(x); }
-GLM_DEV float f32_from_bits(uint32_t u) { return __uint_as_float(u); }
-GLM_DEV uint64_t f64_bits(double x) { return static_cast<uint64_t>(__double_as_longlong(x)); }
-GLM_DEV double f64_from_bits(uint64_t u) { return __longlong_as_double(static_cast<long long>(u)); }
+using num::f32_bits;
+using num::f32_from_bits;
+using num::f64_bits;
+using num::f64_from_bits;
 GLM_DEV bool is_nan(float x) { return (f32_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
 GLM_DEV bool is_nan64(double x) { return (f64_bits(x) & 0x7FFFFFFFFFFFFFFFull) > 0x7FF0000000000000ull; }
 

@@ -86,14 +86,51 @@ struct PyEngine {
     std::shared_ptr<PinnedPool> pool = std::make_shared<PinnedPool>();
 };
 
-py::array_t<float> pinned_logits(const std::shared_ptr<PinnedPool>& pool, size_t n, size_t V, bool& pinned) {
+// The engine options (engine_api.hpp: EngineOptions) by name: the flags, then expert_tile.
+struct FlagOption {
+    const char* name;
+    bool EngineOptions::*field;
+};
+constexpr FlagOption kFlagOptions[] = {{"pdl", &EngineOptions::pdl},
+                                       {"tune", &EngineOptions::tune},
+                                       {"stream_early", &EngineOptions::stream_early},
+                                       {"hc_fuse", &EngineOptions::hc_fuse},
+                                       {"pinned_logits", &EngineOptions::pinned_logits}};
+
+// From a dict of some of their names; unknown names and wrong types are refused.
+EngineOptions options_from_dict(const py::dict& d) {
+    EngineOptions o;
+    for (const auto& kv : d) {
+        const std::string k = py::str(kv.first);
+        const py::handle v = kv.second;
+        const FlagOption* f = nullptr;
+        for (const FlagOption& c : kFlagOptions)
+            if (k == c.name) f = &c;
+        if (f) {
+            if (!py::isinstance<py::bool_>(v)) bad("options: " + k + " must be True or False");
+            o.*(f->field) = v.cast<bool>();
+        } else if (k == "expert_tile") {
+            if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v)) bad("options: expert_tile must be an int");
+            o.expert_tile = v.cast<int>();
+        } else {
+            std::string names;
+            for (const FlagOption& c : kFlagOptions) names += std::string(c.name) + ", ";
+            bad("options: unknown option '" + k + "' (" + names + "expert_tile)");
+        }
+    }
+    return o;
+}
+py::dict options_dict(const EngineOptions& o) {
+    py::dict d;
+    for (const FlagOption& c : kFlagOptions) d[c.name] = o.*(c.field);
+    d["expert_tile"] = o.expert_tile;
+    return d;
+}
+
+py::array_t<float> pinned_logits(const std::shared_ptr<PinnedPool>& pool, size_t n, size_t V, bool on, bool& pinned) {
     const size_t bytes = n * V * sizeof(float);
     const std::vector<py::ssize_t> shape{static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(V)};
-    static const bool off = [] {
-        const char* v = std::getenv("GLM_PINNED_LOGITS");
-        return v && std::strcmp(v, "0") == 0;
-    }();
-    if (bytes > kPinnedLogitsMax || off) {  // GLM_PINNED_LOGITS=0: the staging path (an A/B switch)
+    if (bytes > kPinnedLogitsMax || !on) {  // the option pinned_logits=False: the staging path (an A/B switch)
         pinned = false;
         return py::array_t<float>(shape);
     }
@@ -120,8 +157,9 @@ py::array_t<float> pinned_logits(const std::shared_ptr<PinnedPool>& pool, size_t
 py::tuple step(PyEngine& pe, const py::object& seq_o, const py::object& tok_o, const py::object& head_o,
                const py::object& caprow_o, const py::object& mask_o, const py::object& inj_o) {
     const std::shared_ptr<PinnedPool> pool = pe.pool;
-    return glm::pyglue::run_step(*pe.eng, static_cast<size_t>(pe.vocab), seq_o, tok_o, head_o, caprow_o, mask_o,
-                                 inj_o, [pool](size_t n, size_t V, bool& pinned) { return pinned_logits(pool, n, V, pinned); });
+    const bool on = pe.eng->options().pinned_logits;
+    return glm::pyglue::run_step(*pe.eng, static_cast<size_t>(pe.vocab), seq_o, tok_o, head_o, caprow_o, mask_o, inj_o,
+                                 [pool, on](size_t n, size_t V, bool& pinned) { return pinned_logits(pool, n, V, on, pinned); });
 }
 
 template <class F>
@@ -143,7 +181,8 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
     m.attr("EMULATED") = false;
 #endif
     py::class_<PyEngine>(m, "_Engine", "The CUDA engine's executor (use fast.cuda.CudaEngine).")
-        .def(py::init([](const py::dict& cfg, unsigned threads, const std::string& dot, const std::string& expf) {
+        .def(py::init([](const py::dict& cfg, unsigned threads, const std::string& dot, const std::string& expf,
+                         const py::dict& options) {
                  bool seq = false, native = false;
                  if (dot == "sequential")
                      seq = true;
@@ -154,18 +193,22 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
                  else if (expf != "canonical")
                      bad("expf: expected 'canonical' or 'native', given '" + expf + "'");
                  if (threads < 1 || threads > 1024) bad("threads: expected 1..1024");
+                 const EngineOptions opts = options_from_dict(options);
                  auto pe = std::make_unique<PyEngine>();
                  pe->threads = threads;
                  try {
                      const Config config = config_from_dict(cfg);
-                     pe->eng = std::make_unique<Engine>(config, seq, native);
+                     pe->eng = std::make_unique<Engine>(config, seq, native, opts);
                      pe->vocab = config.vocab_size;
                  } catch (const std::invalid_argument& e) {
                      bad(e.what());
                  }
                  return pe;
              }),
-             py::arg("config"), py::arg("threads") = 1, py::arg("dot") = "canonical", py::arg("expf") = "canonical")
+             py::arg("config"), py::arg("threads") = 1, py::arg("dot") = "canonical", py::arg("expf") = "canonical",
+             py::arg("options") = py::dict())
+        .def_property_readonly("options", [](PyEngine& pe) { return options_dict(pe.eng->options()); },
+                               "The engine's runtime knobs (EngineOptions), every one with its value")
         .def(
             "add_tensor",
             [](PyEngine& pe, const std::string& role, int layer, int expert, const std::string& release,
@@ -426,7 +469,7 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
             }
             return out;
         },
-        "The one-token linear kernel chosen per shape (timed on first use; GLM_CUDA_TUNE=0 turns it off), with "
+        "The one-token linear kernel chosen per shape (timed on first use; the engine option tune=False turns it off), with "
         "the microseconds of each candidate.");
     m.def(
         "linear_bench",

@@ -1,7 +1,8 @@
 // The CUDA engine's internals: stages, device weights, per-sequence device state, and the step
 // context handed to every module (mhc.cu, norm.cu, kda.cu, mla.cu, indexer.cu, moe.cu, head.cu;
-// model.cu holds the executor). The structure follows the CPU engine (bindings/cpu/engine.hpp)
-// module for module and stage for stage.
+// model.cu holds the executor, load.cu the weights registration, memory.cu the device memory,
+// numerics_api.cu the numerics entry points). The structure follows the CPU engine
+// (bindings/cpu/engine.hpp) module for module and stage for stage.
 //
 // One step runs every row of a batch (rows of several sequences, each sequence's rows consecutive
 // and in position order) through all layers as a sequence of kernel launches on one stream; the
@@ -237,7 +238,7 @@ void inject_value(void* p, int dtype, int64_t ulps);  // one element, bits + ulp
 
 // ---- the step context -----------------------------------------------------------------------------
 
-struct EngineCore;  // weights, sequences, options (model.cu)
+struct EngineCore;  // weights, sequences, options (below)
 constexpr int kMaxRanks = 8;  // expert parallelism: ranks of one host (EpBounds holds their ranges by value)
 
 struct Step {
@@ -328,8 +329,23 @@ class SideStream {
     bool pending_ = false;
 };
 
+// The options of the engine call in progress on this thread (its launches read pdl, tune and
+// stream_early through launch_options(); defaults outside engine calls, e.g. the test entry points).
+const EngineOptions& launch_options();
+class ActiveOptions {
+   public:
+    explicit ActiveOptions(const EngineOptions& o);
+    ~ActiveOptions();
+    ActiveOptions(const ActiveOptions&) = delete;
+    ActiveOptions& operator=(const ActiveOptions&) = delete;
+
+   private:
+    const EngineOptions* prev_;
+};
+
 struct EngineCore {
     Config cfg;
+    EngineOptions opts;
     Nm nm;
     bool hw8 = true;
     std::string decode_path = "software";
@@ -344,7 +360,7 @@ struct EngineCore {
     std::vector<DBuf> tables;  // expert pointer tables
     SideStream side;
     // Weights that read the same x, placed as consecutive rows of one matrix (data, and scales in the
-    // same order) so that one launch computes them all: the slot of each (layer, group) (model.cu).
+    // same order) so that one launch computes them all: the slot of each (layer, group) (load.cu).
     struct JointSlot {
         int fmt = -1;
         int64_t C = 0, total = 0;
@@ -376,5 +392,8 @@ struct EngineCore {
 
     int E() const { return static_cast<int>(cfg.n_routed_experts); }
 };
+
+// The engine's state behind its host interface (engine_api.hpp): model.cu, load.cu.
+struct Engine::Impl : EngineCore {};
 
 }  // namespace glm::cuda

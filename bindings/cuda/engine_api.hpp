@@ -43,9 +43,22 @@ struct StageTimes {
     std::vector<double> ms;
 };
 
+// The engine's runtime knobs, fixed at construction (fast.cuda.CudaEngine(cuda_options=...); the
+// engine's options show them). None changes a bit of any result: they choose between equal ways of
+// computing it (A/B switches and benchmark knobs).
+struct EngineOptions {
+    bool pdl = true;            // launches may overlap the previous kernel's tail (programmatic dependent launch)
+    bool tune = true;           // one-token linear kernel timed per shape on first use (never under the emulation)
+    bool stream_early = false;  // streaming linear kernel, dense: first weights requested before the PDL wait
+    bool hc_fuse = true;        // hc_expand deferred into the next site's k_hc_mix where nothing observes it
+    int expert_tile = 0;        // pairs per routed-expert work item for batches: 1, 4 or 8; 0 the engine's rule
+    bool pinned_logits = true;  // decode-sized logits copied straight into page-locked arrays (the bindings)
+};
+
 class Engine {
    public:
-    Engine(const Config& cfg, bool seq_dot, bool native_exp);
+    Engine(const Config& cfg, bool seq_dot, bool native_exp, const EngineOptions& options = EngineOptions{});
+    const EngineOptions& options() const;
     ~Engine();
     Engine(const Engine&) = delete;
     Engine& operator=(const Engine&) = delete;

@@ -1,6 +1,6 @@
 // Number formats on the device (SPEC 4.1): BF16 rounding and the exact decoding of E4M3 (fn),
-// E2M1 and E8M0 codes, eight at a time as the dot kernels read them. The CUDA engine's own code
-// (it shares none with the oracle or the CPU engine).
+// E2M1 and E8M0 codes, eight at a time as the dot kernels read them. The CUDA engine's own code (it
+// shares none with the oracle; with the CPU engine only the scalar BF16 rounding, numerics_dev.hpp).
 #pragma once
 
 #include "compat.cuh"
@@ -10,15 +10,10 @@ namespace glm::cuda {
 // ---- BF16 ----------------------------------------------------------------------------------------
 
 // The value of bf16(x) (round to nearest even, every NaN -> 0x7FC0) held in an f32.
-GLM_DEV float bf16r(float x) {
-    uint32_t u = f32_bits(x);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return f32_from_bits(0x7FC00000u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return f32_from_bits(u & 0xFFFF0000u);
-}
+GLM_DEV float bf16r(float x) { return f32_from_bits(num::bf16_bits_of(f32_bits(x)) << 16); }
 // From a double: first to f32 (RNE), then to BF16 (RNE).
 GLM_DEV float bf16r64(double x) { return bf16r(__double2float_rn(x)); }
-GLM_DEV float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
+using num::bf16_to_f32;
 
 // ---- E8M0 and E2M1 --------------------------------------------------------------------------------
 

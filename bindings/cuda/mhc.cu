@@ -754,8 +754,7 @@ float* hc_expand(Step& s, int layer, bool ffn, float* X, float* spare, const flo
     const int stage = ffn ? S_FFN_HC_STREAMS : S_ATTN_HC_STREAMS;
     // deferred into the next site's k_hc_mix (which reads X and writes the new streams into spare) when
     // nothing observes the streams in between; that site launches it here after all if it cannot
-    static const bool fuse_on = !env_is("GLM_HC_FUSE", "0");  // (an A/B switch)
-    if (fuse_on && spare && !last && s.T <= 8 && !s.nm.seq && (hc == 2 || hc == 4) && D % 64 == 0 &&
+    if (s.E.opts.hc_fuse && spare && !last && s.T <= 8 && !s.nm.seq && (hc == 2 || hc == 4) && D % 64 == 0 &&
         !s.wants_any(layer, stage) && !s.injects(layer, stage) && aligned16(X) && aligned16(spare) && aligned16(u)) {
         s.hc_pending = {X, spare, u, post, comb};
         return spare;

@@ -340,16 +340,6 @@ __global__ void k_ep_unpack(const uint16_t* __restrict__ recv, const uint16_t* _
     else if (v != send[i]) *bad = 1;
 }
 
-// GLM_EXPERT_TILE (1, 4 or 8; anything else: the engine's choice), read once.
-int expert_tile_override() {
-    static const int t = [] {
-        const char* v = std::getenv("GLM_EXPERT_TILE");
-        const int n = v ? std::atoi(v) : 0;
-        return n == 1 || n == 4 || n == 8 ? n : 0;
-    }();
-    return t;
-}
-
 }  // namespace
 
 void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const float* x, int rows, float* y,
@@ -454,10 +444,10 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     // hit ~57, most experts get one, and a multi-pair item would compute its empty slots too): the
     // one-token kernels, an expert chosen twice read twice. Else 4, or 8 where the experts average 4 pairs
     // or more (prefill): the tiled kernel reads an expert's weights once per item and computes the slots
-    // past its pairs too. GLM_EXPERT_TILE=1/4/8 forces the tile of batches (a benchmark's knob; every
-    // tile gives the same bits).
+    // past its pairs too. The option expert_tile=1/4/8 forces the tile of batches (a benchmark's knob;
+    // every tile gives the same bits).
     int tile = (T == 1 || 4 * T * k <= E) ? 1 : (T * k >= 4 * E ? 8 : 4);
-    if (T > 1 && expert_tile_override() > 0) tile = expert_tile_override();
+    if (T > 1 && s.E.opts.expert_tile > 0) tile = s.E.opts.expert_tile;
     int* pairs = s.scratch.d<int>(static_cast<size_t>(nall));
     int* items = s.scratch.d<int>(static_cast<size_t>(nall) * 3);
     int* n_items = s.scratch.d<int>(1);

@@ -13,8 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "engine_api.hpp"
-#include "weights.cuh"
+#include "engine.cuh"
 // the kernels (one translation unit: each file below is a part of this one)
 #include "lin_device.cuh"
 #include "lin_register.cuh"
@@ -108,7 +107,7 @@ void launch_st(const LinArgs& a, dim3 grid, int rpb, int cps, size_t smem) {
 
 // The staged kernel with variant c (fields 0 / -1: the defaults); false when it does not apply.
 template <int FMT, bool EXPERT>
-bool launch_staged(const LinArgs& a, dim3 g, const StChoice& c) {
+bool launch_staged(const LinArgs& a, dim3 g, const LinChoice& c) {
     constexpr int CB = chunk_bytes<FMT>();
     if (!staged_applies(a, EXPERT)) return false;
     const int64_t nsm = sm_count();
@@ -178,9 +177,8 @@ void launch_sm_dec(const LinArgs& a, dim3 g) {
     auto k = k_linear_stream<FMT, EXPERT, DEC, MINB, XS>;
     const size_t smem = static_cast<size_t>(sm_block_bytes<FMT, MINB, XS>()) + (XS ? static_cast<size_t>(a.C) * 4 : 0);
     allow_smem(k, smem);
-    static const bool early = env_is("GLM_STREAM_EARLY", "1");  // (an A/B switch: off by default)
     LinArgs b = a;
-    b.early = early && !EXPERT;
+    b.early = launch_options().stream_early && !EXPERT;  // (an A/B switch: off by default)
     // every unit's block resident at once: at most MINB blocks per SM (expert launches: as many units
     // as the largest work list could hold; blocks past the device's count of units exit at once)
     const int64_t units = (a.R + 3) / 4 * (EXPERT ? static_cast<int64_t>(a.max_items) * g.z : 1);
@@ -236,16 +234,230 @@ void launch_register(const LinArgs& a, dim3 grid, int minb = 1) {
     with_dec<FMT, TT == 1>(a.dec, [&](auto dec) { launch_reg<FMT, TT, EXPERT, decltype(dec)::value>(a, grid, minb); });
 }
 
+// ---- the kernel table ---------------------------------------------------------------------------
+//
+// Every one-token kernel kind: its name (the prefix of its variants' names, which the tuner reports and
+// the test and benchmark entry points parse), the shapes it applies to, its launch (per format and
+// expert-ness; false when it does not apply after all), and the variants the tuning times. A new
+// kernel is one entry here (and its launch).
+using LinLaunch = bool (*)(const LinArgs& a, dim3 grid, const LinChoice& c);
+struct LinLaunches {
+    LinLaunch f[4][2];  // [WFmt][expert]
+};
+template <template <int, bool> class K>
+constexpr LinLaunches launches_of() {
+    return {{{&K<W_BF16, false>::run, &K<W_BF16, true>::run},
+             {&K<W_F32, false>::run, &K<W_F32, true>::run},
+             {&K<W_FP8, false>::run, &K<W_FP8, true>::run},
+             {&K<W_MXFP4, false>::run, &K<W_MXFP4, true>::run}}};
+}
+
+struct LinKernel {
+    LinKind kind;
+    const char* name;  // the variants' names start with it
+    const char* what;  // in errors: "the <what> does not apply to this shape"
+    bool (*applies)(const LinArgs& a, bool expert, const LinChoice& c);
+    void (*variants)(const LinArgs& a, bool expert, std::vector<LinChoice>& out);  // tuning candidates
+    std::string (*label)(const LinChoice& c);                                     // a variant's name
+    bool (*parse)(const std::string& spec, LinChoice& c);                         // the variant spec names
+    LinLaunches launch;
+};
+
+template <int FMT, bool EXPERT>
+struct RegisterLaunch {
+    static bool run(const LinArgs& a, dim3 grid, const LinChoice&) {
+        launch_register<FMT, 1, EXPERT>(a, grid, 1);
+        return true;
+    }
+};
+template <int FMT, bool EXPERT>
+struct StagedLaunch {
+    static bool run(const LinArgs& a, dim3 grid, const LinChoice& c) { return launch_staged<FMT, EXPERT>(a, grid, c); }
+};
+template <int FMT, bool EXPERT>
+struct TiledLaunch {
+    static bool run(const LinArgs& a, dim3 grid, const LinChoice&) {
+        if (!tiled_applies(a, EXPERT)) return false;
+        launch_mt<FMT, EXPERT, 1>(a, grid);
+        return true;
+    }
+};
+template <int FMT, bool EXPERT>
+struct RegOccLaunch {
+    static bool run(const LinArgs& a, dim3 grid, const LinChoice& c) {
+        launch_register<FMT, 1, EXPERT>(a, grid, c.bps);
+        return true;
+    }
+};
+template <int FMT, bool EXPERT>
+struct WideLaunch {
+    static bool run(const LinArgs& a, dim3, const LinChoice& c) {
+        if (!wide_applies(a, EXPERT)) return false;
+        launch_wide<FMT>(a, c.lpt);
+        return true;
+    }
+};
+template <int FMT, bool EXPERT>
+struct StreamLaunch {
+    static bool run(const LinArgs& a, dim3 grid, const LinChoice& c) {
+        if (c.xs == 1) {
+            if (!stream_xs_applies(a, EXPERT, c.bps)) return false;
+            if (c.bps == 1) launch_sm<FMT, EXPERT, 1, true>(a, grid);
+            else launch_sm<FMT, EXPERT, 2, true>(a, grid);
+            return true;
+        }
+        if (!stream_applies(a, EXPERT)) return false;
+        if (c.bps == 1) launch_sm<FMT, EXPERT, 1, false>(a, grid);
+        else if (c.bps == 2) launch_sm<FMT, EXPERT, 2, false>(a, grid);
+        else launch_sm<FMT, EXPERT, 3, false>(a, grid);
+        return true;
+    }
+};
+
+LinChoice variant(LinKind kind, int lpt = 0, int xs = -1, int bps = 0) {
+    LinChoice c;
+    c.kind = kind;
+    c.lpt = lpt;
+    c.xs = xs;
+    c.bps = bps;
+    return c;
+}
+// spec == prefix + one digit of `digits`: that digit (else 0).
+int spec_digit(const std::string& spec, const char* prefix, const char* digits) {
+    const std::string p(prefix);
+    if (spec.size() != p.size() + 1 || spec.compare(0, p.size(), p) != 0) return 0;
+    const char d = spec.back();
+    return d != '\0' && std::strchr(digits, d) ? d - '0' : 0;
+}
+
+// In the tuning's order (the first of equally fast candidates is kept).
+const LinKernel kLinKernels[] = {
+    {LinKind::Register, "register", "register kernel",
+     [](const LinArgs&, bool, const LinChoice&) { return true; },
+     [](const LinArgs&, bool, std::vector<LinChoice>& out) { out.push_back(variant(LinKind::Register)); },
+     [](const LinChoice&) { return std::string("register"); },
+     [](const std::string& spec, LinChoice& c) {
+         if (spec != "register") return false;
+         c = variant(LinKind::Register);
+         return true;
+     },
+     launches_of<RegisterLaunch>()},
+    // "staged:LPT:XS[:RPB:CPS]" (LPT 8, 4 or 2; XS 0 or 1; RPB <= 32)
+    {LinKind::Staged, "staged", "staged kernel",
+     [](const LinArgs& a, bool expert, const LinChoice&) { return staged_applies(a, expert); },
+     [](const LinArgs& a, bool expert, std::vector<LinChoice>& out) {
+         if (!staged_applies(a, expert)) return;
+         const bool heads = a.rh < a.R && a.xhs != 0;
+         for (int lpt : {8, 4, 2}) out.push_back(variant(LinKind::Staged, lpt, heads ? 0 : 1));
+     },
+     [](const LinChoice& c) {
+         return "staged:" + std::to_string(c.lpt) + ":" + std::to_string(c.xs) +
+                (c.rpb ? ":" + std::to_string(c.rpb) + ":" + std::to_string(c.cps) : "");
+     },
+     [](const std::string& spec, LinChoice& c) {
+         if (spec.size() <= 7 || spec.compare(0, 7, "staged:") != 0) return false;
+         int v[4] = {0, -1, 0, 0};
+         int n = 0;
+         size_t pos = 7;
+         while (n < 4 && pos <= spec.size()) {
+             const size_t e = spec.find(':', pos);
+             const std::string f = spec.substr(pos, e == std::string::npos ? std::string::npos : e - pos);
+             if (f.empty() || f.find_first_not_of("0123456789") != std::string::npos) break;
+             v[n++] = std::stoi(f);
+             if (e == std::string::npos) {
+                 pos = spec.size() + 1;
+                 break;
+             }
+             pos = e + 1;
+         }
+         if (!(pos == spec.size() + 1 && (n == 2 || n == 4) && (v[0] == 8 || v[0] == 4 || v[0] == 2) &&
+               (v[1] == 0 || v[1] == 1) && v[2] >= 0 && v[2] <= 32 && v[3] >= 0))
+             return false;
+         c = variant(LinKind::Staged, v[0], v[1]);
+         c.rpb = v[2];
+         c.cps = v[3];
+         return true;
+     },
+     launches_of<StagedLaunch>()},
+    // "tiled" ("tiled:1": expert work items of one pair, linear_device)
+    {LinKind::Tiled, "tiled", "tiled kernel",
+     [](const LinArgs& a, bool expert, const LinChoice&) { return tiled_applies(a, expert); },
+     [](const LinArgs& a, bool expert, std::vector<LinChoice>& out) {
+         if (tiled_applies(a, expert)) out.push_back(variant(LinKind::Tiled));
+     },
+     [](const LinChoice&) { return std::string("tiled"); },
+     [](const std::string& spec, LinChoice& c) {
+         if (spec != "tiled" && spec != "tiled:1") return false;
+         c = variant(LinKind::Tiled);
+         return true;
+     },
+     launches_of<TiledLaunch>()},
+    // "register:occ5|6"
+    {LinKind::RegOcc, "register:occ", "register-bounded register kernel",
+     [](const LinArgs&, bool, const LinChoice&) { return true; },
+     [](const LinArgs&, bool, std::vector<LinChoice>& out) {
+         for (int minb : {5, 6}) out.push_back(variant(LinKind::RegOcc, 0, -1, minb));
+     },
+     [](const LinChoice& c) { return "register:occ" + std::to_string(c.bps); },
+     [](const std::string& spec, LinChoice& c) {
+         const int d = spec_digit(spec, "register:occ", "56");
+         if (d) c = variant(LinKind::RegOcc, 0, -1, d);
+         return d != 0;
+     },
+     launches_of<RegOccLaunch>()},
+    // "register:w4|2" (one token, dense, FP8 or BF16)
+    {LinKind::Wide, "register:w", "wide register kernel",
+     [](const LinArgs& a, bool expert, const LinChoice&) { return wide_applies(a, expert); },
+     [](const LinArgs& a, bool expert, std::vector<LinChoice>& out) {
+         if (wide_applies(a, expert))
+             for (int lpt : {4, 2}) out.push_back(variant(LinKind::Wide, lpt));
+     },
+     [](const LinChoice& c) { return "register:w" + std::to_string(c.lpt); },
+     [](const std::string& spec, LinChoice& c) {
+         const int d = spec_digit(spec, "register:w", "42");
+         if (d) c = variant(LinKind::Wide, d);
+         return d != 0;
+     },
+     launches_of<WideLaunch>()},
+    // "stream:1|2|3[x]" (x: x staged per block)
+    {LinKind::Stream, "stream", "stream kernel",
+     [](const LinArgs& a, bool expert, const LinChoice& c) {
+         return c.xs == 1 ? stream_xs_applies(a, expert, c.bps) : stream_applies(a, expert);
+     },
+     [](const LinArgs& a, bool expert, std::vector<LinChoice>& out) {
+         if (!stream_applies(a, expert)) return;
+         for (int bps : {1, 2, 3}) {
+             out.push_back(variant(LinKind::Stream, 0, -1, bps));
+             if (stream_xs_applies(a, expert, bps)) out.push_back(variant(LinKind::Stream, 0, 1, bps));
+         }
+     },
+     [](const LinChoice& c) { return "stream:" + std::to_string(c.bps) + (c.xs == 1 ? "x" : ""); },
+     [](const std::string& spec, LinChoice& c) {
+         const bool x = !spec.empty() && spec.back() == 'x';
+         const int d = spec_digit(x ? spec.substr(0, spec.size() - 1) : spec, "stream:", "123");
+         if (d) c = variant(LinKind::Stream, 0, x ? 1 : -1, d);
+         return d != 0;
+     },
+     launches_of<StreamLaunch>()},
+};
+
+const LinKernel& lin_kernel(LinKind kind) {
+    for (const LinKernel& k : kLinKernels)
+        if (k.kind == kind) return k;
+    throw std::logic_error("linear: no kernel of this kind");
+}
+
 // ---- the one-token kernel choice, measured -----------------------------------------------------
 //
-// Every variant (the register kernel, also bounded to 5 or 6 blocks per SM; the staged kernel with
-// 8/4/2 lanes per thread; the tiled kernel; the streaming kernel at 1-3 blocks per SM; each with every
-// decode path of the format) computes the same bits, so which is fastest for a shape is a question for the device, not for the
-// numerics: the first one-token launch of each shape (format, rows, columns, head blocking, expert
-// items, decode path) times the candidates on the real operands, each after evicting L2 (decode streams
-// every weight from HBM), and keeps the fastest. The candidates all write the same Y, so the call's
-// result is unchanged. Off under the CPU emulation (GLM_CUDA_TUNE=0 also turns it off): there the
-// staged kernel with 8 lanes is used wherever it applies, the register kernel elsewhere.
+// Every variant of the table (the register kernel, also bounded to 5 or 6 blocks per SM; the staged
+// kernel with 8/4/2 lanes per thread; the tiled kernel; the wide register kernel; the streaming kernel
+// at 1-3 blocks per SM; each with every decode path of the format) computes the same bits, so which is
+// fastest for a shape is a question for the device, not for the numerics: the first one-token launch
+// of each shape (format, rows, columns, head blocking, expert items, decode path) times the candidates
+// on the real operands, each after evicting L2 (decode streams every weight from HBM), and keeps the
+// fastest. The candidates all write the same Y, so the call's result is unchanged. Off under the CPU
+// emulation (the engine option tune=False also turns it off): there the staged kernel with 8 lanes is
+// used wherever it applies, the register kernel elsewhere.
 struct TuneKey {
     int fmt, R, rh, dec;
     int64_t C;
@@ -257,7 +469,7 @@ struct TuneKey {
     }
 };
 struct TuneResult {
-    StChoice choice;  // lpt == -1: the register kernel
+    LinChoice choice;
     std::vector<std::pair<std::string, float>> us;
 };
 std::map<TuneKey, TuneResult>& tuned() {
@@ -268,23 +480,13 @@ bool tuning_on() {
 #if defined(GLM_CUDA_EMU)
     return false;
 #else
-    static const bool on = !env_is("GLM_CUDA_TUNE", "0");
-    return on;
+    return launch_options().tune;
 #endif
 }
-std::string choice_name(const StChoice& c) {
-    if (c.dec >= 0) {
-        StChoice d = c;
-        d.dec = -1;
-        return choice_name(d) + (c.dec == kDecHw ? "/hw" : (c.dec == kDecInt ? "/int" : "/sw"));
-    }
-    if (c.lpt == kTiledChoice) return "tiled";
-    if (c.lpt == kRegOccChoice) return "register:occ" + std::to_string(c.rpb);
-    if (c.lpt == kStreamChoice) return "stream:" + std::to_string(c.rpb) + (c.xs == 1 ? "x" : "");
-    if (c.lpt == kWideChoice) return "register:w" + std::to_string(c.rpb);
-    if (c.lpt < 0) return "register";
-    return "staged:" + std::to_string(c.lpt) + ":" + std::to_string(c.xs) +
-           (c.rpb ? ":" + std::to_string(c.rpb) + ":" + std::to_string(c.cps) : "");
+std::string choice_name(const LinChoice& c) {
+    const std::string base = lin_kernel(c.kind).label(c);
+    if (c.dec < 0) return base;
+    return base + (c.dec == kDecHw ? "/hw" : (c.dec == kDecInt ? "/int" : "/sw"));
 }
 
 void flush_l2() {
@@ -294,101 +496,32 @@ void flush_l2() {
     check(cudaMemsetAsync(buf, 0, n, 0), "L2 flush");
 }
 
-// One token with kernel choice c (register, register bounded to c.rpb blocks per SM, tiled, streaming
-// with c.rpb blocks per SM, or a staged variant; c.dec another decode path); false when c does not
-// apply to a's shape.
+// One token with kernel choice c (c.dec: another decode path); false when c does not apply to a's shape.
 template <int FMT, bool EXPERT>
-bool launch_one_token(const LinArgs& a, dim3 grid, const StChoice& c) {
+bool launch_one_token(const LinArgs& a, dim3 grid, const LinChoice& c) {
     if (c.dec >= 0 && c.dec != a.dec) {  // every decode path gives the same values: the tuning times them
         LinArgs b = a;
         b.dec = c.dec;
-        StChoice d = c;
+        LinChoice d = c;
         d.dec = -1;
         return launch_one_token<FMT, EXPERT>(b, grid, d);
     }
-    if (c.lpt == kTiledChoice) {
-        if (!tiled_applies(a, EXPERT)) return false;
-        launch_mt<FMT, EXPERT, 1>(a, grid);
-        return true;
-    }
-    if (c.lpt == kStreamChoice) {
-        if (c.xs == 1) {
-            if (!stream_xs_applies(a, EXPERT, c.rpb)) return false;
-            if (c.rpb == 1) launch_sm<FMT, EXPERT, 1, true>(a, grid);
-            else launch_sm<FMT, EXPERT, 2, true>(a, grid);
-            return true;
-        }
-        if (!stream_applies(a, EXPERT)) return false;
-        if (c.rpb == 1) launch_sm<FMT, EXPERT, 1, false>(a, grid);
-        else if (c.rpb == 2) launch_sm<FMT, EXPERT, 2, false>(a, grid);
-        else launch_sm<FMT, EXPERT, 3, false>(a, grid);
-        return true;
-    }
-    if (c.lpt == kWideChoice) {
-        if (!wide_applies(a, EXPERT)) return false;
-        launch_wide<FMT>(a, c.rpb);
-        return true;
-    }
-    if (c.lpt < 0) {
-        launch_register<FMT, 1, EXPERT>(a, grid, c.lpt == kRegOccChoice ? c.rpb : 1);
-        return true;
-    }
-    return launch_staged<FMT, EXPERT>(a, grid, c);
+    return lin_kernel(c.kind).launch.f[FMT][EXPERT ? 1 : 0](a, grid, c);
 }
 
 // The fastest one-token kernel for a's shape: timed over the candidates on the first call (which
 // leaves their common result in Y), looked up after.
 template <int FMT, bool EXPERT>
-StChoice tuned_choice(const LinArgs& a, dim3 grid) {
+LinChoice tuned_choice(const LinArgs& a, dim3 grid) {
     const TuneKey key{a.fmt, a.R, a.rh < a.R ? a.rh : 0, a.dec, a.C, EXPERT, grid.y, grid.z};
     auto it = tuned().find(key);
     if (it != tuned().end()) return it->second.choice;
-    const bool heads = a.rh < a.R && a.xhs != 0;
-    std::vector<StChoice> cands(1);
-    cands[0].lpt = -1;  // the register kernel
-    if (staged_applies(a, EXPERT)) {
-        for (int lpt : {8, 4, 2}) {
-            StChoice c;
-            c.lpt = lpt;
-            c.xs = heads ? 0 : 1;
-            cands.push_back(c);
-        }
-    }
-    if (tiled_applies(a, EXPERT)) {
-        StChoice c;
-        c.lpt = kTiledChoice;
-        cands.push_back(c);
-    }
-    for (int minb : {5, 6}) {
-        StChoice c;
-        c.lpt = kRegOccChoice;
-        c.rpb = minb;
-        cands.push_back(c);
-    }
-    if (wide_applies(a, EXPERT)) {
-        for (int lpt : {4, 2}) {
-            StChoice c;
-            c.lpt = kWideChoice;
-            c.rpb = lpt;
-            cands.push_back(c);
-        }
-    }
-    if (stream_applies(a, EXPERT)) {
-        for (int bps : {1, 2, 3}) {
-            StChoice c;
-            c.lpt = kStreamChoice;
-            c.rpb = bps;
-            cands.push_back(c);
-            if (stream_xs_applies(a, EXPERT, bps)) {
-                c.xs = 1;
-                cands.push_back(c);
-            }
-        }
-    }
+    std::vector<LinChoice> cands;
+    for (const LinKernel& k : kLinKernels) k.variants(a, EXPERT, cands);
     if (a.dec == kDecInt) {  // the same kernels with the hardware E4M3 conversion (MXFP4: the software decode)
         const size_t n = cands.size();
         for (size_t j = 0; j < n; ++j) {
-            StChoice c = cands[j];
+            LinChoice c = cands[j];
             c.dec = FMT == W_FP8 ? kDecHw : kDecSw;
             cands.push_back(c);
         }
@@ -398,7 +531,7 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
     check(cudaEventCreate(&e0), "event");
     check(cudaEventCreate(&e1), "event");
     float best = 1e30f;
-    for (const StChoice& c : cands) {
+    for (const LinChoice& c : cands) {
         float t_min = 1e30f;
         for (int rep = 0; rep < 2; ++rep) {
             flush_l2();
@@ -424,11 +557,11 @@ StChoice tuned_choice(const LinArgs& a, dim3 grid) {
 template <int FMT, int TT, bool EXPERT>
 void launch_fmt(const LinArgs& a, dim3 grid) {
     if constexpr (TT == 1) {
-        StChoice c = a.st;  // a variant forced by a test or benchmark, else the engine's choice:
-        if (c.lpt == 0) {   // the measured one where a shared-memory kernel applies, the register kernel elsewhere
+        LinChoice c = a.choice;            // a kernel forced by a test or benchmark, else the engine's choice:
+        if (c.kind == LinKind::Auto) {     // the measured one where a shared-memory kernel applies, the register kernel elsewhere
             const bool staged = !a.no_staged && staged_applies(a, EXPERT);  // (untuned: staged, LPT 8)
             if (!a.no_staged && tuning_on() && (staged || stream_applies(a, EXPERT))) c = tuned_choice<FMT, EXPERT>(a, grid);
-            else if (!staged) c.lpt = -1;
+            else c.kind = staged ? LinKind::Staged : LinKind::Register;
         }
         if (launch_one_token<FMT, EXPERT>(a, grid, c)) return;
     } else {
@@ -633,60 +766,32 @@ bool e4m3_nan_free_device(const void* data, size_t n) {
 
 namespace {
 
-// kernel: "auto" | "register" | "register:occ5|6" | "stream:1|2|3[x]" | "tiled" | "tiled:1" | "staged" | "staged:LPT:XS[:RPB:CPS]" -> (no_staged,
-// forced choice); "tiled" gives expert work items of tile_for(T) pairs, "tiled:1" of one pair.
-StChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
-    StChoice c;
+// kernel: "auto" (the engine's choice), "staged" (the engine's choice where the staged kernel applies,
+// refused elsewhere) or a variant of kLinKernels ("register", "register:occ5|6", "register:w4|2",
+// "stream:1|2|3[x]", "tiled", "tiled:1", "staged:LPT:XS[:RPB:CPS]") -> the forced choice; no_staged:
+// "register" (several tokens too); "tiled" gives expert work items of tile_for(T) pairs, "tiled:1" of one.
+LinChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     no_staged = kernel == "register";
     require_staged = kernel.rfind("staged", 0) == 0;
-    if (kernel == "tiled" || kernel == "tiled:1") c.lpt = kTiledChoice;
-    if (kernel == "register:occ5" || kernel == "register:occ6") {
-        c.lpt = kRegOccChoice;
-        c.rpb = kernel.back() - '0';
-    }
-    if (kernel == "register:w4" || kernel == "register:w2") {
-        c.lpt = kWideChoice;
-        c.rpb = kernel.back() - '0';
-    }
-    if (kernel.size() >= 8 && kernel.rfind("stream:", 0) == 0 && kernel[7] >= '1' && kernel[7] <= '3' &&
-        (kernel.size() == 8 || (kernel.size() == 9 && kernel[8] == 'x'))) {
-        c.lpt = kStreamChoice;
-        c.rpb = kernel[7] - '0';
-        c.xs = kernel.size() == 9 ? 1 : -1;
-    }
-    if (kernel == "auto" || kernel == "register" || c.lpt == kRegOccChoice || c.lpt == kStreamChoice || c.lpt == kWideChoice ||
-        kernel == "tiled" || kernel == "tiled:1" || kernel == "staged")
-        return c;
-    int v[4] = {0, -1, 0, 0};
-    int n = 0;
-    if (require_staged && kernel.size() > 7 && kernel[6] == ':') {
-        size_t pos = 7;
-        while (n < 4 && pos <= kernel.size()) {
-            const size_t e = kernel.find(':', pos);
-            const std::string f = kernel.substr(pos, e == std::string::npos ? std::string::npos : e - pos);
-            if (f.empty() || f.find_first_not_of("0123456789") != std::string::npos) break;
-            v[n++] = std::stoi(f);
-            if (e == std::string::npos) {
-                pos = kernel.size() + 1;
-                break;
-            }
-            pos = e + 1;
-        }
-        if (pos == kernel.size() + 1 && (n == 2 || n == 4) && (v[0] == 8 || v[0] == 4 || v[0] == 2) &&
-            (v[1] == 0 || v[1] == 1) && v[2] >= 0 && v[2] <= 32 && v[3] >= 0) {
-            c.lpt = v[0];
-            c.xs = v[1];
-            c.rpb = v[2];
-            c.cps = v[3];
-            return c;
-        }
-    }
+    LinChoice c;
+    if (kernel == "auto" || kernel == "staged") return c;
+    for (const LinKernel& k : kLinKernels)
+        if (k.parse(kernel, c)) return c;
     throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occ5', 'register:occ6', "
                                 "'register:w4', 'register:w2' (one token, dense, FP8 or BF16), "
                                 "'stream:1|2|3' (x: x staged), 'tiled', "
                                 "'tiled:1', 'staged' or "
                                 "'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
+}
+
+// A forced kernel must apply to the launch's shape ("staged": the staged kernel).
+void check_forced(const LinArgs& a, bool expert, bool require_staged, const char* who) {
+    const LinKind kind = require_staged ? LinKind::Staged : a.choice.kind;
+    if (kind == LinKind::Auto) return;
+    const LinKernel& k = lin_kernel(kind);
+    if (!k.applies(a, expert, a.choice))
+        throw std::invalid_argument(std::string(who) + ": the " + k.what + " does not apply to this shape");
 }
 
 void parse_decode(const std::string& d) {
@@ -791,7 +896,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     const int fmt = parse_release(release);
     parse_decode(decode);
     bool no_staged = false, require_staged = false;
-    const StChoice choice = parse_kernel(kernel, no_staged, require_staged);
+    const LinChoice choice = parse_kernel(kernel, no_staged, require_staged);
     if (R <= 0 || C <= 0 || T <= 0) throw std::invalid_argument("linear: R, C and T must be positive");
     if (expert && T > 65535) throw std::invalid_argument("linear: at most 65535 pairs");
     DevBufs B;
@@ -804,13 +909,12 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     check(cudaMemcpy(dd, data, data_bytes, cudaMemcpyHostToDevice), "linear: weights");
     if (scale_bytes) check(cudaMemcpy(ds, scale, scale_bytes, cudaMemcpyHostToDevice), "linear: scales");
     check(cudaMemcpy(dx, X, static_cast<size_t>(T) * C * 4, cudaMemcpyHostToDevice), "linear: X");
-    const bool tiled = kernel.rfind("tiled", 0) == 0;  // the tiled kernel
     LinArgs a = whole_matrix_args(fmt, R, C, dx, C, dy, T, round, no_staged);
     a.dec = dec_of(decode, fmt,
                    fmt == W_FP8 ? e4m3_nan_free_device(dd, data_bytes) &&
                                       fp8_scales_foldable(static_cast<const float*>(scale), scale_bytes / 4)
                                 : fmt == W_MXFP4 && mxfp4_scales_foldable(static_cast<const uint8_t*>(scale), scale_bytes));
-    a.st = choice;
+    a.choice = choice;
     if (expert) {
         // one expert (the matrix), each token row its own work item of one pair
         const void* tab[2] = {dd, ds};
@@ -819,26 +923,12 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         const std::vector<int> it = expert_items(T, 1, tile);
         check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "linear: items");
         set_expert_args(a, dtab, ditems, T, 1, tile);
-        if (require_staged && !staged_applies(a, true))
-            throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
-        if (tiled && !tiled_applies(a, true))
-            throw std::invalid_argument("linear: the tiled kernel does not apply to this shape");
-        if (choice.lpt == kStreamChoice && !(choice.xs == 1 ? stream_xs_applies(a, true, choice.rpb) : stream_applies(a, true)))
-            throw std::invalid_argument("linear: the stream kernel does not apply to this shape");
-        if (choice.lpt == kWideChoice)
-            throw std::invalid_argument("linear: the wide register kernel does not apply to this shape");
+        check_forced(a, true, require_staged, "linear");
         run(a, true, tile, Nm{});
     } else {
         a.data = dd;
         a.scale = ds;
-        if (require_staged && !staged_applies(a, false))
-            throw std::invalid_argument("linear: the staged kernel does not apply to this shape");
-        if (tiled && !tiled_applies(a, false))
-            throw std::invalid_argument("linear: the tiled kernel does not apply to this shape");
-        if (choice.lpt == kStreamChoice && !(choice.xs == 1 ? stream_xs_applies(a, false, choice.rpb) : stream_applies(a, false)))
-            throw std::invalid_argument("linear: the stream kernel does not apply to this shape");
-        if (choice.lpt == kWideChoice && !wide_applies(a, false))
-            throw std::invalid_argument("linear: the wide register kernel does not apply to this shape");
+        check_forced(a, false, require_staged, "linear");
         run(a, false, tile_for(T), Nm{});
     }
     std::vector<float> y(static_cast<size_t>(T) * R);
@@ -852,7 +942,7 @@ double linear_bench_device(const std::string& release, int64_t R, int64_t C, int
     const int fmt = parse_release(release);
     parse_decode(decode);
     bool no_staged = false, require_staged = false;
-    const StChoice choice = parse_kernel(kernel, no_staged, require_staged);
+    const LinChoice choice = parse_kernel(kernel, no_staged, require_staged);
     if (R <= 0 || C <= 0 || C % 64 != 0 || experts < 0 || experts > 64 || reps < 1)
         throw std::invalid_argument("linear_bench: R > 0, C a positive multiple of 64, 0 <= experts <= 64, reps >= 1");
     const int nmat = std::max(1, experts);
@@ -875,7 +965,7 @@ double linear_bench_device(const std::string& release, int64_t R, int64_t C, int
     void* dy = B.alloc(static_cast<size_t>(T) * R * 4);
     LinArgs a = whole_matrix_args(fmt, R, C, dx, 0, dy, 1, true, no_staged);  // ldx 0: every pair reads one x
     a.dec = dec_of(decode, fmt, true);  // the fill makes no NaN codes
-    a.st = choice;
+    a.choice = choice;
     void* dtab = nullptr;
     if (experts > 0) {
         dtab = B.alloc(tab.size() * sizeof(void*));

@@ -56,17 +56,24 @@ struct ExpertTable {
     bool int_decode = false;             // fp8: the integer decode applies to every expert
 };
 
-// Which one-token kernel a launch uses (weights.cu): 0 / -1 fields take the engine's choice; lpt -1 in
-// a tuned result means the register kernel, lpt 8/4/2 a staged variant, the constants below the others.
-constexpr int kTiledChoice = -2;   // StChoice::lpt of the tiled kernel (k_linear_mt with one token)
-constexpr int kRegOccChoice = -3;  // StChoice::lpt of the register kernel bounded to rpb (5 or 6) blocks per SM
-constexpr int kStreamChoice = -4;  // StChoice::lpt of the streaming kernel with rpb (1, 2 or 3) blocks per SM
-constexpr int kWideChoice = -5;    // StChoice::lpt of the wide register kernel with rpb (4 or 2) lanes per thread
-struct StChoice {
-    int lpt = 0;   // 8, 4 or 2 lanes of one accumulator per thread (-1 register, kTiledChoice tiled, kStreamChoice)
-    int xs = -1;   // stage x too (1) or read it through L1 (0)
-    int rpb = 0;   // rows per block
-    int cps = 0;   // chunks per stage
+// Which one-token kernel a launch uses: a kind of weights.cu's kernel table (kLinKernels, which names,
+// parses, applies and launches each kind and lists its tuning variants) and the variant's parameters.
+enum class LinKind : int {
+    Auto = 0,  // the engine's choice (the measured one, weights.cu: tuned_choice)
+    Register,  // k_linear: eight threads per row, weights decoded in registers
+    Staged,    // k_linear_st: rows staged through shared memory
+    Tiled,     // k_linear_mt with one token
+    RegOcc,    // k_linear bounded to bps (5 or 6) blocks per SM
+    Wide,      // k_linear_wide: lpt (4 or 2) lanes per thread
+    Stream,    // k_linear_stream: persistent warps, bps (1, 2 or 3) blocks per SM
+};
+struct LinChoice {
+    LinKind kind = LinKind::Auto;
+    int lpt = 0;   // staged: 8, 4 or 2 lanes of one accumulator per thread (0: 8); wide: 4 or 2
+    int xs = -1;   // staged: stage x too (1) or read it through L1 (0); stream: x staged per block (1)
+    int rpb = 0;   // staged: rows per block (0: the engine's)
+    int cps = 0;   // staged: chunks per stage (0: the engine's)
+    int bps = 0;   // register:occ, stream: blocks per SM
     int dec = -1;  // another exact decode path (weights.cu: Dec) than the launch's, or -1
 };
 
@@ -102,7 +109,7 @@ struct LinArgs {
     int max_items = 0;
     int tile_pairs = 1;                        // pairs per work item (at most)
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
-    StChoice st;                               // a staged variant forced by a test or benchmark
+    LinChoice choice;                          // a kernel forced by a test or benchmark
     int dec = 0;                               // fp8 / mxfp4 decode path (weights.cu: Dec)
     bool early = false;                        // streaming kernel, dense: first weights before the PDL wait
 };
