@@ -140,6 +140,19 @@ _SMALL = dict(
     swiglu_limit=10.0,
 )
 
+# the real model's depth and schedule (45 layers: MLA with its own indexer where l % 4 == 3, else KDA; the
+# first three MLPs dense; every indexer full), at tiny-like widths so the oracle runs it in seconds
+_DEEP = dict(
+    _TINY,
+    num_hidden_layers=45,
+    layer_types=None,
+    indexer_types=None,
+    mlp_layer_types=None,
+    n_group=1,
+    topk_group=1,
+    swiglu_limit=10.0,
+)
+
 
 @dataclass(frozen=True)
 class ZooEntry:
@@ -152,6 +165,9 @@ class ZooEntry:
     # count they are its `fields`
     schedule: Callable[[int], dict] | None = None
     doc: str = ""
+    # a factor on the std of the projections that write into the residual streams (_RESIDUAL_WRITERS):
+    # at 45 layers the 90 sublayer outputs add up like a random walk, and below 1 keeps the streams O(1)
+    residual_scale: float = 1.0
 
 
 def _first_dense(k: int) -> Callable[[int], list]:
@@ -185,6 +201,8 @@ ZOO: dict[str, ZooEntry] = {
     ),
     "small": ZooEntry("small", _SMALL, (5,), schedule=_default_schedule(2),
                       doc="wider: several KDA head blocks, 16 experts top 4, 8 layers"),
+    "deep": ZooEntry("deep", _DEEP, (5,), tokenizer=True, schedule=_default_schedule(3), residual_scale=0.375,
+                     doc="the real 45-layer schedule (MLA+indexer at l % 4 == 3, first 3 dense) at tiny widths"),
     "slice": ZooEntry(
         "slice",
         dict(num_hidden_layers=4, layer_types=None, mlp_layer_types=None, indexer_types=None),
@@ -544,6 +562,9 @@ def quantize_mxfp4_reference(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- initialisation
 
 
+_RESIDUAL_WRITERS = frozenset({"kda.o_proj", "mla.o_proj", "mlp.down_proj", "moe.expert.down_proj", "moe.shared.down_proj"})
+
+
 def _init_rule(t: N.TensorSpec, cfg: Config) -> tuple[str, float, float]:
     """(law, mean, std) of one tensor's master values. law: 'normal' | 'A_log' | 'dt_bias'."""
     D, hc = cfg.hidden_size, cfg.hc_mult
@@ -581,9 +602,12 @@ def _init_rule(t: N.TensorSpec, cfg: Config) -> tuple[str, float, float]:
     return "normal", 0.0, 1.0 / math.sqrt(fan_in)  # linear weights (and kpool gate): N(0, 1/fan_in)
 
 
-def _chunk_values(t: N.TensorSpec, cfg: Config, key: int, start: int, count: int) -> np.ndarray:
+def _chunk_values(t: N.TensorSpec, cfg: Config, key: int, start: int, count: int,
+                  residual_scale: float = 1.0) -> np.ndarray:
     """Master float32 values of elements [start, start+count) (flat, row-major)."""
     law, mean, std = _init_rule(t, cfg)
+    if t.role in _RESIDUAL_WRITERS:
+        std = std * residual_scale  # x 1.0 is exact: the other entries' bytes do not move
     if law == "normal":  # = f32(normal(key, start, count) * std [+ mean]), then BF16 unless kind f32
         v = np.empty(count, np.float32)
         _kernels()["normal_f32"](np.uint64(key), np.uint64(start), count, float(std), float(mean), mean != 0.0, v)
@@ -603,14 +627,15 @@ def _chunk_values(t: N.TensorSpec, cfg: Config, key: int, start: int, count: int
     return v
 
 
-def master(cfg: Config, entry: N.Entry, seed: int = DEFAULT_SEED, rows: tuple[int, int] | None = None) -> np.ndarray:
+def master(cfg: Config, entry: N.Entry, seed: int = DEFAULT_SEED, rows: tuple[int, int] | None = None,
+           residual_scale: float = 1.0) -> np.ndarray:
     """The master values of one tensor (float32; BF16-representable unless kind 'f32'), optionally
-    only rows [r0, r1) of its first axis."""
+    only rows [r0, r1) of its first axis; residual_scale: the zoo entry's (ZooEntry.residual_scale)."""
     shape = entry.spec.shape(cfg)
     inner = int(np.prod(shape[1:]))
     r0, r1 = rows if rows is not None else (0, shape[0])
     key = tensor_key(seed, entry.key)
-    v = _chunk_values(entry.spec, cfg, key, r0 * inner, (r1 - r0) * inner)
+    v = _chunk_values(entry.spec, cfg, key, r0 * inner, (r1 - r0) * inner, residual_scale)
     return v.reshape((r1 - r0,) + tuple(shape[1:]))
 
 
@@ -636,13 +661,14 @@ class _Job:
     entry: N.Entry
     fmt: str  # 'f32' | 'bf16' | 'fp8' | 'mxfp4'
     outs: list[_Out]  # [weight] or [weight, scale]
+    residual_scale: float = 1.0  # the entry's (ZooEntry.residual_scale)
 
 
 def _stored(key: str) -> str:
     return key if key == "lm_head.weight" else "model." + key
 
 
-def plan(cfg: Config, release: str, mxfp4_bf16_expert_layers: Iterable[int] = ()) -> list[_Job]:
+def plan(cfg: Config, release: str, mxfp4_bf16_expert_layers: Iterable[int] = (), residual_scale: float = 1.0) -> list[_Job]:
     """What to write for one release: one job per tensor (in name-table order)."""
     if release not in RELEASES:
         raise ValueError(f"release must be one of {RELEASES}, got {release!r}")
@@ -662,6 +688,7 @@ def plan(cfg: Config, release: str, mxfp4_bf16_expert_layers: Iterable[int] = ()
             )
         else:
             jobs.append(_Job(e, "bf16", [_Out(sk, "BF16", S)]))
+        jobs[-1].residual_scale = residual_scale
     return jobs
 
 
@@ -700,7 +727,7 @@ def _produce(cfg: Config, job: _Job, seed: int, fds: dict[int, int]) -> None:
     inner = int(np.prod(S[1:]))
     for r0 in range(0, S[0], step):
         r1 = min(S[0], r0 + step)
-        v = master(cfg, e, seed, (r0, r1))
+        v = master(cfg, e, seed, (r0, r1), job.residual_scale)
         if job.fmt == "f32":
             parts = [v.astype("<f4")]
         elif job.fmt == "bf16":  # the master is already on the BF16 grid: its high halves
@@ -726,7 +753,7 @@ def _produce_in_worker(args) -> tuple[str, int]:
     key = json.dumps([name, release, overrides, bf16_layers], sort_keys=True)
     if key not in _WORKER_PLANS:  # one plan per worker process, not per job
         cfg = zoo_config(name, **overrides)
-        _WORKER_PLANS[key] = (cfg, plan(cfg, release, bf16_layers))
+        _WORKER_PLANS[key] = (cfg, plan(cfg, release, bf16_layers, ZOO[name].residual_scale))
     cfg, jobs = _WORKER_PLANS[key]
     job = jobs[k]
     for o, (shard, offset) in zip(job.outs, places):  # placed by the parent (_shards, _header)
@@ -789,7 +816,7 @@ def _layout(name: str, release: str, seed: int, shard_bytes: int | None, mxfp4_b
         shard_bytes = opts["shard_bytes"]
     if tokenizer is None:
         tokenizer = opts["tokenizer"]
-    jobs = plan(cfg, release, opts["mxfp4_bf16_expert_layers"])
+    jobs = plan(cfg, release, opts["mxfp4_bf16_expert_layers"], ZOO[name].residual_scale)
     nshards = _shards(jobs, shard_bytes)
     metadata = {
         "format": "pt",
