@@ -3,7 +3,7 @@
 // Every entry point takes plain objects and validates them itself (type, dtype, ndim, shape,
 // contiguity, alignment), raising ValueError that names the argument and says what was expected
 // and what was given; the C++ kernels only ever see checked pointers and sizes. Numeric entry points
-// also refuse to run (RuntimeError) when MXCSR has FTZ or DAZ set in the calling thread (SPEC 4.6).
+// also refuse to run (RuntimeError) when MXCSR has FTZ or DAZ set in the calling thread (docs/contract.md §4.6).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -490,14 +490,14 @@ PYBIND11_MODULE(_core, m) {
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
         throw py::import_error("fast._core needs a CPU with AVX2, FMA and F16C");
 
-    m.doc() = "GLM-5.3-Flash exact engine: CPU primitives (canonical numerics, SPEC section 4).";
+    m.doc() = "GLM-5.3-Flash exact engine: CPU primitives (canonical numerics, docs/contract.md §4).";
     const auto A = [](const char* n) { return py::arg(n); };
 
     m.def("cdot", &py_cdot, A("a"), A("b"),
-          "cdot(a: f32[n], b: f32[n]) -> numpy.float32: the canonical reduction (SPEC 4.2).");
+          "cdot(a: f32[n], b: f32[n]) -> numpy.float32: the canonical reduction (docs/contract.md §4.2).");
     m.def("cdot64", &py_cdot64, A("a"), A("b"), "cdot64(a: f64[n], b: f64[n]) -> float: cdot in double.");
     m.def("csum", &py_csum, A("x"), "csum(x: f32[n]) -> numpy.float32: cdot(x, 1).");
-    m.def("expf", &py_expf, A("x"), "expf(x: f32 array) -> f32 array: the canonical expf (SPEC 4.3).");
+    m.def("expf", &py_expf, A("x"), "expf(x: f32 array) -> f32 array: the canonical expf (docs/contract.md §4.3).");
     m.def("expf_check_range", &py_check_range<expf_check_range>, A("lo_bits"), A("hi_bits"),
           "Compare the scalar canonical expf with the host libm expf on every f32 bit pattern in "
           "[lo_bits, hi_bits) (hi_bits <= 2**32), on all cores. Returns (mismatches, first mismatching "

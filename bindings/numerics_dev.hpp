@@ -1,4 +1,4 @@
-// The scalar canonical numerics both engines compute, written once (SPEC 4.1, 4.3; docs/numerics.md):
+// The scalar canonical numerics both engines compute, written once (docs/contract.md §4.1, 4.3; docs/numerics.md):
 // bit views, BF16 rounding, the canonical expf (glibc's algorithm, N = 32, its five FMAs explicit), the
 // canonical double exp64 of mHC (glibc's exp, N = 128, degree-5 polynomial, special cases as glibc's
 // FMA build) and its sigmoid, and the non-canonical expf="native" stand-in of the CPU engine and the

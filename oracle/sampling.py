@@ -11,7 +11,7 @@ the SplitMix64 output number position+1 of the stream started at `seed`.
     tokens, logprobs = sample_loop(model, prompt, 16, params)   # the batch-1 reference loop
 
 Every f32 operation is one IEEE operation (round to nearest even) in the order written; exp is the
-canonical expf and the softmax normalizer the canonical csum (SPEC 4.2, 4.3). The two scans (the
+canonical expf and the softmax normalizer the canonical csum (docs/contract.md §4.2, 4.3). The two scans (the
 top-p cut and the draw) add left to right in f32, in the sorted order.
 """
 from __future__ import annotations

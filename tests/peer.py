@@ -1,4 +1,4 @@
-"""The peer: transformers' glm5_next text model, run entirely in float64 (SPEC 9).
+"""The peer: transformers' glm5_next text model, run entirely in float64 (docs/contract.md §9).
 
 The peer casts to float32 in many places (RMSNorm, gated norm, KDA kernels, router, indexer,
 eager softmax). For a float64 comparison those casts are redirected to float64 while the peer

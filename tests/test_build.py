@@ -1,4 +1,4 @@
-"""The build keeps IEEE semantics (SPEC 4.6): no contraction, no flush of subnormals, no
+"""The build keeps IEEE semantics (docs/contract.md §4.6): no contraction, no flush of subnormals, no
 reciprocal division, and a clean MXCSR in a normal process."""
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""The C++ CPU primitives of fast._core, bit for bit (SPEC 4.1-4.3).
+"""The C++ CPU primitives of fast._core, bit for bit (docs/contract.md §4.1-4.3).
 
 Every comparison is on bits (``.view(np.uint32)`` etc.), never with a tolerance. Where a result is a
 NaN, only NaN-ness is compared: IEEE leaves NaN payload propagation to the hardware and the
 instruction's operand order, and the canonical NaN that matters (BF16 0x7FC0) is checked on bits.
 
 Three independent references:
-  * a plain-Python statement of SPEC 4.2 over an exact FMA (Fractions, IEEE rules for inf/NaN),
+  * a plain-Python statement of docs/contract.md §4.2 over an exact FMA (Fractions, IEEE rules for inf/NaN),
   * ml_dtypes for the format tables, NumPy's IEEE float32 arithmetic and the host libm for expf,
   * the Numba oracle (oracle.numerics), when importable: C++ and Numba must agree bit for bit.
 """
@@ -29,7 +29,7 @@ F32 = np.float32
 U32 = np.uint32
 
 # ---------------------------------------------------------------------------------------------
-# The reference: SPEC 4.2 in plain Python over an exact fma.
+# The reference: docs/contract.md §4.2 in plain Python over an exact fma.
 # ---------------------------------------------------------------------------------------------
 
 # (precision in bits including the hidden one, minimum normal exponent, maximum exponent)
@@ -84,7 +84,7 @@ def fma_exact(a: float, b: float, c: float, fmt) -> float:
 
 
 def ref_cdot(a, b, fmt) -> float:
-    """SPEC 4.2 literally: P[g][l], element i = 64c + 8g + l, 4/2/1 trees."""
+    """docs/contract.md §4.2 literally: P[g][l], element i = 64c + 8g + l, 4/2/1 trees."""
     P = [[0.0] * 8 for _ in range(8)]
     for i, (x, y) in enumerate(zip(a, b)):
         g, lane = (i % 64) // 8, i % 8
@@ -362,7 +362,7 @@ def test_matvec_mxfp4_rows_are_cdots(C):
 
 @pytest.mark.parametrize("C", [9, 96, 200])
 def test_matvec_against_spec_reference(C):
-    # independent of the C++ cdot: the plain-Python SPEC 4.2 on the decoded rows
+    # independent of the C++ cdot: the plain-Python docs/contract.md §4.2 on the decoded rows
     rng = np.random.default_rng(40 + C)
     x = _activations(rng, C)
     W = _bf16_weight(rng, 3, C)
@@ -485,7 +485,7 @@ def test_linear_tokens_are_cdots(release, C):
 
 @pytest.mark.parametrize("C", [9, 96, 200])
 def test_linear_against_spec_reference(C):
-    # independent of the C++ cdot: the plain-Python SPEC 4.2 on the decoded rows, several tokens
+    # independent of the C++ cdot: the plain-Python docs/contract.md §4.2 on the decoded rows, several tokens
     rng = np.random.default_rng(70 + C)
     q, s = _fp8_weight(rng, 3, C)
     Wd = core.decode_fp8_weight(q, s)
@@ -676,7 +676,7 @@ def _libm_expf():
 
 
 def ref_expf(x: float) -> float:
-    """SPEC 4.3 in plain Python: the five FMAs exact (Fraction), other ops IEEE double."""
+    """docs/contract.md §4.3 in plain Python: the five FMAs exact (Fraction), other ops IEEE double."""
     u = int(np.array(x, F32).view(U32))
     if ((u >> 20) & 0x7FF) >= 0x42B:
         if u == 0xFF800000:
@@ -726,7 +726,7 @@ def test_expf_special_inputs_vs_libm_and_spec():
     for u in EXPF_SPECIAL_BITS:  # the C++ comparison against the host libm on the exact bits
         assert core.expf_check_range(u, u + 1) == (0, None), hex(u)
         assert core.expf_avx2_check_range(u, u + 1) == (0, None), hex(u)
-    # scalar tail and 8-wide paths, against the plain-Python SPEC 4.3 and libm through ctypes
+    # scalar tail and 8-wide paths, against the plain-Python docs/contract.md §4.3 and libm through ctypes
     libm = _libm_expf()
     for n in (len(x), 8, 5):
         got = core.expf(x[:n])

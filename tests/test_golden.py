@@ -1,4 +1,4 @@
-"""Golden hashes (SPEC 8): the committed outputs of the tiny zoo are reproduced by the oracle."""
+"""Golden hashes (docs/contract.md §8): the committed outputs of the tiny zoo are reproduced by the oracle."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
-"""cdot / cdot64 / csum / matvec / matmat against an independent loop over SPEC 4.2.
+"""cdot / cdot64 / csum / matvec / matmat against an independent loop over docs/contract.md §4.2.
 
-The reference below is written from the SPEC text, element by element, with an
+The reference below is written from the text of docs/contract.md §4.2, element by element, with an
 exact fma (oracle.numerics.exact: rational arithmetic, rounded once) and plain
 IEEE additions (NumPy float32 scalars / Python floats).  Results are compared
 bit for bit; for NaN results only NaN-ness is compared, because a NaN's payload
@@ -20,7 +20,7 @@ from oracle.numerics.exact import fma_exact
 
 
 def spec_cdot(a, b, dtype):
-    """SPEC 4.2, literally: P[g][l], element i = 64c + 8g + l, then the 4/2/1 folds."""
+    """docs/contract.md §4.2, literally: P[g][l], element i = 64c + 8g + l, then the 4/2/1 folds."""
     zero = dtype(0.0)
     P = [[zero] * 8 for _ in range(8)]
     n = len(a)

@@ -1,4 +1,4 @@
-"""expf (SPEC 4.3) against the host libm's expf, bit for bit.
+"""expf (docs/contract.md §4.3) against the host libm's expf, bit for bit.
 
 The host is glibc on x86-64 with FMA, whose expf is the same algorithm with the
 same FMAs; the slow test checks all 2^32 inputs.  NaN results are compared by
@@ -64,7 +64,7 @@ EDGE_BITS = np.array([
 
 def test_edge_inputs_match_libm():
     _check_against_libm(EDGE_BITS)
-    # and the spot values the SPEC names
+    # and the spot values the contract names (docs/contract.md §4.3)
     assert _bits(expf(np.float32(-np.inf))) == 0
     assert _bits(expf(np.float32(0.0))) == 0x3F800000
     assert _bits(expf(np.float32(88.8))) == 0x7F800000
@@ -101,7 +101,7 @@ def _expf_without_fma(x):
 
 def test_the_fmas_are_part_of_the_definition():
     # Rounding x * InvLn2N separately (the SSE2 build) changes exactly these two results (per the
-    # SPEC's exhaustive census); on other inputs the two builds agree.
+    # the exhaustive census of docs/contract.md §4.3); on other inputs the two builds agree.
     for b in (0x4202422F, 0xC27C65D9):
         x = np.uint32(b).view(np.float32)
         assert _bits(_expf_without_fma(x)) != _bits(expf(x)), hex(b)

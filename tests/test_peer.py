@@ -1,4 +1,4 @@
-"""Oracle (float64 mode) vs the peer, transformers' glm5_next run in float64 (SPEC 9).
+"""Oracle (float64 mode) vs the peer, transformers' glm5_next run in float64 (docs/contract.md §9).
 
 Tolerance belongs here and only here: both sides compute the same math in double, in different
 orders, so they agree to ~1e-10 relative, not bit for bit.

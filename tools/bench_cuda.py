@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmarks of the CUDA engine on `slice` (real GLM-5.3-Flash widths, few layers), SPEC 10.
+"""Benchmarks of the CUDA engine on `slice` (real GLM-5.3-Flash widths, few layers), docs/contract.md §10.
 
     python tools/bench_cuda.py --slice-dir /tmp/slice [--make] [--layers 2] [--experts 288] [--json OUT]
 

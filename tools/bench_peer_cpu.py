@@ -1,4 +1,4 @@
-"""The CPU engine against the peer on the same work (docs/engine_cpu.md, SPEC 10).
+"""The CPU engine against the peer on the same work (docs/engine_cpu.md, docs/contract.md §10).
 
 The peer is transformers' glm5_next text model (`Glm5NextTextModel`, BF16, eager attention and eager
 experts) on torch's CPU backend, loaded from the same checkpoint (`small-bf16` of the zoo: the original

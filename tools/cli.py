@@ -16,10 +16,9 @@ from pathlib import Path
 
 from . import term
 from .prompts import DEFAULT_NEW, load_tokenizer, max_new, prompt_ids
+from .sides import options_help
 
-SPEC_HELP = ("SPEC: oracle | cpu | cuda, options after a colon, comma-separated: chunk=N, prefix-cache[=N], "
-             "inject=L,P,STAGE,ELEM,ULPS (every engine), precision=float64 (oracle), threads=N, batch=N, "
-             "dot=sequential, expf=native, ranks=N, memory-limit=BYTES, verify-ranks, max-context=N (cpu, cuda)")
+SPEC_HELP = options_help()   # from the one parser's table (tools/sides.py)
 
 
 def golden_root() -> Path:

@@ -1,4 +1,4 @@
-"""Golden hashes (SPEC 8): the canonical outputs of the tiny zoo, checked in CI.
+"""Golden hashes (docs/contract.md §8): the canonical outputs of the tiny zoo, checked in CI.
 
 For each checkpoint x release x canonical prompt: the output hash (first 12 hex of sha256 over the
 generated int32 token ids, little-endian) and the logits hash (the same over the f32 logits of

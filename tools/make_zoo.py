@@ -7,7 +7,7 @@
                                              #   `oracle make-checkpoint`)
 
 Regenerating must give byte-identical files (tests/test_zoo.py checks it too). If --check reports a
-difference, the generator changed: that changes the golden hashes as well (SPEC 8), so it is a
+difference, the generator changed: that changes the golden hashes as well (docs/contract.md §8), so it is a
 deliberate, reviewed act.
 """
 

@@ -1,4 +1,4 @@
-"""SPEC strings and the "sides" that `oracle diff` and `oracle trace` run (SPEC 7).
+"""SPEC strings and the "sides" that `oracle diff` and `oracle trace` run (docs/contract.md §7).
 
 A SPEC names an engine and options after a colon, comma-separated:
 

@@ -1,4 +1,4 @@
-"""Traces (SPEC 6): the hash of every (layer, stage, position) row of a run, and how two are compared.
+"""Traces (docs/contract.md §6): the hash of every (layer, stage, position) row of a run, and how two are compared.
 
 A trace is cheap enough to keep for a whole run: `RunCapture` hashes each row as the model hands it
 over and keeps no value (unless asked to keep a few rows, for `oracle diff --layer/--pos` and for the

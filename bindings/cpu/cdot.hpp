@@ -1,4 +1,4 @@
-// The one reduction primitive (SPEC 4.2).
+// The one reduction primitive (docs/contract.md §4.2).
 //
 // cdot(a, b) over n f32 elements: 64 partial sums P[g][l] (g, l in 0..7) start at +0; element
 // i = 64c + 8g + l is added as P[g][l] = fma(a[i], b[i], P[g][l]), chunks c in increasing order,

@@ -1,4 +1,4 @@
-// The canonical single-precision exponential (SPEC 4.3): glibc's expf (>= 2.28, from Arm's optimized
+// The canonical single-precision exponential (docs/contract.md §4.3): glibc's expf (>= 2.28, from Arm's optimized
 // routines) with its five FMAs explicit, N = 32 table entries, special cases only for |x| >= 88.
 #pragma once
 

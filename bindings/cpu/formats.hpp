@@ -1,4 +1,4 @@
-// Number formats of the canonical numerics (SPEC 4.1): BF16 rounding, and exact decoding of the
+// Number formats of the canonical numerics (docs/contract.md §4.1): BF16 rounding, and exact decoding of the
 // E4M3 (fn), E2M1 and E8M0 codes and of the FP8 / MXFP4 weight layouts.
 //
 // This is the fast engine's own implementation; it shares no code with the Python oracle (the scalar
@@ -54,7 +54,7 @@ void bf16_bits_array(const float* x, uint16_t* out, size_t n);
 // ---- 8-bit and 4-bit codes ----------------------------------------------------------------------
 
 // Decode tables (exact f32 values). NaN codes decode to the quiet NaN 0x7FC00000 (sign dropped);
-// the loader refuses NaN codes in weights and 0xFF scales anyway (SPEC 4.1).
+// the loader refuses NaN codes in weights and 0xFF scales anyway (docs/contract.md §4.1).
 extern const std::array<float, 256> kE4M3;  // fn: bias 7, no inf, S.1111.111 = NaN, max 448
 extern const std::array<float, 16> kE2M1;    // ±{0, .5, 1, 1.5, 2, 3, 4, 6}; code bit 3 is the sign
 extern const std::array<float, 256> kE8M0;   // 2^(e-127); e = 0 -> 2^-127 (0x00400000); 0xFF -> NaN

@@ -1,4 +1,4 @@
-// Hardware floating-point state and build probes (SPEC 4.6): the engine refuses to run with FTZ/DAZ
+// Hardware floating-point state and build probes (docs/contract.md §4.6): the engine refuses to run with FTZ/DAZ
 // set, and the tests check that the build did not contract, flush or turn divisions into multiplies.
 #pragma once
 

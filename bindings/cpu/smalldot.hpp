@@ -3,7 +3,7 @@
 // collapse and stream mix (hc or hc+1 values per channel, double), the head's mean over streams, the
 // MoE combination over the k selected experts and KDA's causal conv over the K taps (f32).
 //
-// For n <= 8 the definition of cdot (SPEC 4.2; H2's cdot/cdot64 in cdot.hpp) reduces to a closed
+// For n <= 8 the definition of cdot (docs/contract.md §4.2; H2's cdot/cdot64 in cdot.hpp) reduces to a closed
 // form: only accumulator P[0] receives elements, P[0][l] = fma(a_l, b_l, +0) for l < n and +0 for
 // l >= n; the accumulator fold adds the all-(+0) accumulators P[4], P[2], P[1] to it, which changes
 // nothing but a -0 (an fma whose product underflows to -0) into +0: p_l = fma(a_l, b_l, +0) + 0.

@@ -1,4 +1,4 @@
-// Weights of the CPU engine, kept in their release format (SPEC 3.3, 4.1).
+// Weights of the CPU engine, kept in their release format (docs/contract.md §3.3, 4.1).
 //
 // A `Lin` is a view of rows [row0, row0 + R) of one stored [*, C] tensor: BF16 bits, F32, FP8 E4M3
 // codes with block-128 scale_inv, or MXFP4 nibbles with E8M0 group scales. The bytes are the

@@ -1,4 +1,4 @@
-// The one reduction primitive on the device (SPEC 4.2, docs/numerics.md):
+// The one reduction primitive on the device (docs/contract.md §4.2, docs/numerics.md):
 //
 //   cdot(a, b) over n elements: 64 partial sums P[g][l] start at +0; element i = 64c + 8g + l goes to
 //   P[g][l] = fma(a[i], b[i], P[g][l]), chunks c in increasing order, elements past n skipped; then

@@ -2,7 +2,7 @@
 // GLM_CUDA_EMU, bindings/cuda/emu), kernel launches, dynamic shared memory, error checks, and the
 // IEEE arithmetic used by every kernel.
 //
-// Exactness (SPEC 4.6): every floating-point operation of a definition is written as an explicit
+// Exactness (docs/contract.md §4.6): every floating-point operation of a definition is written as an explicit
 // round-to-nearest intrinsic (__fadd_rn, __fmul_rn, __fmaf_rn, __fdiv_rn, __fsqrt_rn and the double
 // twins), so nothing depends on the compiler's contraction or fast-math settings; the build adds
 // --fmad=false -prec-div=true -prec-sqrt=true --ftz=false on top and never --use_fast_math.

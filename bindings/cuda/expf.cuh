@@ -1,4 +1,4 @@
-// Transcendentals on the device (SPEC 4.3, docs/numerics.md): the canonical expf (glibc's
+// Transcendentals on the device (docs/contract.md §4.3, docs/numerics.md): the canonical expf (glibc's
 // algorithm, N = 32, its five FMAs explicit) and the canonical double exp64 of mHC (glibc's exp,
 // N = 128, degree-5 polynomial, special cases as glibc's FMA build), written once for both engines in
 // bindings/numerics_dev.hpp -- no library call, no host round trip; the tests compare the device's

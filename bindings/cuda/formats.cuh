@@ -1,4 +1,4 @@
-// Number formats on the device (SPEC 4.1): BF16 rounding and the exact decoding of E4M3 (fn),
+// Number formats on the device (docs/contract.md §4.1): BF16 rounding and the exact decoding of E4M3 (fn),
 // E2M1 and E8M0 codes, eight at a time as the dot kernels read them. The CUDA engine's own code (it
 // shares none with the oracle; with the CPU engine only the scalar BF16 rounding, numerics_dev.hpp).
 #pragma once

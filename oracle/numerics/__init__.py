@@ -1,4 +1,4 @@
-"""Canonical numeric primitives of the oracle (SPEC 4.1-4.3, 4.6).
+"""Canonical numeric primitives of the oracle (docs/contract.md §4.1-4.3, 4.6).
 
 These functions *define* the canonical result: every rounding and every order
 of operations in the model is one of them.  They are written in NumPy + Numba

@@ -1,4 +1,4 @@
-"""expf: the canonical float32 exponential (SPEC 4.3).
+"""expf: the canonical float32 exponential (docs/contract.md §4.3).
 
 This is glibc's expf (>= 2.28, from Arm's optimized routines) as its FMA build
 executes it, with the five fused multiply-adds written out:

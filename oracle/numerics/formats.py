@@ -22,7 +22,7 @@ produce a NaN by accident); +-inf and NaN become the NaN code with their sign,
 as ml_dtypes does.  E2M1 saturates to +-6 (inf included) and refuses NaN, which
 it cannot represent.
 
-Weight decoders (SPEC 4.1):
+Weight decoders (docs/contract.md §4.1):
 * BF16: exact (the 16 bits become the high half of a float32).
 * FP8:  w[r, c] = fl32(e4m3(q[r, c]) * scale_inv[r // 128, c // 128]), one
   float32 multiply, rounded to nearest even.

@@ -1,4 +1,4 @@
-"""The one reduction primitive (SPEC 4.2): cdot, and everything built on it.
+"""The one reduction primitive (docs/contract.md §4.2): cdot, and everything built on it.
 
 cdot(a, b) over n elements, float32:
 
