@@ -31,13 +31,13 @@ import json
 import os
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import names as N
-from .config import Config, ConfigError
+from .config import Config
 
 __all__ = ["CheckpointError", "RawTensor", "Checkpoint", "open_checkpoint", "SAFETENSORS_DTYPES"]
 

@@ -25,7 +25,6 @@ from fast.core import engine_config
 from oracle import names as N
 from oracle import schema as S
 from oracle.capture import Capture
-from oracle.checkpoint import open_checkpoint
 from oracle.config import Config
 from oracle.stages import ALL_STAGE_NAMES, model_stages
 
