@@ -1,0 +1,261 @@
+"""`oracle serve --prefix-cache-mb`: a request that resumes from a cached snapshot of its prompt's
+prefix gets the bits of a cold run (token ids, logprob bits, output_hash, logprobs_hash), for shared
+prefixes of lengths that are multiples of nothing, snapshots at block boundaries that fall inside an
+indexer pool (block 5 against tiny's index_kpool 4) or on one (block 16), prefill chunks of any size
+before and after the restore, greedy and seeded, on tiny-fp8 and tiny-bf16 (KDA and MLA layers, the
+indexer selecting: prompts longer than index_topk); under concurrent traffic (against a cold server
+with the cache off) and under a budget so small that snapshots are evicted all the time.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fast._core")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from oracle.sampling import SamplingParams, sample_loop  # noqa: E402
+from tools.serve import add_arguments, build_server, serve_in_thread  # noqa: E402
+from tools.serve.app import _hash12  # noqa: E402
+from tools.serve.prefix import cache_bytes  # noqa: E402
+
+ENGINE = "cpu:threads=1,max-context=4096"
+SHARED = [1, 7, 13, 17, 31, 33, 40]   # shared prefix lengths
+
+# every prompt of this module starts with its own token (the servers live for the whole module): a
+# prompt shares a prefix only with the prompts a test built to share one
+_first = itertools.count(1)
+
+
+def _start(golden_dir, model, *extra):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    srv = build_server(p.parse_args(["--checkpoint", str(golden_dir / model), "--engine", ENGINE, *extra]))
+    uv, url = serve_in_thread(srv)
+    return srv, uv, url
+
+
+def _stop(srv, uv):
+    uv.should_exit = True
+    uv.thread.join(10)
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def servers(golden_dir):
+    """(model, block) -> (Server, url), started on first use."""
+    live = {}
+
+    def get(model, block, *extra):
+        key = (model, block, extra)
+        if key not in live:
+            live[key] = _start(golden_dir, model, "--prefix-cache-mb", "64", "--prefix-block", str(block), *extra)
+        srv, uv, url = live[key]
+        return srv, url
+    yield get
+    for srv, uv, _ in live.values():
+        _stop(srv, uv)
+
+
+@pytest.fixture(scope="module")
+def reference(golden_dir):
+    """(model, ids, n, params) -> (tokens, logprobs): the batch-1 loop on an engine of its own."""
+    import fast
+    engines, memo = {}, {}
+
+    def ref(model, ids, n, params):
+        if model not in engines:
+            engines[model] = fast.Engine(str(golden_dir / model), threads=1)
+        key = (model, tuple(ids), n, params)
+        if key not in memo:
+            memo[key] = sample_loop(engines[model], ids, n, params)
+        return memo[key]
+    yield ref
+    for e in engines.values():
+        e.close()
+
+
+def _bits(lps) -> list[int]:
+    return np.array(lps, np.float32).view(np.uint32).tolist()
+
+
+def _body(model, ids, i):
+    """Greedy for even i, seeded sampling for odd i."""
+    b = {"model": model, "prompt": list(ids), "max_tokens": 5, "logprobs": 0}
+    return dict(b, temperature=0) if i % 2 == 0 else dict(b, temperature=0.9, top_k=50, seed=1000 + i)
+
+
+def _ask(client, body) -> dict:
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    return {"token_ids": c["token_ids"], "logprobs": _bits(c["logprobs"]["token_logprobs"]),
+            "output_hash": c["output_hash"], "logprobs_hash": c["logprobs_hash"]}
+
+
+def _expected(model, body, reference) -> dict:
+    params = SamplingParams(float(body["temperature"]), int(body.get("top_k") or 0), 1.0, int(body.get("seed", 0)))
+    tokens, lps = reference(model, body["prompt"], body["max_tokens"], params)
+    return {"token_ids": tokens, "logprobs": _bits(lps), "output_hash": _hash12(np.array(tokens), "<i4"),
+            "logprobs_hash": _hash12(np.array(lps, np.float32), "<f4")}
+
+
+def _metric(client, name) -> int:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return int(float(line.split()[1]))
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def _snapshot_depths(total, block, chunk):
+    """Where a lone request's prefill (chunks of `chunk` tokens, cut at the last block boundary in
+    each) leaves snapshots: the scheduler's policy, written out independently."""
+    fed, out = 0, set()
+    while fed < total:
+        end = min(fed + chunk, total)
+        if end // block * block > fed:
+            end = end // block * block
+            out.add(end)
+        fed = end
+    return out
+
+
+def _prompt(rng, n):
+    return [next(_first)] + [rng.randrange(300) for _ in range(n - 1)]
+
+
+@pytest.mark.parametrize("model", ["tiny-fp8", "tiny-bf16"])
+@pytest.mark.parametrize("block", [5, 16])
+@pytest.mark.parametrize("chunks", [(3, 64), (64, 7), (16, 1)])
+def test_a_restored_prefix_gives_the_bits_of_a_cold_run(servers, reference, model, block, chunks):
+    srv, url = servers(model, block)
+    before, after = chunks
+    rng = random.Random(hash((model, block, chunks)) & 0xFFFF)
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for i, P in enumerate(SHARED):
+            shared = _prompt(rng, P)
+            a0, b0 = rng.sample(range(300), 2)   # the suffixes differ at their first token
+            warm = shared + [a0] + [rng.randrange(300) for _ in range(8 + P % 5)]
+            probe = shared + [b0] + [rng.randrange(300) for _ in range(11 + P % 7)]
+            srv.scheduler.max_step_tokens = before   # (read by the scheduler at every step)
+            w = _body(model, warm, i)
+            assert _ask(c, w) == _expected(model, w, reference)
+            srv.scheduler.max_step_tokens = after
+            saved0, hits0 = _metric(c, "glm_prefix_cache_saved_tokens_total"), _metric(c, "glm_prefix_cache_hits_total")
+            b = _body(model, probe, i + 1)
+            assert _ask(c, b) == _expected(model, b, reference), (P, block, chunks)
+            # it resumed where it should have: the deepest snapshot the warm prompt left within the shared part
+            depth = max([d for d in _snapshot_depths(len(warm), block, before) if d <= P] + [0])
+            assert _metric(c, "glm_prefix_cache_saved_tokens_total") - saved0 == depth
+            assert _metric(c, "glm_prefix_cache_hits_total") - hits0 == int(depth > 0)
+
+
+def test_the_same_prompt_again_resumes_below_its_end_and_gives_the_same_bits(servers, reference):
+    srv, url = servers("tiny-fp8", 5)
+    srv.scheduler.max_step_tokens = 4
+    rng = random.Random(7)
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for n in (20, 21, 24):   # a multiple of the block, one more, one less
+            body = _body("tiny-fp8", _prompt(rng, n), 1)
+            first = _ask(c, body)
+            saved0 = _metric(c, "glm_prefix_cache_saved_tokens_total")
+            assert _ask(c, body) == first == _expected("tiny-fp8", body, reference)
+            # the last prompt token always runs (it gives the first token's logits)
+            assert _metric(c, "glm_prefix_cache_saved_tokens_total") - saved0 == (n - 1) // 5 * 5
+
+
+def _traffic(seed):
+    """24 requests over three shared system prefixes (lengths 23, 37, 45) with user suffixes of 1..15."""
+    rng = random.Random(seed)
+    systems = [_prompt(rng, n) for n in (23, 37, 45)]
+    out = []
+    for i in range(24):
+        ids = rng.choice(systems) + [rng.randrange(300) for _ in range(rng.randint(1, 15))]
+        b = _body("tiny-fp8", ids, i)
+        out.append(dict(b, max_tokens=rng.randint(1, 10)))
+    return out
+
+
+def _fire(url, bodies, threads):
+    results, errors = [None] * len(bodies), []
+
+    def worker(k):
+        with httpx.Client(base_url=url, timeout=120) as c:
+            for j in range(k, len(bodies), threads):
+                try:
+                    results[j] = _ask(c, bodies[j])
+                except Exception as e:  # noqa: BLE001 - reported by the test
+                    errors.append(repr(e))
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(180)
+    assert not errors, errors[:3]
+    return results
+
+
+def test_concurrent_traffic_with_the_cache_equals_a_cold_server_without_it(golden_dir, servers):
+    srv, url = servers("tiny-fp8", 4, "--max-step-tokens", "16")
+    bodies = _traffic(11)
+    with httpx.Client(base_url=url, timeout=60) as c:
+        hits0 = _metric(c, "glm_prefix_cache_hits_total")
+        saved0 = _metric(c, "glm_prefix_cache_saved_tokens_total")
+    cached = _fire(url, bodies, 6)
+    cold_srv, cold_uv, cold_url = _start(golden_dir, "tiny-fp8", "--max-step-tokens", "16")
+    try:
+        with httpx.Client(base_url=cold_url, timeout=60) as c:
+            assert "glm_prefix_cache" not in c.get("/metrics").text   # off: no prefix metrics
+        cold = _fire(cold_url, bodies, 6)
+    finally:
+        _stop(cold_srv, cold_uv)
+    for i, (a, b) in enumerate(zip(cached, cold)):
+        assert a == b, i
+    with httpx.Client(base_url=url, timeout=60) as c:
+        assert _metric(c, "glm_prefix_cache_hits_total") > hits0
+        assert _metric(c, "glm_prefix_cache_saved_tokens_total") > saved0
+
+
+def test_a_tiny_budget_evicts_and_changes_no_bits(golden_dir, reference):
+    import fast
+    cfg = fast.Engine(str(golden_dir / "tiny-fp8"), threads=1).config
+    budget = int(1.5 * cache_bytes(cfg, 40))   # room for about one snapshot of 40 positions
+    srv, uv, url = _start(golden_dir, "tiny-fp8", "--prefix-cache-mb", repr(budget / (1 << 20)),
+                          "--prefix-block", "8", "--max-step-tokens", "8")
+    try:
+        rng = random.Random(5)
+        shared = [_prompt(rng, 41) for _ in range(4)]
+        with httpx.Client(base_url=url, timeout=120) as c:
+            assert _metric(c, "glm_prefix_cache_budget_bytes") == budget
+            for round_ in range(2):
+                for k, s in enumerate(shared):
+                    for j in range(2):
+                        b = _body("tiny-fp8", s + [rng.randrange(300) for _ in range(3 + j)], k + j + round_)
+                        assert _ask(c, b) == _expected("tiny-fp8", b, reference)
+                        assert 0 < srv.prefix.bytes <= budget
+            assert _metric(c, "glm_prefix_cache_evictions_total") > 0
+            assert _metric(c, "glm_prefix_cache_hits_total") > 0
+            assert _metric(c, "glm_prefix_cache_bytes") == srv.prefix.bytes <= budget
+            # every snapshot held is a whole block multiple, and the tree keeps no empty branch
+            nodes = list(srv.prefix._nodes())
+            assert all(n.depth % 8 == 0 for n in nodes)
+            assert all(n.snapshot is not None or n.children or n.pins or n.parent is None for n in nodes)
+            assert all(n.pins == 0 for n in nodes)   # nobody is in prefill: every pin was released
+    finally:
+        _stop(srv, uv)
+
+
+def test_bad_prefix_options_are_refused(golden_dir):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for opt, v in (("--prefix-block", "0"), ("--prefix-cache-mb", "-1")):
+        args = p.parse_args(["--checkpoint", str(golden_dir / "tiny-fp8"), "--engine", ENGINE, opt, v])
+        with pytest.raises(ValueError, match=opt):
+            build_server(args)
