@@ -171,6 +171,46 @@ def test_the_same_prompt_again_resumes_below_its_end_and_gives_the_same_bits(ser
             assert _metric(c, "glm_prefix_cache_saved_tokens_total") - saved0 == (n - 1) // 5 * 5
 
 
+def test_the_next_turn_resumes_after_the_previous_answer(servers, reference):
+    """A conversation's turn k+1 prompt = turn k's prompt + its answer + a new message: it resumes from the
+    snapshot at the last block boundary of the answer's tokens, with the bits of a cold run."""
+    block = 5
+    srv, url = servers("tiny-fp8", block)
+    srv.scheduler.max_step_tokens = 6
+    rng = random.Random(3)
+    ids = _prompt(rng, 19)
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for turn, gen in enumerate((9, 12, 1, 7)):
+            body = dict(_body("tiny-fp8", ids, turn), max_tokens=gen)
+            saved0 = _metric(c, "glm_prefix_cache_saved_tokens_total")
+            got = _ask(c, body)
+            assert got == _expected("tiny-fp8", body, reference), turn
+            if turn:   # the previous answer's deepest fed block boundary (its last token is not fed)
+                assert _metric(c, "glm_prefix_cache_saved_tokens_total") - saved0 == previous
+            P, G = len(ids), len(got["token_ids"])
+            depths = [d for d in _snapshot_depths(P, block, 6)] + [(P + G - 1) // block * block]
+            ids = ids + got["token_ids"] + [rng.randrange(300) for _ in range(1 + turn)]
+            previous = max(d for d in depths if d <= len(ids) - 1)
+
+
+def test_a_shared_system_prompt_is_snapshotted_where_the_prompts_part(servers, reference):
+    """Big chunks snapshot only at their last block boundary; a prompt that shares a prefix with an
+    earlier one (whose snapshot lies deeper) stops a chunk where the trie says they part, so the third
+    prompt with that system prompt resumes there."""
+    block = 5
+    srv, url = servers("tiny-fp8", block)
+    srv.scheduler.max_step_tokens = 64
+    rng = random.Random(4)
+    system = _prompt(rng, 23)
+    users = rng.sample(range(300), 3)   # the user messages differ at their first token
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for i, expect in enumerate((0, 0, 23 // block * block)):
+            body = _body("tiny-fp8", system + [users[i]] + [rng.randrange(300) for _ in range(19)], i)
+            saved0 = _metric(c, "glm_prefix_cache_saved_tokens_total")
+            assert _ask(c, body) == _expected("tiny-fp8", body, reference)
+            assert _metric(c, "glm_prefix_cache_saved_tokens_total") - saved0 == expect, i
+
+
 def _traffic(seed):
     """24 requests over three shared system prefixes (lengths 23, 37, 45) with user suffixes of 1..15."""
     rng = random.Random(seed)
@@ -226,7 +266,7 @@ def test_concurrent_traffic_with_the_cache_equals_a_cold_server_without_it(golde
 def test_a_tiny_budget_evicts_and_changes_no_bits(golden_dir, reference):
     import fast
     cfg = fast.Engine(str(golden_dir / "tiny-fp8"), threads=1).config
-    budget = int(1.5 * cache_bytes(cfg, 40))   # room for about one snapshot of 40 positions
+    budget = int(3 * cache_bytes(cfg, 40))   # room for about three snapshots of 40 positions
     srv, uv, url = _start(golden_dir, "tiny-fp8", "--prefix-cache-mb", repr(budget / (1 << 20)),
                           "--prefix-block", "8", "--max-step-tokens", "8")
     try:

@@ -10,8 +10,8 @@ first token's logits) and prefills only the rest. The engine's logits of a posit
 how the positions before it were split into steps (docs/contract.md), so a restored sequence gives
 the bits of a cold one; tests/test_prefix_cache.py checks it.
 
-A node is pinned (reference count) while a request in prefill holds it as the place where its next
-snapshot hangs; eviction (least recently used snapshot first, under `budget` bytes) drops snapshots
+A node is pinned (reference count) while a request holds it as the place where its next snapshot
+hangs (from its lookup until it leaves); eviction (least recently used snapshot first, under `budget` bytes) drops snapshots
 of any node but prunes only unpinned nodes without children and without a snapshot, so a pinned
 node's path stays in the tree.
 
@@ -77,9 +77,11 @@ class PrefixCache:
             yield d + B, tuple(int(t) for t in prompt[d:d + B])
 
     def restore(self, prompt):
-        """-> (cache or None, node): a fork of the deepest snapshot whose prefix the prompt starts with
-        and which leaves at least one prompt token to run (None: start from an empty cache), and the
-        node of that depth, pinned for the request (release it with `unpin`)."""
+        """-> (cache or None, node, reach): a fork of the deepest snapshot whose prefix the prompt starts
+        with and which leaves at least one prompt token to run (None: start from an empty cache); the
+        node of that depth, pinned for the request (release it with `unpin`); and the depth of the
+        deepest node on the prompt's path, snapshot or not: a prefix some other prompt shared, where
+        this request's prefill should stop once so that the next one finds a snapshot there."""
         node, best = self.root, None
         for _, key in self._blocks(prompt, 0, len(prompt) - 1):
             child = node.children.get(key)
@@ -96,24 +98,30 @@ class PrefixCache:
         at.pins += 1
         if self.metrics is not None:
             self.metrics.prefix_lookup(at.depth, len(prompt))
-        return cache, at
+        return cache, at, node.depth
 
     # -- insertion -------------------------------------------------------------------------------
-    def boundary(self, fed: int, end: int, total: int) -> int:
-        """Where a prefill chunk [fed, end) of a `total`-token prompt should stop: at the last block
-        boundary in (fed, end] when there is one (there the sequence is snapshotted), else at end."""
+    def boundary(self, fed: int, end: int, total: int, reach: int = 0) -> int:
+        """Where a prefill chunk [fed, end) of a `total`-token prompt should stop: at `reach` (see
+        restore) when it is inside, else at the last block boundary in (fed, end] when there is one
+        (there the sequence is snapshotted after the step), else at end."""
+        if fed < reach < end:
+            return reach
         b = end // self.block * self.block
         return b if fed < b <= total else end
 
-    def insert(self, node: _Node, prompt, cache) -> _Node:
-        """The sequence `cache` has just prefilled the prompt up to a block boundary below or at its end;
-        `node` is the request's pinned node (a shallower prefix of the same prompt). Snapshot the cache
-        there unless that prefix has one; -> the new pinned node (the pin moves down)."""
+    def insert(self, node: _Node, tokens, cache, own: bool = False) -> _Node:
+        """The sequence `cache` holds the first cache.length of `tokens`, a block boundary; `node` is the
+        request's pinned node (a shallower prefix of the same tokens). Snapshot the cache there unless
+        that prefix has one; -> the new pinned node (the pin moves down). own: keep `cache` itself as
+        the snapshot (or close it), not a fork of it."""
         depth = cache.length
         if depth % self.block or depth <= node.depth:
+            if own:
+                cache.close()
             return node
         at = node
-        for d, key in self._blocks(prompt, node.depth, depth):
+        for d, key in self._blocks(tokens, node.depth, depth):
             child = at.children.get(key)
             if child is None:
                 child = at.children[key] = _Node(at, key, d)
@@ -125,11 +133,14 @@ class PrefixCache:
             size = cache_bytes(self.engine.config, depth)
             if size <= self.budget:
                 self._evict(self.budget - size)
-                at.snapshot, at.bytes = cache.fork(), size
+                at.snapshot, at.bytes = (cache if own else cache.fork()), size
+                own = False
                 self.bytes += size
                 self.entries += 1
                 self.snapshots += 1
                 self._report()
+        if own:
+            cache.close()
         return at
 
     def unpin(self, node: _Node | None) -> None:

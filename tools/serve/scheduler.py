@@ -11,7 +11,10 @@ oracle.sampling with u(seed, position), never the slot or the step number.
 
 With a prefix cache (prefix.py) a request starts from a fork of the deepest snapshot of its prompt's
 prefix, and its prompt chunks stop at block boundaries, where the sequence is snapshotted after the
-step: the same independence makes the restored sequence's bits those of a cold one.
+step (the last boundary in each chunk, and the end of a prefix it shares with an earlier prompt): the same independence makes the restored sequence's bits those of a cold one. In decode the
+sequence is forked at each block boundary; the last such fork joins the cache when the request ends
+(stop or length), so the next turn of a conversation (this prompt + this answer + more) resumes
+after the answer.
 """
 from __future__ import annotations
 
@@ -45,7 +48,9 @@ class Request:
     logprobs: list = field(default_factory=list)   # np.float32 values
     fed: int = 0
     cache: object = None
-    pnode: object = None                     # the prefix cache's node this request pins while in prefill
+    pnode: object = None                     # the prefix cache's node this request pins (its deepest snapshot)
+    reach: int = 0                           # where a prefix other prompts share ends (prefix.restore)
+    pending: object = None                   # a fork at the last block boundary of its generated tokens
     cancelled: bool = False
     finished: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
@@ -160,7 +165,7 @@ class Scheduler:
             if r.cache is None:
                 try:
                     if self.prefix is not None:
-                        r.cache, r.pnode = self.prefix.restore(r.prompt)
+                        r.cache, r.pnode, r.reach = self.prefix.restore(r.prompt)
                         if r.cache is not None:
                             r.fed = r.cache.length
                     if r.cache is None:
@@ -171,7 +176,7 @@ class Scheduler:
             if r.fed < r.prompt.size and budget > 0:
                 take = min(budget, r.prompt.size - r.fed)
                 if self.prefix is not None:
-                    take = self.prefix.boundary(r.fed, r.fed + take, r.prompt.size) - r.fed
+                    take = self.prefix.boundary(r.fed, r.fed + take, r.prompt.size, r.reach) - r.fed
                 done = r.fed + take == r.prompt.size
                 segs.append((r.cache, r.prompt[r.fed:r.fed + take], None, "last" if done else None))
                 rows.append(r)
@@ -194,9 +199,11 @@ class Scheduler:
             for r in rows[decodes:]:   # the prompt chunks of this step
                 if r.pnode is not None:
                     r.pnode = self.prefix.insert(r.pnode, r.prompt, r.cache)
-                    if r.fed == r.prompt.size:
-                        self.prefix.unpin(r.pnode)
-                        r.pnode = None
+            for r in rows[:decodes]:
+                if r.pnode is not None and r.cache.length % self.prefix.block == 0:
+                    if r.pending is not None:
+                        r.pending.close()
+                    r.pending = r.cache.fork()
         for r, (_, _, _, want), lg in zip(rows, segs, results):
             if want is None:
                 continue
@@ -248,6 +255,13 @@ class Scheduler:
         if r.finished:
             return
         r.finished = True
+        if r.pending is not None:
+            if reason in ("stop", "length") and r.pnode is not None:
+                seq = np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)])
+                r.pnode = self.prefix.insert(r.pnode, seq, r.pending, own=True)
+            else:
+                r.pending.close()
+            r.pending = None
         if r.pnode is not None:
             self.prefix.unpin(r.pnode)
             r.pnode = None
