@@ -299,3 +299,66 @@ def test_bad_prefix_options_are_refused(golden_dir):
         args = p.parse_args(["--checkpoint", str(golden_dir / "tiny-fp8"), "--engine", ENGINE, opt, v])
         with pytest.raises(ValueError, match=opt):
             build_server(args)
+
+
+def test_prefix_lengths_up_to_200_with_random_chunking(servers, reference):
+    """Shared prefixes of 1..200 tokens (every third length, block 7: snapshots at 7k, across index
+    pools of 4 and the indexer's top-k), each request prefilled in chunks of a size drawn at random."""
+    block = 7
+    srv, url = servers("tiny-fp8", block)
+    rng = random.Random(200)
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for i, P in enumerate(range(1, 201, 3)):
+            shared = _prompt(rng, P)
+            a0, b0 = rng.sample(range(300), 2)
+            chunk = rng.choice([1, 2, 3, 5, 8, 13, 64, 512])
+            srv.scheduler.max_step_tokens = chunk
+            warm = shared + [a0] + [rng.randrange(300) for _ in range(rng.randint(0, 9))]
+            w = dict(_body("tiny-fp8", warm, i), max_tokens=2)
+            assert _ask(c, w) == _expected("tiny-fp8", w, reference), P
+            srv.scheduler.max_step_tokens = rng.choice([1, 2, 3, 5, 8, 13, 64, 512])
+            probe = dict(_body("tiny-fp8", shared + [b0] + [rng.randrange(300) for _ in range(rng.randint(0, 9))],
+                               i + 1), max_tokens=2)
+            saved0 = _metric(c, "glm_prefix_cache_saved_tokens_total")
+            assert _ask(c, probe) == _expected("tiny-fp8", probe, reference), P
+            depth = max([d for d in _snapshot_depths(len(warm), block, chunk) if d <= P] + [0])
+            assert _metric(c, "glm_prefix_cache_saved_tokens_total") - saved0 == depth, P
+
+
+def test_eviction_drops_the_least_recently_used_and_pins_keep_a_path(golden_dir):
+    """The cache on its own, on an engine: snapshots of three prompts, one restored from; a fourth
+    that does not fit with them evicts the least recently used of the others."""
+    import fast
+    from tools.serve.prefix import PrefixCache
+    with fast.Engine(str(golden_dir / "tiny-fp8"), threads=1) as eng:
+        B = 4
+        pc = PrefixCache(eng, 3 * cache_bytes(eng.config, 8) + 1, B)
+        prompts = [[k + 1] * 9 for k in range(4)]
+        pinned = []
+
+        def prefill(ids):
+            cache, node, _ = pc.restore(ids)
+            cache = cache or eng.new_cache()
+            eng.step([(cache, ids[cache.length:8], None, None)])
+            node = pc.insert(node, ids, cache)
+            cache.close()
+            return node
+        for ids in prompts[:3]:
+            pinned.append(prefill(ids))
+        assert pc.entries == 3 and pc.evictions == 0
+        cache, node, _ = pc.restore(prompts[0])   # prompt 0 is used again: prompt 1 is now the oldest
+        assert cache.length == 8
+        cache.close()
+        pc.unpin(node)
+        pinned.append(prefill(prompts[3]))
+        assert pc.evictions == 1 and pc.entries == 3 and pc.bytes <= pc.budget
+        held = {n.key for n in pc._nodes() if n.snapshot is not None}
+        assert held == {(k + 1,) * B for k in (0, 2, 3)}
+        # prompt 1's snapshot is gone, but the request that made it still pins its node: the path stays
+        assert pinned[1].snapshot is None and pc.root.children[(2,) * B].children[(2,) * B] is pinned[1]
+        pc.unpin(pinned[1])
+        assert (2,) * B not in pc.root.children
+        for n in pinned[:1] + pinned[2:]:
+            pc.unpin(n)
+        assert all(n.pins == 0 for n in pc._nodes())
+        pc.clear()
