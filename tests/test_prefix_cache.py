@@ -362,3 +362,21 @@ def test_eviction_drops_the_least_recently_used_and_pins_keep_a_path(golden_dir)
             pc.unpin(n)
         assert all(n.pins == 0 for n in pc._nodes())
         pc.clear()
+
+
+def test_the_load_generator_with_a_shared_prefix_and_the_cache(golden_dir):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "tools.serve", "bench", "--checkpoint", str(golden_dir / "tiny-fp8"),
+                        "--engine", "cpu:threads=1", "--concurrency", "2", "--requests", "4", "--prompt", "4",
+                        "--new", "3", "--shared-prefix", "21", "--prefix-cache-mb", "1", "--json"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["shared_prefix"] == 21 and out["prefix_cache_mb"] == 1
+    assert [x["same_tokens_as_offline"] for x in out["levels"]] == [True]
+    # the 21 shared tokens hold one block of 16: every request after the first resumes there
+    assert out["prefix_saved_tokens"] > 0
