@@ -380,3 +380,22 @@ def test_the_load_generator_with_a_shared_prefix_and_the_cache(golden_dir):
     assert [x["same_tokens_as_offline"] for x in out["levels"]] == [True]
     # the 21 shared tokens hold one block of 16: every request after the first resumes there
     assert out["prefix_saved_tokens"] > 0
+
+
+def test_a_snapshot_that_cannot_be_made_is_skipped(golden_dir):
+    """A fork that fails (out of memory) leaves no snapshot and no trace in the trie; the request goes on."""
+    import fast
+    from tools.serve.prefix import PrefixCache
+
+    class NoFork:
+        length = 8
+
+        def fork(self):
+            raise MemoryError("no room for a fork")
+    with fast.Engine(str(golden_dir / "tiny-fp8"), threads=1) as eng:
+        pc = PrefixCache(eng, 1 << 20, 4)
+        _, node, _ = pc.restore([1] * 9)
+        node = pc.insert(node, [1] * 9, NoFork())
+        assert node.depth == 8 and node.snapshot is None and pc.entries == 0 and pc.bytes == 0
+        pc.unpin(node)
+        assert not pc.root.children

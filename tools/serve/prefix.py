@@ -133,11 +133,16 @@ class PrefixCache:
             size = cache_bytes(self.engine.config, depth)
             if size <= self.budget:
                 self._evict(self.budget - size)
-                at.snapshot, at.bytes = (cache if own else cache.fork()), size
-                own = False
-                self.bytes += size
-                self.entries += 1
-                self.snapshots += 1
+                try:
+                    at.snapshot = cache if own else cache.fork()
+                except Exception:  # noqa: BLE001 - e.g. out of memory: no snapshot, the request goes on
+                    at.snapshot = None
+                else:
+                    own = False
+                    at.bytes = size
+                    self.bytes += size
+                    self.entries += 1
+                    self.snapshots += 1
                 self._report()
         if own:
             cache.close()

@@ -203,7 +203,10 @@ class Scheduler:
                 if r.pnode is not None and r.cache.length % self.prefix.block == 0:
                     if r.pending is not None:
                         r.pending.close()
-                    r.pending = r.cache.fork()
+                    try:
+                        r.pending = r.cache.fork()
+                    except Exception:  # noqa: BLE001 - e.g. out of memory: no snapshot of this answer
+                        r.pending = None
         for r, (_, _, _, want), lg in zip(rows, segs, results):
             if want is None:
                 continue
