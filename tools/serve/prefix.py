@@ -44,7 +44,7 @@ def cache_bytes(config, length: int) -> int:
 
 
 class _Node:
-    __slots__ = ("parent", "key", "depth", "children", "snapshot", "bytes", "pins", "used")
+    __slots__ = ("bytes", "children", "depth", "key", "parent", "pins", "snapshot", "used")
 
     def __init__(self, parent, key, depth):
         self.parent, self.key, self.depth = parent, key, depth
