@@ -2,9 +2,9 @@
 prefix gets the bits of a cold run (token ids, logprob bits, output_hash, logprobs_hash), for shared
 prefixes of lengths that are multiples of nothing, snapshots at block boundaries that fall inside an
 indexer pool (block 5 against tiny's index_kpool 4) or on one (block 16), prefill chunks of any size
-before and after the restore, greedy and seeded, on tiny-fp8 and tiny-bf16 (KDA and MLA layers, the
-indexer selecting: prompts longer than index_topk); under concurrent traffic (against a cold server
-with the cache off) and under a budget so small that snapshots are evicted all the time.
+before and after the restore, greedy and seeded, on tiny-fp8, tiny-bf16 and tiny-mxfp4 (KDA and MLA
+layers, the indexer selecting: prompts longer than index_topk); under concurrent traffic (against a
+cold server with the cache off) and under a budget so small that snapshots are evicted all the time.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def _prompt(rng, n):
     return [next(_first)] + [rng.randrange(300) for _ in range(n - 1)]
 
 
-@pytest.mark.parametrize("model", ["tiny-fp8", "tiny-bf16"])
+@pytest.mark.parametrize("model", ["tiny-fp8", "tiny-bf16", "tiny-mxfp4"])
 @pytest.mark.parametrize("block", [5, 16])
 @pytest.mark.parametrize("chunks", [(3, 64), (64, 7), (16, 1)])
 def test_a_restored_prefix_gives_the_bits_of_a_cold_run(servers, reference, model, block, chunks):
