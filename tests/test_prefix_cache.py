@@ -12,6 +12,7 @@ import argparse
 import itertools
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -224,7 +225,18 @@ def _traffic(seed):
     return out
 
 
-def _fire(url, bodies, threads):
+def _abandon(url, bodies, errors):
+    """Streamed requests whose clients leave after the first chunk (their sequences are cancelled)."""
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for b in bodies:
+            try:
+                with c.stream("POST", "/v1/completions", json=dict(b, stream=True, max_tokens=20)) as r:
+                    next(r.iter_lines())
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                errors.append(repr(e))
+
+
+def _fire(url, bodies, threads, abandoned=()):
     results, errors = [None] * len(bodies), []
 
     def worker(k):
@@ -235,6 +247,7 @@ def _fire(url, bodies, threads):
                 except Exception as e:  # noqa: BLE001 - reported by the test
                     errors.append(repr(e))
     ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    ts.append(threading.Thread(target=_abandon, args=(url, abandoned, errors)))
     for t in ts:
         t.start()
     for t in ts:
@@ -244,12 +257,13 @@ def _fire(url, bodies, threads):
 
 
 def test_concurrent_traffic_with_the_cache_equals_a_cold_server_without_it(golden_dir, servers):
-    _, url = servers("tiny-fp8", 4, "--max-step-tokens", "16")
+    srv, url = servers("tiny-fp8", 4, "--max-step-tokens", "16")
     bodies = _traffic(11)
     with httpx.Client(base_url=url, timeout=60) as c:
         hits0 = _metric(c, "glm_prefix_cache_hits_total")
         saved0 = _metric(c, "glm_prefix_cache_saved_tokens_total")
-    cached = _fire(url, bodies, 6)
+    # and clients that leave mid-answer, with the same system prompts (their snapshots stay usable)
+    cached = _fire(url, bodies, 6, abandoned=_traffic(11)[:8])
     cold_srv, cold_uv, cold_url = _start(golden_dir, "tiny-fp8", "--max-step-tokens", "16")
     try:
         with httpx.Client(base_url=cold_url, timeout=60) as c:
@@ -262,6 +276,18 @@ def test_concurrent_traffic_with_the_cache_equals_a_cold_server_without_it(golde
     with httpx.Client(base_url=url, timeout=60) as c:
         assert _metric(c, "glm_prefix_cache_hits_total") > hits0
         assert _metric(c, "glm_prefix_cache_saved_tokens_total") > saved0
+    # once the abandoned sequences are gone, no request pins a node any more (a sequence's pin is
+    # released as it leaves, just after the load drops: poll)
+    deadline, pinned = time.monotonic() + 20, None
+    while time.monotonic() < deadline:
+        try:
+            pinned = srv.scheduler.load != (0, 0) or any(n.pins for n in srv.prefix._nodes())
+        except RuntimeError:   # the scheduler thread pruned the trie while this one walked it
+            continue
+        if not pinned:
+            break
+        time.sleep(0.01)
+    assert pinned is False
 
 
 def test_a_tiny_budget_evicts_and_changes_no_bits(golden_dir, reference):
