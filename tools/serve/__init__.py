@@ -1,7 +1,7 @@
 """`oracle serve`: an OpenAI-compatible server whose answers do not depend on concurrency (docs/serve.md).
 
     oracle serve --checkpoint DIR [--engine cpu|cuda[:options]] [--host 127.0.0.1] [--port 8000]
-                 [--max-batch N] [--max-queue N] [--max-step-tokens N]
+                 [--max-batch N] [--max-queue N] [--max-step-tokens N] [--prefix-cache-mb N] [--prefix-block N]
     python -m tools.serve ...            the same without the `oracle` command
 
 app.py: routes and request checking; scheduler.py: the continuous-batching loop that owns the engine;
@@ -24,6 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="sequences in the running batch")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; more get 429")
     p.add_argument("--max-step-tokens", type=int, default=512, help="prompt + decode tokens in one engine step")
+    p.add_argument("--prefix-cache-mb", type=float, default=0,
+                   help="memory for snapshots of prompt prefixes, reused by later prompts that start the same (0: off)")
+    p.add_argument("--prefix-block", type=int, default=16,
+                   help="prefix cache granularity: snapshots are taken at multiples of this many prompt tokens")
     p.add_argument("--model-name", default=None, help="the model id clients use (default: the checkpoint's folder name)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the checkpoint's)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level")
@@ -40,12 +44,14 @@ def build_server(args):
     refuse_options(spec, ("threads", "dot", "expf", "ranks", "memory-limit", "verify-ranks", "max-context"),
                    "oracle serve")
     for flag, v, low in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
-                         ("--max-step-tokens", args.max_step_tokens, 1)):
+                         ("--max-step-tokens", args.max_step_tokens, 1), ("--prefix-cache-mb", args.prefix_cache_mb, 0),
+                         ("--prefix-block", args.prefix_block, 1)):
         if v < low:
             raise ValueError(f"{flag} must be >= {low}, got {v}")
     engine = open_side(spec, args.checkpoint).engine
     return Server(engine, args.checkpoint, args.engine, model_name=args.model_name, max_batch=args.max_batch,
-                  max_queue=args.max_queue, max_step_tokens=args.max_step_tokens, chat_template=args.chat_template)
+                  max_queue=args.max_queue, max_step_tokens=args.max_step_tokens, chat_template=args.chat_template,
+                  prefix_cache_mb=args.prefix_cache_mb, prefix_block=args.prefix_block)
 
 
 def serve_in_thread(server, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):

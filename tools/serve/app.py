@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from oracle.sampling import SAMPLING_VERSION, SamplingParams
 
 from .metrics import Metrics
+from .prefix import PrefixCache
 from .scheduler import QueueFull, Request, Scheduler
 
 MAX_TOP_LOGPROBS = 20
@@ -81,7 +82,7 @@ class Server:
 
     def __init__(self, engine, checkpoint, engine_spec: str = "cpu", *, model_name: str | None = None,
                  max_batch: int = 16, max_queue: int = 64, max_step_tokens: int = 512, tokenizer=None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, prefix_cache_mb: float = 0, prefix_block: int = 16):
         self.engine = engine
         self.config = engine.config
         self.checkpoint = Path(checkpoint)
@@ -95,8 +96,11 @@ class Server:
         self.fingerprint = (f"glm-exact-{_project_version()}:sampling-v{SAMPLING_VERSION}:{engine_spec}:"
                             f"{self.checkpoint.name}-{checkpoint_identity(self.checkpoint)}")
         self.metrics = Metrics()
+        self.prefix = (PrefixCache(engine, int(prefix_cache_mb * (1 << 20)), prefix_block, self.metrics)
+                       if prefix_cache_mb else None)
         self.scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue,
-                                   max_step_tokens=max_step_tokens, tokenizer=self.tokenizer, metrics=self.metrics)
+                                   max_step_tokens=max_step_tokens, tokenizer=self.tokenizer, metrics=self.metrics,
+                                   prefix_cache=self.prefix)
         self.app = self._make_app()
 
     # -- lifecycle ---------------------------------------------------------------------------------

@@ -44,6 +44,13 @@ class Metrics:
         self.last_batch = 0
         self.peak_batch = 0
         self.mixed_steps = 0
+        self.prefix_enabled = False
+        self.prefix_lookups = 0          # requests that looked their prompt up
+        self.prefix_hits = 0             # ... and resumed from a snapshot
+        self.prefix_saved_tokens = 0     # prompt tokens not prefilled thanks to it
+        self.prefix_looked_tokens = 0    # prompt tokens of the lookups
+        self.prefix_budget = self.prefix_bytes = self.prefix_entries = 0
+        self.prefix_snapshots = self.prefix_evictions = 0
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -68,6 +75,19 @@ class Metrics:
         with self._lock:
             self.finished_by[reason] += 1
             self.prompt_tokens += prompt
+
+    def prefix_lookup(self, saved: int, prompt: int) -> None:
+        with self._lock:
+            self.prefix_lookups += 1
+            self.prefix_hits += int(saved > 0)
+            self.prefix_saved_tokens += saved
+            self.prefix_looked_tokens += prompt
+
+    def prefix_state(self, budget: int, held: int, entries: int, snapshots: int, evictions: int) -> None:
+        with self._lock:
+            self.prefix_enabled = True
+            self.prefix_budget, self.prefix_bytes, self.prefix_entries = budget, held, entries
+            self.prefix_snapshots, self.prefix_evictions = snapshots, evictions
 
     def render(self, active: int, waiting: int) -> str:
         with self._lock:
@@ -105,4 +125,17 @@ class Metrics:
                    self.step_time.lines("glm_engine_step_seconds"))
             metric("glm_time_to_first_token_seconds", "histogram", "From admission to the first token.",
                    self.ttft.lines("glm_time_to_first_token_seconds"))
+            if self.prefix_enabled:
+                for name, kind, help_, v in (
+                    ("glm_prefix_cache_lookups_total", "counter", "Requests that looked their prompt up in the prefix cache.", self.prefix_lookups),
+                    ("glm_prefix_cache_hits_total", "counter", "Requests that resumed from a cached snapshot.", self.prefix_hits),
+                    ("glm_prefix_cache_saved_tokens_total", "counter", "Prompt tokens restored from snapshots instead of prefilled.", self.prefix_saved_tokens),
+                    ("glm_prefix_cache_lookup_tokens_total", "counter", "Prompt tokens of the requests that looked up.", self.prefix_looked_tokens),
+                    ("glm_prefix_cache_snapshots_total", "counter", "Snapshots taken.", self.prefix_snapshots),
+                    ("glm_prefix_cache_evictions_total", "counter", "Snapshots dropped to stay within the budget.", self.prefix_evictions),
+                    ("glm_prefix_cache_entries", "gauge", "Snapshots held.", self.prefix_entries),
+                    ("glm_prefix_cache_bytes", "gauge", "Bytes of the snapshots held.", self.prefix_bytes),
+                    ("glm_prefix_cache_budget_bytes", "gauge", "The prefix cache's budget (--prefix-cache-mb).", self.prefix_budget),
+                ):
+                    metric(name, kind, help_, [f"{name} {v}"])
             return "\n".join(L) + "\n"

@@ -8,6 +8,13 @@ prompt chunks for sequences still in prefill, as many prompt tokens as `max_step
 Nothing a request gets depends on the others: the engine's logits of a sequence depend only on its
 own tokens (any batch, any chunking: docs/contract.md), and the token is chosen from those logits by
 oracle.sampling with u(seed, position), never the slot or the step number.
+
+With a prefix cache (prefix.py) a request starts from a fork of the deepest snapshot of its prompt's
+prefix, and its prompt chunks stop at block boundaries, where the sequence is snapshotted after the
+step (the last boundary in each chunk, and the end of a prefix it shares with an earlier prompt): the same independence makes the restored sequence's bits those of a cold one. In decode the
+sequence is forked at each block boundary; the last such fork joins the cache when the request ends
+(stop or length), so the next turn of a conversation (this prompt + this answer + more) resumes
+after the answer.
 """
 from __future__ import annotations
 
@@ -41,6 +48,9 @@ class Request:
     logprobs: list = field(default_factory=list)   # np.float32 values
     fed: int = 0
     cache: object = None
+    pnode: object = None                     # the prefix cache's node this request pins (its deepest snapshot)
+    reach: int = 0                           # where a prefix other prompts share ends (prefix.restore)
+    pending: object = None                   # a fork at the last block boundary of its generated tokens
     cancelled: bool = False
     finished: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
@@ -55,13 +65,14 @@ class Scheduler:
     """Drives `engine` (a fast.Engine: new_cache, step) for many requests on one thread."""
 
     def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 64, max_step_tokens: int = 512,
-                 tokenizer=None, metrics=None):
+                 tokenizer=None, metrics=None, prefix_cache=None):
         if max_batch < 1 or max_queue < 0 or max_step_tokens < 1:
             raise ValueError("max_batch and max_step_tokens must be >= 1, max_queue >= 0")
         self.engine = engine
         self.max_batch, self.max_queue, self.max_step_tokens = max_batch, max_queue, max_step_tokens
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.prefix = prefix_cache
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
@@ -138,6 +149,8 @@ class Scheduler:
                 self._step(batch)
         for r in doomed:
             self._leave(r, "cancelled")
+        if self.prefix is not None:
+            self.prefix.clear()
 
     def _step(self, batch: list[Request]) -> None:
         segs, rows = [], []
@@ -151,12 +164,19 @@ class Scheduler:
         for r in batch:   # then prompt chunks, in arrival order, while the budget lasts
             if r.cache is None:
                 try:
-                    r.cache = self.engine.new_cache()
+                    if self.prefix is not None:
+                        r.cache, r.pnode, r.reach = self.prefix.restore(r.prompt)
+                        if r.cache is not None:
+                            r.fed = r.cache.length
+                    if r.cache is None:
+                        r.cache = self.engine.new_cache()
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory: this request fails, not the server
                     self._finish(r, "error", error=f"no cache for the sequence: {type(e).__name__}: {e}")
                     continue
             if r.fed < r.prompt.size and budget > 0:
                 take = min(budget, r.prompt.size - r.fed)
+                if self.prefix is not None:
+                    take = self.prefix.boundary(r.fed, r.fed + take, r.prompt.size, r.reach) - r.fed
                 done = r.fed + take == r.prompt.size
                 segs.append((r.cache, r.prompt[r.fed:r.fed + take], None, "last" if done else None))
                 rows.append(r)
@@ -175,6 +195,18 @@ class Scheduler:
         self.steps += 1
         if self.metrics is not None:
             self.metrics.step(dt, len(segs), sum(len(s[1]) for s in segs), mixed=0 < decodes < len(segs))
+        if self.prefix is not None:
+            for r in rows[decodes:]:   # the prompt chunks of this step
+                if r.pnode is not None:
+                    r.pnode = self.prefix.insert(r.pnode, r.prompt, r.cache)
+            for r in rows[:decodes]:
+                if r.pnode is not None and r.cache.length % self.prefix.block == 0:
+                    if r.pending is not None:
+                        r.pending.close()
+                    try:
+                        r.pending = r.cache.fork()
+                    except Exception:  # noqa: BLE001 - e.g. out of memory: no snapshot of this answer
+                        r.pending = None
         for r, (_, _, _, want), lg in zip(rows, segs, results):
             if want is None:
                 continue
@@ -226,6 +258,16 @@ class Scheduler:
         if r.finished:
             return
         r.finished = True
+        if r.pending is not None:
+            if reason in ("stop", "length") and r.pnode is not None:
+                seq = np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)])
+                r.pnode = self.prefix.insert(r.pnode, seq, r.pending, own=True)
+            else:
+                r.pending.close()
+            r.pending = None
+        if r.pnode is not None:
+            self.prefix.unpin(r.pnode)
+            r.pnode = None
         if r.cache is not None:
             r.cache.close()
             r.cache = None
