@@ -358,8 +358,10 @@ def test_a_full_server_answers_429_and_a_client_that_leaves_frees_its_sequence(g
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(url + "/v1/completions", json=dict(long, stream=False), timeout=0.5)
             _wait(lambda: srv.metrics.finished_by["cancelled"] == 3 and srv.scheduler.load == (0, 0))
-            # the waiting request never got a cache; the two that ran had theirs freed in the engine
-            assert len(caches) == 2 and not any(c._finalizer.alive for c in caches)
+            # the running request and the non-streamed one had caches; the waiting one gets one only if
+            # it was admitted (when the first left) before its own disconnect was seen (a busy machine):
+            # whatever ran, every cache is freed in the engine
+            assert len(caches) in (2, 3) and not any(c._finalizer.alive for c in caches)
             body = {"prompt": [4, 4, 4], "max_tokens": 5, "temperature": 1.0, "seed": 8, "logprobs": 0}
             _check(_post(a, "/v1/completions", dict(body, model=MODEL)), body["prompt"], body, reference)
         metrics = httpx.get(url + "/metrics").text
