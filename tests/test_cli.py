@@ -368,3 +368,10 @@ def test_run_sampled_refuses_the_options_it_cannot_honour():
     for spec in ("cpu:batch=2", "cpu:chunk=2", "cpu:prefix-cache"):
         p = oracle("run", "--checkpoint", TINY, "--engine", spec, "--temperature", "1", "--seed", "1")
         assert_error(p, spec, "--temperature > 0")
+
+
+def test_run_float64_stays_greedy_only_and_reports_no_logprobs():
+    doc = run_json("--ids", "1,2,3", "--max-new", "2", "--precision", "float64")
+    assert "logprobs_hash" not in doc and len(doc["tokens"]) == 2     # logprobs are defined on f32 logits
+    p = oracle("run", "--checkpoint", TINY, "--precision", "float64", "--temperature", "1", "--seed", "3")
+    assert_error(p, "--temperature > 0", "float64")

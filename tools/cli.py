@@ -153,6 +153,9 @@ def cmd_run(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
     if not params.greedy:
         refuse_options(spec, SAMPLED_OPTIONS, "run with --temperature > 0")
+        if spec.options.get("precision", "canonical") != "canonical":
+            raise ValueError(f"--temperature > 0: sampling is defined on the canonical float32 logits; "
+                             f"{spec} has {spec.options['precision']} logits (run it greedily, or canonical)")
     side = open_side(spec, args.checkpoint)
     ids, n = prompt_ids(args, side)
     tokenizer = load_tokenizer(args.checkpoint)
@@ -161,7 +164,9 @@ def cmd_run(args) -> int:
     try:
         if params.greedy:
             tokens, logits = side.generate(ids, n, on_token=stream)
-            lps = [log_softmax(logits[len(ids) - 1 + i])[t] for i, t in enumerate(tokens)]
+            # log-probabilities are defined on f32 logits only: a float64 oracle run reports none
+            lps = ([log_softmax(logits[len(ids) - 1 + i])[t] for i, t in enumerate(tokens)]
+                   if logits.dtype == np.float32 else None)
         else:
             rec = _Recorder(side.engine, stream)
             tokens, lps = sample_loop(rec, ids, n, params)
@@ -173,8 +178,9 @@ def cmd_run(args) -> int:
             stream.close()
     dt = time.perf_counter() - t0
     result = {"engine": str(spec), "prompt_ids": ids, "tokens": tokens,
-              "output_hash": hash12(np.array(tokens), "<i4"), "logits_hash": hash12(logits, "<f4"),
-              "logprobs_hash": hash12(np.array(lps, np.float32), "<f4")}
+              "output_hash": hash12(np.array(tokens), "<i4"), "logits_hash": hash12(logits, "<f4")}
+    if lps is not None:
+        result["logprobs_hash"] = hash12(np.array(lps, np.float32), "<f4")
     if not params.greedy:
         result.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
     result["seconds"] = round(dt, 3)
