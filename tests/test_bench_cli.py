@@ -20,3 +20,51 @@ def test_bench_reports_ratios_and_same_tokens(capsys, golden_dir):
 
 def test_bench_refuses_a_too_short_run(golden_dir):
     assert main(["bench", "--checkpoint", str(golden_dir / "tiny-bf16"), "--new", "1"]) == 2
+
+
+# -- bench --serve: the load generator of tools/serve/loadgen.py --------------------------------------
+
+def _oracle(*args, timeout=120):
+    import subprocess
+    import sys
+    from pathlib import Path
+    return subprocess.run([sys.executable, "-m", "tools", *args], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+SERVE_LOAD = ("bench", "--checkpoint", "golden/tiny-fp8", "--serve", "--concurrency", "1,2", "--requests", "3",
+              "--prompt-len", "8", "--new", "4")
+
+
+def test_bench_serve_reports_throughput_ttft_and_tpot_per_concurrency():
+    pytest.importorskip("fast._core")
+    pytest.importorskip("httpx")
+    p = _oracle(*SERVE_LOAD)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "8 prompt + 4 new tokens" in p.stdout                       # bench's options reached the load
+    header = next(line for line in p.stdout.splitlines() if "conc" in line)
+    for name in ("server tok/s", "offline tok/s", "TTFT p50/p99", "TPOT p50/p99"):
+        assert name in header, (name, header)
+    p = _oracle(*SERVE_LOAD, "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(p.stdout)
+    assert (r["engine"], r["prompt"], r["new"]) == ("cpu", 8, 4)
+    assert [x["concurrency"] for x in r["levels"]] == [1, 2] and [x["requests"] for x in r["levels"]] == [3, 3]
+    for x in r["levels"]:
+        assert x["same_tokens_as_offline"], x
+        assert x["server_tok_s"] > 0 and 0 < x["ttft_p50_ms"] <= x["ttft_p99_ms"] and 0 < x["tpot_p50_ms"] <= x["tpot_p99_ms"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--serve", "--engines", "oracle"), ("--serve", "oracle")),
+    (("--serve", "--engines", "cpu", "cpu:threads=1"), ("--serve", "one engine SPEC")),
+    (("--serve", "--concurrency", "1,0"), ("--concurrency", "1,0")),
+    (("--concurrency", "4"), ("--concurrency", "--serve")),
+    (("--url", "http://127.0.0.1:1"), ("--url", "--serve")),
+])
+def test_bench_serve_refuses_what_it_cannot_run(args, words):
+    p = _oracle("bench", "--checkpoint", "golden/tiny-fp8", *args)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr
+    for w in words:
+        assert w in p.stderr, (w, p.stderr)

@@ -302,3 +302,76 @@ def test_golden_progress_goes_to_stderr():
     cases = len(json.loads((REPO / "golden" / "hashes.json").read_text())["cases"])
     assert json.loads(p.stdout) == {"action": "check", "engine": "cpu", "passed": True, "cases": cases,
                                     "mismatches": []}
+
+
+# -- run: sampling (docs/sampling.md) ------------------------------------------------------------------
+
+SAMPLED = ("--ids", "1,2,3", "--max-new", "6", "--temperature", "1.5", "--top-k", "40", "--top-p", "0.95")
+
+
+def _reference(ids, n, **params):
+    """oracle.sampling.sample_loop on the oracle itself, hashed as run hashes."""
+    import oracle
+    from oracle.sampling import SamplingParams, sample_loop
+    from tools.golden import hash12
+    tokens, lps = sample_loop(oracle.load(TINY), ids, n, SamplingParams(**params))
+    return tokens, hash12(np.array(lps, np.float32), "<f4")
+
+
+@needs_cpu
+def test_run_sampled_is_the_oracles_sample_loop_on_every_engine_and_reproducible():
+    docs = {e: run_json("--engine", e, "--seed", "7", *SAMPLED) for e in ("oracle", "cpu")}
+    keys = ("tokens", "output_hash", "logits_hash", "logprobs_hash", "seed")
+    assert {k: docs["oracle"][k] for k in keys} == {k: docs["cpu"][k] for k in keys}
+    assert docs["cpu"]["seed"] == 7
+    again = run_json("--engine", "cpu", "--seed", "7", *SAMPLED)
+    assert {k: again[k] for k in keys} == {k: docs["cpu"][k] for k in keys}
+    ref_tokens, ref_lp_hash = _reference([1, 2, 3], 6, temperature=1.5, top_k=40, top_p=0.95, seed=7)
+    assert (docs["cpu"]["tokens"], docs["cpu"]["logprobs_hash"]) == (ref_tokens, ref_lp_hash)
+    greedy = run_json("--engine", "cpu", "--ids", "1,2,3", "--max-new", "6")
+    assert greedy["tokens"] != docs["cpu"]["tokens"]
+    other = run_json("--engine", "cpu", "--seed", "8", *SAMPLED)
+    assert other["tokens"] != docs["cpu"]["tokens"]
+
+
+@needs_cpu
+def test_run_without_a_seed_draws_one_that_reproduces_the_answer():
+    first = run_json("--engine", "cpu", *SAMPLED)
+    assert isinstance(first["seed"], int) and 0 <= first["seed"] < 2 ** 64
+    again = run_json("--engine", "cpu", "--seed", str(first["seed"]), *SAMPLED)
+    assert (again["tokens"], again["logprobs_hash"]) == (first["tokens"], first["logprobs_hash"])
+    p = oracle("run", "--checkpoint", TINY, "--engine", "cpu", *SAMPLED)    # the table shows it too
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"seed\s*\S\s*\d+", p.stdout), p.stdout
+
+
+def test_run_greedy_reports_the_logprobs_of_the_sampling_definition():
+    doc = run_json("--ids", "1,2,3", "--max-new", "4")
+    assert "seed" not in doc                      # greedy uses no seed
+    tokens, lp_hash = _reference([1, 2, 3], 4, temperature=0.0)
+    assert (doc["tokens"], doc["logprobs_hash"]) == (tokens, lp_hash)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--temperature", "-0.5"), ("--temperature", "nan"), ("--temperature", "inf"),
+    ("--top-p", "0"), ("--top-p", "1.5"), ("--top-p", "1e-50"), ("--top-k", "-1"), ("--top-k", "2.5"),
+    ("--seed", "-1"), ("--seed", str(2 ** 64)),
+])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_run_refuses_bad_sampling_values_naming_the_option(option, value, as_json):
+    p = oracle("run", "--checkpoint", TINY, "--temperature", "1", f"{option}={value}", *(["--json"] if as_json else []))
+    assert_error(p, option, value, as_json=as_json)
+
+
+@needs_cpu
+def test_run_sampled_refuses_the_options_it_cannot_honour():
+    for spec in ("cpu:batch=2", "cpu:chunk=2", "cpu:prefix-cache"):
+        p = oracle("run", "--checkpoint", TINY, "--engine", spec, "--temperature", "1", "--seed", "1")
+        assert_error(p, spec, "--temperature > 0")
+
+
+def test_run_float64_stays_greedy_only_and_reports_no_logprobs():
+    doc = run_json("--ids", "1,2,3", "--max-new", "2", "--precision", "float64")
+    assert "logprobs_hash" not in doc and len(doc["tokens"]) == 2     # logprobs are defined on f32 logits
+    p = oracle("run", "--checkpoint", TINY, "--precision", "float64", "--temperature", "1", "--seed", "3")
+    assert_error(p, "--temperature > 0", "float64")

@@ -76,22 +76,66 @@ def run(checkpoint: str, engines: list[str], prompt: int, new: int) -> dict:
             "engines": rows}
 
 
+SERVE_ONLY = ("--concurrency", "--requests", "--url", "--shared-prefix", "--prefix-cache-mb")
+
+
+def serve_bench(args) -> int:
+    """`bench --serve`: tools/serve/loadgen.py with bench's options passed through; its exit code (0 when
+    the server's tokens equal the offline generate's at every concurrency, 1 when not)."""
+    from .serve import loadgen
+    from .sides import parse_spec, split_specs
+    specs = split_specs(args.engines) if args.engines else ["cpu"]
+    if len(specs) != 1:
+        raise ValueError(f"bench --serve: one engine SPEC (the server's), got {len(specs)}: {' '.join(specs)}")
+    spec = parse_spec(specs[0])
+    if spec.engine not in ("cpu", "cuda"):
+        raise ValueError(f"bench --serve: the server runs the cpu or cuda engine, not {spec.engine!r}")
+    if args.concurrency is not None:
+        levels = args.concurrency.split(",")
+        if not all(c.strip().isdigit() and int(c) >= 1 for c in levels):
+            raise ValueError(f"bench --concurrency: comma-separated ints >= 1, got {args.concurrency!r}")
+    argv = ["--checkpoint", args.checkpoint, "--engine", str(spec), "--prompt", str(args.prompt_len),
+            "--new", str(args.new)]
+    for opt in SERVE_ONLY:
+        v = getattr(args, opt.lstrip("-").replace("-", "_"))
+        if v is not None:
+            argv += [opt, str(v)]
+    return loadgen.main(argv + (["--json"] if args.json else []))
+
+
 def register(sub, console) -> None:
     p = sub.add_parser(
         "bench", help="tokens/s of engines on one checkpoint, as ratios to the first",
         description="Prefill and decode tokens/s of each engine on a synthetic prompt, as ratios to the first "
                     "engine, and whether every engine generated the first one's tokens (exit 0 all the same, "
                     "1 some differ, 2 error). SPECs as in `oracle run`; bench takes the options "
-                    f"{', '.join(BENCH_OPTIONS)}.")
+                    f"{', '.join(BENCH_OPTIONS)}. With --serve: a load generator against `oracle serve` "
+                    "(throughput, TTFT, TPOT at each concurrency; exit 0 when the server's tokens equal the "
+                    "offline generate's, 1 when not; docs/serve.md).")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory")
-    p.add_argument("--engines", nargs="+", default=["oracle", "cpu"], metavar="SPEC",
+    p.add_argument("--engines", nargs="+", default=None, metavar="SPEC",
                    help="the engines, separated by spaces or by commas directly before an engine name "
-                        "(oracle,cpu:threads=2,chunk=8 cuda is three); ratios are to the first")
+                        "(oracle,cpu:threads=2,chunk=8 cuda is three); ratios are to the first (default: "
+                        "oracle,cpu; with --serve: cpu)")
     p.add_argument("--prompt-len", type=int, default=64, metavar="N", help="prompt length in tokens, >= 3")
     p.add_argument("--prompt", help=argparse.SUPPRESS)   # kept only to point old uses to --prompt-len
     p.add_argument("--new", type=int, default=16, metavar="N",
                    help="new tokens to generate, >= 2 (the first comes from the prefill, the rest are timed)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout instead of the table")
+    s = p.add_argument_group("against a server (--serve)")
+    s.add_argument("--serve", action="store_true",
+                   help="load an `oracle serve` (started here on one cpu or cuda SPEC of --engines, default cpu, "
+                        "unless --url names one): throughput, TTFT and TPOT p50/p99 at each concurrency, and "
+                        "the same prompts through the engine's offline generate")
+    s.add_argument("--concurrency", default=None, metavar="C,C,...",
+                   help="client counts, comma-separated (default: 1,4,16)")
+    s.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="requests per concurrency (fewer are raised to the concurrency) (default: 32)")
+    s.add_argument("--url", default=None, help="a running server to load instead of starting one")
+    s.add_argument("--shared-prefix", type=int, default=None, metavar="N",
+                   help="tokens every prompt starts with (default: 0)")
+    s.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
+                   help="the started server's prefix cache (default: 0, none)")
 
     def cmd(args) -> int:
         from .sides import split_specs
@@ -101,7 +145,12 @@ def register(sub, console) -> None:
                              f"--prompt-len N (got --prompt {args.prompt!r})")
         if args.new < 2 or args.prompt_len < 3:
             raise ValueError(f"--prompt-len must be >= 3 and --new >= 2 (got {args.prompt_len} and {args.new})")
-        r = run(args.checkpoint, split_specs(args.engines), args.prompt_len, args.new)
+        if args.serve:
+            return serve_bench(args)
+        given = [o for o in SERVE_ONLY if getattr(args, o.lstrip("-").replace("-", "_")) is not None]
+        if given:
+            raise ValueError(f"bench {given[0]}: only with --serve (it configures the load on a server)")
+        r = run(args.checkpoint, split_specs(args.engines or ["oracle", "cpu"]), args.prompt_len, args.new)
         if args.json:
             print(json.dumps(r))
             return 0 if all(e["same_tokens_as_first"] for e in r["engines"]) else 1

@@ -115,25 +115,75 @@ class _Stream:
             sys.stderr.flush()
 
 
+# the SPEC options a sampled run honours: sample_loop feeds the engine one forward at a time on one
+# cache, so batch, chunk, prefix-cache and inject (which shape the greedy run's calls) are refused
+SAMPLED_OPTIONS = ("threads", "dot", "expf", "precision", "ranks", "memory-limit", "verify-ranks", "max-context")
+
+
+class _Recorder:
+    """An engine seen through sample_loop: keeps every logits row (for logits_hash) and reports each
+    token as it is fed back (streaming); the last token, never fed, is reported by the caller."""
+
+    def __init__(self, engine, on_token):
+        self.engine, self.on_token, self.rows, self.fed = engine, on_token, [], 0
+
+    def new_cache(self):
+        return self.engine.new_cache()
+
+    def forward(self, ids, cache):
+        if self.rows and self.on_token is not None:
+            self.on_token(self.fed, int(ids[0]))
+            self.fed += 1
+        out = self.engine.forward(ids, cache)
+        self.rows.append(out)
+        return out
+
+
 def cmd_run(args) -> int:
+    import secrets
+
+    import numpy as np
+
+    from oracle.sampling import SamplingParams, log_softmax, sample_loop
+
     from .golden import hash12
-    from .sides import open_side, parse_spec, unfired_warning, with_precision
+    from .sides import open_side, parse_spec, refuse_options, unfired_warning, with_precision
     spec = with_precision(parse_spec(args.engine), args.precision)
+    seed = args.seed if args.seed is not None else secrets.randbits(63)   # drawn and printed: reproducible
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
+    if not params.greedy:
+        refuse_options(spec, SAMPLED_OPTIONS, "run with --temperature > 0")
+        if spec.options.get("precision", "canonical") != "canonical":
+            raise ValueError(f"--temperature > 0: sampling is defined on the canonical float32 logits; "
+                             f"{spec} has {spec.options['precision']} logits (run it greedily, or canonical)")
     side = open_side(spec, args.checkpoint)
     ids, n = prompt_ids(args, side)
     tokenizer = load_tokenizer(args.checkpoint)
     stream = None if args.json else _Stream(tokenizer, n)
     t0 = time.perf_counter()
     try:
-        tokens, logits = side.generate(ids, n, on_token=stream)
+        if params.greedy:
+            tokens, logits = side.generate(ids, n, on_token=stream)
+            # log-probabilities are defined on f32 logits only: a float64 oracle run reports none
+            lps = ([log_softmax(logits[len(ids) - 1 + i])[t] for i, t in enumerate(tokens)]
+                   if logits.dtype == np.float32 else None)
+        else:
+            rec = _Recorder(side.engine, stream)
+            tokens, lps = sample_loop(rec, ids, n, params)
+            if stream is not None:
+                stream(len(tokens) - 1, tokens[-1])
+            logits = np.concatenate(rec.rows)
     finally:
         if stream is not None:
             stream.close()
     dt = time.perf_counter() - t0
-    import numpy as np
     result = {"engine": str(spec), "prompt_ids": ids, "tokens": tokens,
-              "output_hash": hash12(np.array(tokens), "<i4"), "logits_hash": hash12(logits, "<f4"),
-              "seconds": round(dt, 3)}
+              "output_hash": hash12(np.array(tokens), "<i4"), "logits_hash": hash12(logits, "<f4")}
+    if lps is not None:
+        result["logprobs_hash"] = hash12(np.array(lps, np.float32), "<f4")
+    if not params.greedy:
+        result.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
+    result["seconds"] = round(dt, 3)
     if tokenizer is not None:
         result["text"] = tokenizer.decode(tokens)
     msg = unfired_warning(side)
@@ -150,6 +200,48 @@ def cmd_run(args) -> int:
         t.add_row(k, term.printable(v) if k == "text" else str(v))
     term.out().print(t)
     return 0
+
+
+def _temperature(text: str) -> float:
+    import math
+    try:
+        v = float(text)
+    except ValueError:
+        v = None
+    if v is None or not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: greedy), got {text!r}")
+    return v
+
+
+def _top_p(text: str) -> float:
+    import numpy as np
+    try:
+        v = float(text)
+    except ValueError:
+        v = None
+    if v is None or not 0 < v <= 1 or np.float32(v) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1] (1: no cut), got {text!r}")
+    return v
+
+
+def _top_k(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0 (0: no limit), got {text!r}")
+    return v
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 0 <= v < 2 ** 64:
+        raise argparse.ArgumentTypeError(f"must be an int in [0, 2^64), got {text!r}")
+    return v
 
 
 def cmd_golden(args) -> int:
@@ -208,8 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "compare their hashes (exit 0 bit-identical, 1 differ). Takes no options.")
     d.set_defaults(func=cmd_demo)
 
-    r = sub.add_parser("run", help="generate greedily from a prompt",
-                       description="Generate greedily and print the tokens, their text and the output and logits "
+    r = sub.add_parser("run", help="generate from a prompt, greedily or sampled",
+                       description="Generate (greedily, or sampled with --temperature > 0 as docs/sampling.md defines "
+                                   "it) and print the tokens, their text and the output, logits and logprobs "
                                    "hashes. Without --json the tokens stream as they are generated (on a terminal). "
                                    + SPEC_HELP + ".")
     r.add_argument("--checkpoint", required=True, help="checkpoint directory")
@@ -222,6 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--precision", default=None, choices=["canonical", "float64"],
                    help="the oracle's precision (same as oracle:precision=...; default canonical); float64 "
                         "removes every rounding and is the oracle's only")
+    r.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
+                   help="sampling temperature, >= 0; 0 is greedy (argmax)")
+    r.add_argument("--top-p", type=_top_p, default=1.0, metavar="P", help="nucleus cut, in (0, 1]; 1 keeps every token")
+    r.add_argument("--top-k", type=_top_k, default=0, metavar="K", help="keep the K likeliest tokens; 0 keeps every token")
+    r.add_argument("--seed", type=_seed, default=None, metavar="S",
+                   help="the sampler's seed, in [0, 2^64) (default: one drawn at random and printed)")
     r.add_argument("--json", action="store_true", help="one JSON object on stdout instead of the table")
     r.set_defaults(func=cmd_run)
 
