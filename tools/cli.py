@@ -202,46 +202,20 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _temperature(text: str) -> float:
-    import math
-    try:
-        v = float(text)
-    except ValueError:
-        v = None
-    if v is None or not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: greedy), got {text!r}")
-    return v
+def _sampling_value(field: str, parse):
+    """An argparse type for one sampling option: the text parsed, then the range checked by the one
+    definition of the sampler's parameters (oracle.sampling.SamplingParams), whose reason is given."""
+    from oracle.sampling import SamplingError, SamplingParams
 
-
-def _top_p(text: str) -> float:
-    import numpy as np
-    try:
-        v = float(text)
-    except ValueError:
-        v = None
-    if v is None or not 0 < v <= 1 or np.float32(v) <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1] (1: no cut), got {text!r}")
-    return v
-
-
-def _top_k(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0 (0: no limit), got {text!r}")
-    return v
-
-
-def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if not 0 <= v < 2 ** 64:
-        raise argparse.ArgumentTypeError(f"must be an int in [0, 2^64), got {text!r}")
-    return v
+    def check(text: str):
+        try:
+            v = parse(text)
+            SamplingParams(**{field: v})
+        except (ValueError, SamplingError) as e:
+            reason = str(e) if isinstance(e, SamplingError) else ("not an integer" if parse is int else "not a number")
+            raise argparse.ArgumentTypeError(f"got {text!r}: {reason}") from None
+        return v
+    return check
 
 
 def cmd_golden(args) -> int:
@@ -315,11 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--precision", default=None, choices=["canonical", "float64"],
                    help="the oracle's precision (same as oracle:precision=...; default canonical); float64 "
                         "removes every rounding and is the oracle's only")
-    r.add_argument("--temperature", type=_temperature, default=0.0, metavar="T",
+    r.add_argument("--temperature", type=_sampling_value("temperature", float), default=0.0, metavar="T",
                    help="sampling temperature, >= 0; 0 is greedy (argmax)")
-    r.add_argument("--top-p", type=_top_p, default=1.0, metavar="P", help="nucleus cut, in (0, 1]; 1 keeps every token")
-    r.add_argument("--top-k", type=_top_k, default=0, metavar="K", help="keep the K likeliest tokens; 0 keeps every token")
-    r.add_argument("--seed", type=_seed, default=None, metavar="S",
+    r.add_argument("--top-p", type=_sampling_value("top_p", float), default=1.0, metavar="P", help="nucleus cut, in (0, 1]; 1 keeps every token")
+    r.add_argument("--top-k", type=_sampling_value("top_k", int), default=0, metavar="K", help="keep the K likeliest tokens; 0 keeps every token")
+    r.add_argument("--seed", type=_sampling_value("seed", int), default=None, metavar="S",
                    help="the sampler's seed, in [0, 2^64) (default: one drawn at random and printed)")
     r.add_argument("--json", action="store_true", help="one JSON object on stdout instead of the table")
     r.set_defaults(func=cmd_run)
