@@ -224,6 +224,22 @@ void register_engine(py::module_& m) {
                      bad(e.what());
                  }
              })
+        .def("reserve_sequence",
+             [](PyEngine& pe, int64_t id, int64_t positions) {
+                 try {
+                     pe.eng->reserve_sequence(id, positions);
+                 } catch (const std::invalid_argument& e) {
+                     bad(e.what());
+                 }
+             })
+        .def("sequence_bytes",
+             [](PyEngine& pe, int64_t id) {
+                 try {
+                     return pe.eng->sequence_bytes(id);
+                 } catch (const std::invalid_argument& e) {
+                     bad(e.what());
+                 }
+             })
         .def_property_readonly("live_sequences", [](PyEngine& pe) { return pe.eng->live_sequences(); })
         .def_property_readonly("threads", [](PyEngine& pe) { return pe.eng->threads(); })
         .def_property_readonly("weight_bytes", [](PyEngine& pe) { return pe.eng->weight_bytes(); })

@@ -95,6 +95,17 @@ GLM_HD float f32_from_bits(uint32_t u) {
     return x;
 #endif
 }
+
+// The indexer's selection order of a pool score (docs/numerics.md, "Ties at the indexer's selection
+// boundary"): a u32 whose order is the scores' descending rank: -0 and +0 one key (equal scores), every
+// NaN the lowest key (below -inf: the oracle's argsort of -scores puts NaN last). Equal keys go to the
+// lower pool index.
+GLM_HD uint32_t select_key(float v) {
+    uint32_t u = f32_bits(v);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0u;
+    if (u == 0x80000000u) u = 0u;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
 GLM_HD uint64_t f64_bits(double x) {
 #if defined(__CUDA_ARCH__)
     return static_cast<uint64_t>(__double_as_longlong(x));

@@ -7,7 +7,7 @@
 `import fast` works (and `fast._core` primitives can be imported) even while the engine is absent.
 """
 
-__all__ = ["Engine", "Cache", "EngineInputError"]
+__all__ = ["Engine", "Cache", "EngineInputError", "EngineMemoryError"]
 
 
 def __getattr__(name):

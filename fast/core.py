@@ -22,7 +22,8 @@ from oracle import names as N
 from oracle import schema as S
 from oracle.stages import ALL_STAGE_NAMES, HEAD, layer_stages
 
-__all__ = ["EngineInputError", "DEVICES", "engine_class", "parse_inject", "engine_config", "is_int"]
+__all__ = ["EngineInputError", "EngineMemoryError", "DEVICES", "engine_class", "parse_inject", "engine_config",
+           "is_int", "state_bytes"]
 
 
 class EngineInputError(ValueError):
@@ -37,6 +38,49 @@ DEVICES = {
     "cuda": "fast.cuda:CudaEngine",
     "cuda:0": "fast.cuda:CudaEngine",
 }
+
+
+class EngineMemoryError(EngineInputError):
+    """A sequence's state would not fit in the memory left (the message says how much it needs, of what)."""
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+def state_bytes(config, length: int) -> dict[str, int]:
+    """Bytes of one sequence's state at `length` positions, by part, as both engines hold it (f32):
+    per KDA layer the conv window [K-1][3P] and the recurrent state [H][d][d] (whatever the length);
+    per MLA layer the latents [length][r]; per layer with an indexer its keys and gates [length][d_i]
+    each and the keys of complete pools [length // kpool][d_i]."""
+    P = config.linear_num_heads * config.linear_head_dim
+    H, d, K = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
+    r, di, kp = config.kv_lora_rank, config.index_head_dim, max(1, config.index_kpool)
+    n_kda = sum(1 for layer in range(config.num_hidden_layers) if config.is_kda(layer))
+    n_mla = config.num_hidden_layers - n_kda
+    n_idx = sum(1 for layer in range(config.num_hidden_layers)
+                if not config.is_kda(layer) and config.has_indexer(layer))
+    return {"kda.conv_tail": 4 * n_kda * (K - 1) * 3 * P, "kda.S": 4 * n_kda * H * d * d,
+            "mla.c": 4 * n_mla * length * r, "indexer.k": 4 * n_idx * length * di,
+            "indexer.gate": 4 * n_idx * length * di, "indexer.pool_keys": 4 * n_idx * (length // kp) * di}
+
+
+def available_host_bytes() -> int:
+    """Host memory a new allocation can take without swapping (/proc/meminfo's MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def engine_class(device: str):

@@ -156,6 +156,13 @@ class CudaEngine(Engine):
     def device_bytes(self) -> int:
         return int(self._core.device_bytes)
 
+    def available_memory(self) -> int:
+        """Bytes free on the device (cudaMemGetInfo), what sequences' state can still take."""
+        return int(self.cuda.device_memory()[0])
+
+    def _memory_where(self) -> str:
+        return self.device_name
+
     def greedy(self, cache, first_token: int, n: int) -> list[int]:
         """n greedy decode steps of `cache` on the device, the first fed `first_token` (the token the
         cache's last logits chose), each next one the argmax of the previous step's logits (np.argmax's

@@ -493,6 +493,11 @@ class _DriverCore(_RankCore):
         self.cluster.queue((self.eid, "fork_sequence", (int(sid),), nid))
         return nid
 
+    def reserve_sequence(self, sid, positions):
+        self._check()
+        self.local.reserve_sequence(sid, positions)
+        self.cluster.queue((self.eid, "reserve_sequence", (int(sid), int(positions)), None))
+
     def free_sequence(self, sid):
         if self.cluster.alive and self.cluster.generation == self.generation:
             self.cluster.queue((self.eid, "free_sequence", (int(sid),), None))

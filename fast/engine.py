@@ -32,9 +32,9 @@ from oracle.checkpoint import Checkpoint, open_checkpoint
 from oracle.stages import ALL_STAGE_NAMES, HEAD
 
 from . import core as _C
-from .core import EngineInputError, parse_inject
+from .core import EngineInputError, EngineMemoryError, parse_inject
 
-__all__ = ["Engine", "Cache", "EngineInputError", "parse_inject"]
+__all__ = ["Engine", "Cache", "EngineInputError", "EngineMemoryError", "parse_inject"]
 
 _HEAD_STAGES = tuple(name for name, _ in HEAD)  # the stages at layer L, computed with the logits
 
@@ -50,6 +50,7 @@ class Cache:
     def __init__(self, engine: "Engine", sid: int):
         self._engine = engine
         self._id = sid
+        self._room = 0  # positions whose state was checked against the memory left (reserve, step)
         self._finalizer = weakref.finalize(self, engine._core.free_sequence, sid)
         engine._caches.add(self)  # (Engine.close frees every live cache before its executor)
 
@@ -64,6 +65,25 @@ class Cache:
     def fork(self) -> "Cache":
         """An independent copy (e.g. to reuse a prefix)."""
         return Cache(self._engine, int(self._engine._core.fork_sequence(self._id)))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the engine holds for this sequence now (its buffers' capacity, not only what is filled)."""
+        return int(self._engine._core.sequence_bytes(self._id))
+
+    def reserve(self, positions: int) -> "Cache":
+        """Allocate the state for `positions` positions now, after checking that it fits in the memory
+        left (EngineMemoryError, naming what it needs, otherwise); the cache does not grow below that.
+        Returns the cache."""
+        eng = self._engine
+        eng._check_cache(self)
+        if not _is_int(positions) or not 0 <= positions <= eng.max_context:
+            raise EngineInputError(f"reserve: positions must be an int in [0, {eng.max_context}], got {positions!r}")
+        grow = eng.sequence_bytes(int(positions)) - self.nbytes
+        eng._check_room(grow, int(positions))
+        eng._core.reserve_sequence(self._id, int(positions))
+        self._room = max(self._room, int(positions))
+        return self
 
     copy = fork
 
@@ -279,6 +299,51 @@ class Engine:
 
     new_request = new_cache
 
+    # ---------------------------------------------------------------- memory
+    def sequence_memory(self, length: int) -> dict[str, int]:
+        """Bytes of one sequence's state at `length` positions, by part (KDA conv window and recurrent
+        state, MLA latents, indexer keys, gates and pool keys), and "total"."""
+        parts = _C.state_bytes(self.config, int(length))
+        parts["total"] = sum(parts.values())
+        return parts
+
+    def sequence_bytes(self, length: int) -> int:
+        return self.sequence_memory(length)["total"]
+
+    def available_memory(self) -> int:
+        """Bytes left for sequences' state: the host's available memory (the CPU engine)."""
+        return _C.available_host_bytes()
+
+    def _check_room(self, grow: int, positions: int) -> None:
+        if grow <= 0:
+            return
+        left = self.available_memory()
+        if grow > left:
+            parts = self.sequence_memory(positions)
+            what = ", ".join(f"{k} {_C.human_bytes(v)}" for k, v in parts.items() if k != "total" and v)
+            raise _C.EngineMemoryError(
+                f"a sequence of {positions} positions needs {_C.human_bytes(parts['total'])} of state ({what}); "
+                f"{_C.human_bytes(grow)} more do not fit in the {_C.human_bytes(left)} left on {self._memory_where()}")
+
+    def _check_growth(self, rows) -> None:
+        """Before a step: the state of sequences that grow past the room already checked must fit. The
+        engines grow a cache by doubling, so the room checked doubles too (a check every doubling)."""
+        grow, worst = 0, 0
+        for cache, ids, _, _, start in rows:
+            end = start + ids.size
+            if end > cache._room:
+                target = min(max(end, 2 * cache._room), self.max_context)
+                grow += self.sequence_bytes(target) - cache.nbytes
+                worst = max(worst, target)
+        if worst:
+            self._check_room(grow, worst)
+            for cache, ids, _, _, start in rows:
+                if start + ids.size > cache._room:
+                    cache._room = min(max(start + ids.size, 2 * cache._room), self.max_context)
+
+    def _memory_where(self) -> str:
+        return "the host"
+
     # ---------------------------------------------------------------- validation
     def _check_ids(self, ids, start: int) -> np.ndarray:
         if isinstance(ids, np.ndarray):
@@ -346,6 +411,7 @@ class Engine:
             if want not in ("all", "last", None):
                 raise EngineInputError(f"logits must be 'all', 'last' or None, got {want!r}")
             rows.append((cache, ids, capture, want, cache.length))
+        self._check_growth(rows)
         T = sum(r[1].size for r in rows)
         seq_ids = np.empty(T, np.int64)
         tokens = np.empty(T, np.int32)
@@ -510,7 +576,8 @@ class Engine:
         while pending or active:
             while pending and arrivals[pending[0]] <= step_no and (max_batch is None or len(active) < max_batch):
                 i = pending.popleft()
-                active.append({"i": i, "cache": self.new_cache(), "fed": 0})
+                need = ids[i].size + max(max_new_tokens - 1, 0)
+                active.append({"i": i, "cache": self.new_cache().reserve(need), "fed": 0})
             if not active:
                 step_no = arrivals[pending[0]]
                 continue

@@ -245,6 +245,10 @@ class Engine {
     int64_t fork_sequence(int64_t id);
     void free_sequence(int64_t id);
     int64_t sequence_length(int64_t id) const;
+    // Room for `positions` positions in every MLA layer's cache, allocated now (no growth below it).
+    void reserve_sequence(int64_t id, int64_t positions);
+    // Bytes the sequence's state holds (the capacity of its buffers, not only what is filled).
+    int64_t sequence_bytes(int64_t id) const;
     size_t live_sequences() const {
         std::lock_guard<std::mutex> lk(mu_);
         return seqs_.size();

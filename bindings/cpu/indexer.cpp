@@ -10,6 +10,7 @@
 #include <numeric>
 #include <vector>
 
+#include "../numerics_dev.hpp"
 #include "engine.hpp"
 #include "formats.hpp"
 
@@ -105,12 +106,13 @@ void indexer_select(Step& s, int layer, const MlaWeights& w, const float* x, con
         std::vector<size_t> pools(npools);
         std::iota(pools.begin(), pools.end(), size_t{0});
         if (npools > budget) {
-            auto key = [&](size_t p) { return std::isnan(score[p]) ? -INFINITY : score[p]; };
-            std::partial_sort(pools.begin(), pools.begin() + static_cast<std::ptrdiff_t>(budget), pools.end(),
-                              [&](size_t a, size_t b) {
-                                  const float ka = key(a), kb = key(b);
-                                  return ka > kb || (ka == kb && a < b);
-                              });
+            auto key = [&](size_t p) { return num::select_key(score[p]); };
+            // a strict total order, so the kept set is unique however it is found: O(pools) on average
+            std::nth_element(pools.begin(), pools.begin() + static_cast<std::ptrdiff_t>(budget), pools.end(),
+                             [&](size_t a, size_t b) {
+                                 const uint32_t ka = key(a), kb = key(b);
+                                 return ka > kb || (ka == kb && a < b);
+                             });
             pools.resize(budget);
             std::sort(pools.begin(), pools.end());
         }

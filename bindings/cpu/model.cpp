@@ -461,6 +461,36 @@ int64_t Engine::sequence_length(int64_t id) const {
     return it->second->length;
 }
 
+void Engine::reserve_sequence(int64_t id, int64_t positions) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
+    if (positions < 0) throw std::invalid_argument("reserve: positions must be >= 0");
+    const size_t n = static_cast<size_t>(positions), r = static_cast<size_t>(cfg_.kv_lora_rank);
+    const size_t di = static_cast<size_t>(cfg_.index_head_dim), kp = static_cast<size_t>(cfg_.index_kpool);
+    Sequence& q = *it->second;
+    for (size_t l = 0; l < layers.size(); ++l) {
+        if (layers[l].kda) continue;
+        q.mla[l].c.reserve(n * r);
+        if (layers[l].m.has_indexer) {
+            q.mla[l].k.reserve(n * di);
+            q.mla[l].gate.reserve(n * di);
+            q.mla[l].pool_keys.reserve(n / kp * di);
+        }
+    }
+}
+
+int64_t Engine::sequence_bytes(int64_t id) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
+    const Sequence& q = *it->second;
+    size_t n = 0;
+    for (const KdaState& k : q.kda) n += k.conv_tail.capacity() + k.S.capacity();
+    for (const MlaState& m : q.mla) n += m.c.capacity() + m.k.capacity() + m.gate.capacity() + m.pool_keys.capacity();
+    return static_cast<int64_t>(n * sizeof(float));
+}
+
 // ---- the step -----------------------------------------------------------------------------------
 
 void Engine::check_hw() const {

@@ -223,6 +223,11 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         .def("free_sequence", [](PyEngine& pe, int64_t id) { pe.eng->free_sequence(id); })
         .def("sequence_length",
              [](PyEngine& pe, int64_t id) { return translate([&] { return pe.eng->sequence_length(id); }); })
+        .def("reserve_sequence",
+             [](PyEngine& pe, int64_t id, int64_t positions) {
+                 translate([&] { pe.eng->reserve_sequence(id, positions); return 0; });
+             })
+        .def("sequence_bytes", [](PyEngine& pe, int64_t id) { return translate([&] { return pe.eng->sequence_bytes(id); }); })
         .def_property_readonly("live_sequences", [](PyEngine& pe) { return pe.eng->live_sequences(); })
         .def_property_readonly("threads", [](PyEngine& pe) { return pe.threads; })
         .def_property_readonly("weight_bytes", [](PyEngine& pe) { return pe.eng->weight_bytes(); })
@@ -343,6 +348,17 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
     m.def("expf", expf_fn, py::arg("x"), py::arg("native") = false,
           "expf(x: f32 array) -> f32 array: the canonical expf computed on the device (native=True: CUDA's expf).");
     m.def("expf_device", expf_fn, py::arg("x"), py::arg("native") = false, "Alias of expf.");
+    m.def(
+        "index_select",
+        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& scores, int pos, int kp, int budget) {
+            if (scores.ndim() != 1) bad("index_select: scores must be 1-D");
+            const std::vector<int> v = translate(
+                [&] { return index_select_device(scores.data(), static_cast<int64_t>(scores.size()), pos, kp, budget); });
+            return py::array_t<int32_t>(static_cast<py::ssize_t>(v.size()), v.data());
+        },
+        py::arg("scores"), py::arg("pos"), py::arg("kp"), py::arg("budget"),
+        "The indexer's selection kernel for one query at `pos` over its (pos + 1) // kp pool scores: the "
+        "positions it attends, ascending.");
     m.def(
         "argmax",
         [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {

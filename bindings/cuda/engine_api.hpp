@@ -72,6 +72,10 @@ class Engine {
     int64_t fork_sequence(int64_t id);
     void free_sequence(int64_t id);
     int64_t sequence_length(int64_t id) const;
+    // Room for `positions` positions in every MLA layer's cache, allocated now (no growth below it).
+    void reserve_sequence(int64_t id, int64_t positions);
+    // Device bytes the sequence's state holds (its buffers' sizes, not only what is filled).
+    int64_t sequence_bytes(int64_t id) const;
     size_t live_sequences() const;
 
     void step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,
@@ -124,6 +128,9 @@ void expf_device(const float* x, float* y, size_t n, bool native);
 void expf_device_bits(uint64_t lo, size_t n, float* y);
 // y[i] = the device's canonical exp64(x[i]).
 void exp64_device(const double* x, double* y, size_t n);
+// The indexer's selection kernel for one query at `pos` over given pool scores ((pos + 1) / kp of them):
+// the positions it attends, ascending (tests: against the oracle's rule on made-up scores).
+std::vector<int> index_select_device(const float* scores, int64_t n_scores, int pos, int kp, int budget);
 
 struct CensusResult {
     uint64_t inputs = 0, differ = 0, differ_bf16 = 0, differ_nonpos = 0, nonpos_inputs = 0, max_ulps = 0;

@@ -4,7 +4,7 @@
 // Keys of complete pools of kp consecutive positions are compressed once, when the pool completes,
 // and kept on the GPU: per channel, a softmax over the pool of (gate + ape) weighs the pool's keys.
 // A query at position t scores the (t+1)/kp pools it can see; with at most index_topk/kp of them it
-// takes all, else the best index_topk/kp (ties to the lower pool index, NaN scores as -inf); then the
+// takes all, else the best index_topk/kp (ties to the lower pool index, NaN scores last); then the
 // tail [n_pools*kp, t]. Positions ascending. The number of selected positions depends on t only, so
 // the host knows every shape; which positions is decided on the device.
 #include "engine.cuh"
@@ -97,41 +97,122 @@ __global__ void __launch_bounds__(kIdxThreads) k_idx_scores(const float* __restr
     if (live && lane8() == 0) scores[off[t] + p] = score;
 }
 
-// Selection per row (one block): all positions, or the best `budget` pools + the tail.
-__global__ void k_idx_select(const float* __restrict__ scores, const int64_t* __restrict__ off,
-                             const int* __restrict__ pos, int kp, int budget, int* flags, int* sel,
-                             const int64_t* __restrict__ sel_off) {
+// Selection per row, one block: all positions, or the best `budget` pools + the tail, in O(pools).
+// A score's key is num::select_key (order-preserving; -0 = +0; NaN lowest), so
+// "best `budget` by score, ties to the lower pool index" is: every key above the budget-th largest
+// key K, then the lowest-indexed pools whose key is K until there are `budget`. K is found by a radix
+// select (four passes of a 256-bin histogram over the keys still matching K's high bits, MSB first),
+// the pools are written in ascending order by a block-wide scan of the segment counts. The set is the
+// canonical rule's (docs/numerics.md, "Ties at the indexer's selection boundary") however it is
+// computed; the CPU engine takes it with nth_element.
+constexpr int kSelThreads = 512;
+
+using num::select_key;
+
+__global__ void __launch_bounds__(kSelThreads) k_idx_select(const float* __restrict__ scores,
+                                                            const int64_t* __restrict__ off,
+                                                            const int* __restrict__ pos, int kp, int budget, int* sel,
+                                                            const int64_t* __restrict__ sel_off) {
     pdl_enter();
+    __shared__ unsigned hist[256];
+    __shared__ unsigned s_prefix;
+    __shared__ int s_need;
+    __shared__ int scan_gt[kSelThreads], scan_eq[kSelThreads];
+    const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
     const int t = static_cast<int>(blockIdx.x);
     const int ps = pos[t];
     const int npools = (ps + 1) / kp;
     int* out = sel + sel_off[t];
     if (npools <= budget) {
-        for (int i = static_cast<int>(threadIdx.x); i <= ps; i += static_cast<int>(blockDim.x)) out[i] = i;
+        for (int i = tid; i <= ps; i += nt) out[i] = i;
         return;
     }
     const float* sc = scores + off[t];
-    int* fl = flags + off[t];
-    for (int p = static_cast<int>(threadIdx.x); p < npools; p += static_cast<int>(blockDim.x)) {
-        const float kpv = is_nan(sc[p]) ? -INFINITY : sc[p];
-        int rank = 0;
-        for (int q2 = 0; q2 < npools; ++q2) {
-            const float kq = is_nan(sc[q2]) ? -INFINITY : sc[q2];
-            rank += (kq > kpv || (kq == kpv && q2 < p)) ? 1 : 0;
+
+    // K = the budget-th largest key; need = how many pools with key K are kept
+    unsigned prefix = 0u, mask = 0u;
+    int need = budget;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += nt) hist[i] = 0u;
+        __syncthreads();
+        for (int p = tid; p < npools; p += nt) {
+            const unsigned k = select_key(sc[p]);
+            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
         }
-        fl[p] = rank < budget ? 1 : 0;
+        __syncthreads();
+        if (tid == 0) {
+            int above = 0, d = 255;
+            for (; d > 0; --d) {
+                if (above + static_cast<int>(hist[d]) >= need) break;
+                above += static_cast<int>(hist[d]);
+            }
+            s_prefix = prefix | (static_cast<unsigned>(d) << shift);
+            s_need = need - above;
+        }
+        __syncthreads();
+        prefix = s_prefix;
+        need = s_need;
+        mask |= 255u << shift;
     }
+    const unsigned K = prefix;
+
+    // each thread a contiguous segment of pools: counts above K and equal to K, scanned over the block
+    const int per = (npools + nt - 1) / nt;
+    const int a = tid * per < npools ? tid * per : npools, b = a + per < npools ? a + per : npools;
+    int gt = 0, eq = 0;
+    for (int p = a; p < b; ++p) {
+        const unsigned k = select_key(sc[p]);
+        gt += k > K ? 1 : 0;
+        eq += k == K ? 1 : 0;
+    }
+    scan_gt[tid] = gt;
+    scan_eq[tid] = eq;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int w = 0;
-        for (int p = 0; p < npools; ++p)
-            if (fl[p])
-                for (int j = 0; j < kp; ++j) out[w++] = p * kp + j;
-        for (int tau = npools * kp; tau <= ps; ++tau) out[w++] = tau;
+    for (int d = 1; d < nt; d <<= 1) {  // inclusive scan (Hillis-Steele)
+        const int vg = tid >= d ? scan_gt[tid - d] : 0, ve = tid >= d ? scan_eq[tid - d] : 0;
+        __syncthreads();
+        scan_gt[tid] += vg;
+        scan_eq[tid] += ve;
+        __syncthreads();
     }
+    int eq_seen = scan_eq[tid] - eq;  // pools with key K before this segment
+    int w = (scan_gt[tid] - gt) + (eq_seen < need ? eq_seen : need);
+    for (int p = a; p < b; ++p) {
+        const unsigned k = select_key(sc[p]);
+        bool keep = k > K;
+        if (k == K) keep = eq_seen++ < need;
+        if (keep) {
+            for (int j = 0; j < kp; ++j) out[w * kp + j] = p * kp + j;
+            ++w;
+        }
+    }
+    for (int tau = npools * kp + tid; tau <= ps; tau += nt) out[budget * kp + (tau - npools * kp)] = tau;
 }
 
 }  // namespace
+
+std::vector<int> index_select_device(const float* scores, int64_t n_scores, int pos, int kp, int budget) {
+    if (kp < 1 || budget < 1 || pos < 0) throw std::invalid_argument("index_select: kp, budget >= 1 and pos >= 0");
+    const int64_t np = (static_cast<int64_t>(pos) + 1) / kp;
+    if (n_scores != np)
+        throw std::invalid_argument("index_select: a query at position " + std::to_string(pos) + " sees " +
+                                    std::to_string(np) + " pools, got " + std::to_string(n_scores) + " scores");
+    const int64_t n = np <= budget ? pos + 1 : static_cast<int64_t>(budget) * kp + (pos + 1 - np * kp);
+    const int64_t zero = 0;
+    DBuf ds(static_cast<size_t>(std::max<int64_t>(np, 1)) * 4), doff(8), dpos(4), dsel(static_cast<size_t>(n) * 4),
+        dsoff(8);
+    if (np) check(cudaMemcpy(ds.p, scores, static_cast<size_t>(np) * 4, cudaMemcpyHostToDevice), "index_select");
+    check(cudaMemcpy(doff.p, &zero, 8, cudaMemcpyHostToDevice), "index_select");
+    check(cudaMemcpy(dsoff.p, &zero, 8, cudaMemcpyHostToDevice), "index_select");
+    check(cudaMemcpy(dpos.p, &pos, 4, cudaMemcpyHostToDevice), "index_select");
+    auto kk = k_idx_select;
+    GLM_LAUNCH(kk, 1, kSelThreads, 0, ds.as<float>(), doff.as<int64_t>(), dpos.as<int>(), kp, budget, dsel.as<int>(),
+               dsoff.as<int64_t>());
+    check_launch("index_select");
+    std::vector<int> out(static_cast<size_t>(n));
+    check(cudaMemcpy(out.data(), dsel.p, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost), "index_select");
+    return out;
+}
 
 void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const float* q_lat) {
     const Config& c = s.c;
@@ -238,10 +319,9 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
     s.d_sel_off = s.scratch.up(s.sel_off);
     std::vector<int> n32(s.sel_n.begin(), s.sel_n.end());
     s.d_sel_n = s.scratch.up(n32);
-    int* flags = s.scratch.d<int>(static_cast<size_t>(std::max<int64_t>(total, 1)));
     {
         auto kk = k_idx_select;
-        GLM_LAUNCH(kk, T, 256, 0, scores, d_off, s.d_pos, kp, budget, flags, s.d_sel, s.d_sel_off);
+        GLM_LAUNCH(kk, T, kSelThreads, 0, scores, d_off, s.d_pos, kp, budget, s.d_sel, s.d_sel_off);
         check_launch("idx_select");
     }
     s.have_sel = true;

@@ -337,8 +337,9 @@ void copy_buf(DBuf& dst, const DBuf& src) {
     if (src.n) check(cudaMemcpy(dst.p, src.p, src.n, cudaMemcpyDeviceToDevice), "copy");
 }
 
-// Make room for `need` positions in every MLA layer's cache of one sequence (doubling, contents kept).
-void reserve(const EngineCore& E_, Sequence& q, int64_t need) {
+// Make room for `need` positions in every MLA layer's cache of one sequence (doubling, contents kept;
+// `exact`: no more than `need`).
+void reserve(const EngineCore& E_, Sequence& q, int64_t need, bool exact = false) {
     const Config& c = E_.cfg;
     const size_t r = static_cast<size_t>(c.kv_lora_rank), di = static_cast<size_t>(c.index_head_dim);
     const int64_t kp = c.index_kpool;
@@ -346,10 +347,10 @@ void reserve(const EngineCore& E_, Sequence& q, int64_t need) {
         if (E_.layers[l].kda) continue;
         MlaState& m = q.mla[l];
         if (m.cap >= need) continue;
-        const int64_t cap = std::max<int64_t>({need, 2 * m.cap, 64});
+        const int64_t cap = exact ? need : std::max<int64_t>({need, 2 * m.cap, 64});
         const size_t len = static_cast<size_t>(q.length);
         auto grow = [&](DBuf& b, size_t row, size_t rows_new, size_t rows_old) {
-            DBuf nb(std::max<size_t>(rows_new * row, 1) * sizeof(float));
+            DBuf nb(rows_new * row * sizeof(float));  // (no pool yet: none, so the size is the state's)
             if (b.p && rows_old) check(cudaMemcpy(nb.p, b.p, rows_old * row * sizeof(float), cudaMemcpyDeviceToDevice), "grow");
             b = std::move(nb);
         };
@@ -357,7 +358,7 @@ void reserve(const EngineCore& E_, Sequence& q, int64_t need) {
         if (E_.layers[l].m.has_indexer) {
             grow(m.k, di, static_cast<size_t>(cap), len);
             grow(m.gate, di, static_cast<size_t>(cap), len);
-            grow(m.pk, di, static_cast<size_t>(cap / kp + 1), len / static_cast<size_t>(kp));
+            grow(m.pk, di, static_cast<size_t>(cap / kp), len / static_cast<size_t>(kp));
         }
         m.cap = cap;
     }
@@ -401,6 +402,23 @@ int64_t Engine::sequence_length(int64_t id) const {
     auto it = p_->seqs.find(id);
     if (it == p_->seqs.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
     return it->second->length;
+}
+
+void Engine::reserve_sequence(int64_t id, int64_t positions) {
+    auto it = p_->seqs.find(id);
+    if (it == p_->seqs.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
+    if (positions < 0) throw std::invalid_argument("reserve: positions must be >= 0");
+    reserve(*p_, *it->second, positions, true);
+}
+
+int64_t Engine::sequence_bytes(int64_t id) const {
+    auto it = p_->seqs.find(id);
+    if (it == p_->seqs.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
+    const Sequence& q = *it->second;
+    size_t n = 0;
+    for (const KdaState& k : q.kda) n += k.conv_tail.n + k.S.n;
+    for (const MlaState& m : q.mla) n += m.c.n + m.k.n + m.gate.n + m.pk.n;
+    return static_cast<int64_t>(n);
 }
 
 size_t Engine::live_sequences() const { return p_->seqs.size(); }

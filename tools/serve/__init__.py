@@ -13,6 +13,8 @@ import argparse
 import threading
 import time
 
+from fast.core import human_bytes
+
 __all__ = ["register", "add_arguments", "build_server", "serve_in_thread", "main"]
 
 
@@ -78,6 +80,9 @@ def run(args, console=None) -> int:
     server.start()
     if console is not None:
         console.print(f"serving {server.model_name} ({server.fingerprint}) on http://{args.host}:{args.port}")
+        eng, n = server.engine, server.max_context
+        console.print(f"state per sequence at {n} positions: {human_bytes(eng.sequence_bytes(n))}, "
+                      f"{human_bytes(eng.available_memory())} free", markup=False)
     try:
         uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

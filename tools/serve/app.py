@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fast.core import human_bytes
 from oracle.sampling import SAMPLING_VERSION, SamplingParams
 
 from .metrics import Metrics
@@ -221,6 +222,10 @@ class Server:
             raise ApiError(400, f"{len(ids)} prompt tokens + {max_tokens} new tokens need "
                                 f"{len(ids) + max_tokens - 1} positions; the maximum context is {self.max_context}",
                            mt_name, "context_length_exceeded")
+        need, left = self.engine.sequence_bytes(len(ids) + max_tokens - 1), self.engine.available_memory()
+        if need > left:  # (what the sequence's state takes against what is free now: fast.Engine.sequence_memory)
+            raise ApiError(400, f"{len(ids) + max_tokens - 1} positions need {human_bytes(need)} of state; "
+                                f"{human_bytes(left)} are free", mt_name, "context_length_exceeded")
 
         temperature = _number(body, "temperature", 1.0)
         if temperature < 0:

@@ -21,26 +21,12 @@ from __future__ import annotations
 
 import itertools
 
+from fast.core import state_bytes
+
 
 def cache_bytes(config, length: int) -> int:
-    """Bytes of one sequence's state at `length` positions, as the CPU engine holds it (bindings/cpu
-    engine.hpp Sequence: f32 vectors sized to the length): per KDA layer the conv tail [K-1][3P] and
-    the recurrent state [H][d][d]; per MLA layer the latents [len][r]; per layer with an indexer its
-    keys and gates [len][d_i] each and the keys of complete pools [len // kpool][d_i]. The same terms
-    as fast.distributed.memory_plans, there per position on average; the engine does not report the
-    size of a sequence itself."""
-    P = config.linear_num_heads * config.linear_head_dim
-    H, d, K = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
-    r, di, kp = config.kv_lora_rank, config.index_head_dim, max(1, config.index_kpool)
-    n = 0
-    for layer in range(config.num_hidden_layers):
-        if config.is_kda(layer):
-            n += (K - 1) * 3 * P + H * d * d
-        else:
-            n += length * r
-            if config.has_indexer(layer):
-                n += 2 * length * di + (length // kp) * di
-    return 4 * n
+    """Bytes of one sequence's state at `length` positions (fast.core.state_bytes, summed)."""
+    return sum(state_bytes(config, length).values())
 
 
 class _Node:
