@@ -15,6 +15,8 @@ import pytest
 
 from oracle.layers.indexer import Indexer
 
+pytestmark = pytest.mark.gpu
+
 
 def _cuda():
     from fast.cuda import cuda_available, cuda_module

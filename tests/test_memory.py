@@ -11,7 +11,7 @@ from fast.core import EngineInputError, EngineMemoryError, state_bytes
 PROMPT = [int(v) for v in (np.arange(37) * 7 + 3) % 200]
 
 
-@pytest.fixture(params=["cpu", "cuda"])
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine(request, engines, cuda_engines):
     if request.param == "cpu":
         return engines("tiny-fp8")

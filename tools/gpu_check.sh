@@ -15,6 +15,7 @@
 # NCU_KERNELS=REGEX (ncu --set full on the engine's kernels whose names match, in decode steps at batch 1:
 # details and per-SASS-instruction stall samples into $OUT; NCU_SKIP, NCU_KCOUNT: which launches), BENCH=0 (no benchmarks),
 # SASS=REGEX (cuobjdump of the kernels whose mangled names match, with each one's instruction mix), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
+# CONTEXT=1024,...,131072 (tools/bench_context.py on slice-fp8 after the benchmarks: decode b1 and prefill as the context grows),
 # AB="VAR=VALUE ..." (decode again with each setting, e.g. GLM_PDL=0 GLM_EXPERT_TILE=4), EP=0 (no expert-parallel
 # tests and benchmark where the host has 2+ GPUs; EP_RANKS: ranks of its benchmark, default every GPU). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
 # after the main build (VARIANT_PREFILL=0: decode only).
@@ -116,7 +117,7 @@ SEL="not slice"
 [ "${TESTS:-1}" = "quick" ] && SEL="not slice and not exhaustive and not census and not small-bf16"
 [ -n "${TESTS_K:-}" ] && SEL="$TESTS_K"
 SEL="($SEL) and not linear_kernels and not cuda-ranks-r2 and not cuda-ranks-r3"  # (those: the EP phase)
-timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py tests/test_engines.py -m gpu -v -rsP -p no:cacheprovider --durations=15 -k "$SEL" \
+timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py tests/test_engines.py tests/test_index_select.py tests/test_memory.py -m gpu -v -rsP -p no:cacheprovider --durations=15 -k "$SEL" \
   > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? (limit $T_TESTS s)"
 grep -E " (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | sed -E "s/^tests.test_fast_cuda.py:://" | cut -c1-110
@@ -222,6 +223,15 @@ if compgen -G ".variants/*.so" > /dev/null; then
   cp /tmp/_cuda_main.so "$MOD"
 fi
 
+fi
+
+if [ -n "${CONTEXT:-}" ] && [ -f "$SLICE/slice-fp8/config.json" ]; then
+  # long context (tools/bench_context.py): decode b1 and prefill as the context grows; CONTEXT is the
+  # list of contexts (e.g. 1024,16384,131072)
+  phase "long context on slice-fp8 (tools/bench_context.py: $CONTEXT)"
+  timeout $(( $(left) - 10 )) python3 tools/bench_context.py --checkpoint "$SLICE/slice-fp8" --contexts "$CONTEXT" \
+    --json "$OUT/bench_context.json"
+  echo "context bench exit $?"
 fi
 
 if [ -n "${NCU_KERNELS:-}" ] && command -v ncu > /dev/null; then

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Long context on the CUDA engine (issue 18's table): decode at batch 1 and prefill as the context grows.
+
+    python tools/bench_context.py --checkpoint /tmp/slice/slice-fp8 [--contexts 1024,4096,...,131072]
+                                  [--chunk 8192] [--steps 32] [--repeats 5] [--json OUT]
+
+One sequence is prefilled with random tokens in chunks of --chunk up to each context in turn (the
+prefill rate reported for a context is that of the chunks that brought the sequence there, so the
+128K figure is the rate at 64K..128K). At each context a fork of the sequence decodes --steps greedy
+tokens on the device (`CudaEngine.greedy`, the generate path) after one untimed warm-up call on
+another fork; the median of --repeats such calls, each on a fresh fork, is reported, with the device
+time of the indexer per decode step (CUDA events around mla.indexer; one separate timed run, since
+timing adds events) and the sequence's state (Engine.sequence_memory). Nothing here is compared:
+the engine's bits at long context are checked by the tests (CPU = CUDA), not by this script.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--contexts", default="1024,4096,16384,32768,65536,131072")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens per step)")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    from fast.core import human_bytes
+    from fast.cuda import CudaEngine
+    from oracle.checkpoint import open_checkpoint
+
+    contexts = sorted(int(c) for c in a.contexts.split(","))
+    eng = CudaEngine(open_checkpoint(a.checkpoint, verify=False), max_context=contexts[-1] + a.steps + 8)
+    cfg = eng.config
+    log(f"{a.checkpoint}: {eng.device_name}, {cfg.num_hidden_layers} layers, index_topk {cfg.index_topk}, "
+        f"kpool {cfg.index_kpool}; state at {contexts[-1]} positions {human_bytes(eng.sequence_bytes(contexts[-1]))}")
+    rng = np.random.default_rng(0)
+    V = cfg.vocab_size
+    seq = eng.new_cache().reserve(contexts[-1] + a.steps + 1)  # (forks keep the room: no growth while timed)
+    # warm the prefill path (kernels tuned, buffers made) on a throwaway sequence
+    eng.prefill([int(v) for v in rng.integers(0, V, min(a.chunk, contexts[0]))], eng.new_cache())
+    rows = []
+    last = None
+    for ctx in contexts:
+        n = ctx - seq.length
+        t0 = time.perf_counter()
+        for i in range(0, n, a.chunk):
+            m = min(a.chunk, n - i)
+            lg = eng.step([(seq, [int(v) for v in rng.integers(0, V, m)], None, "last")])[0]
+            last = int(np.argmax(lg[-1]))
+        prefill = n / (time.perf_counter() - t0)
+        warm = seq.fork()
+        eng.greedy(warm, last, a.steps)
+        warm.close()
+        times = []
+        for _ in range(a.repeats):
+            f = seq.fork()
+            t0 = time.perf_counter()
+            eng.greedy(f, last, a.steps)
+            times.append((time.perf_counter() - t0) / a.steps)
+            f.close()
+        f = seq.fork()
+        eng.set_timing(True)
+        eng.reset_stage_times()
+        tok = last
+        for _ in range(8):
+            tok = int(np.argmax(eng.decode([f], [tok])[0]))
+        st = {k: v / 8 for k, v in eng.stage_times().items()}
+        eng.set_timing(False)
+        f.close()
+        med = float(np.median(times))
+        idx = st.get("mla.indexer", float("nan"))
+        row = {"context": ctx, "prefill_tok_s": round(prefill, 1), "decode_tok_s": round(1 / med, 1),
+               "decode_ms": round(med * 1e3, 4), "indexer_ms": round(idx, 4),
+               "state_bytes": eng.sequence_bytes(ctx), "stage_ms": {k: round(v, 4) for k, v in st.items()}}
+        rows.append(row)
+        log(f"  {ctx:>7} positions: prefill {prefill:8.0f} tok/s | decode b1 {1 / med:7.1f} tok/s "
+            f"({med * 1e3:.3f} ms) | mla.indexer {idx:.3f} ms | state {human_bytes(row['state_bytes'])}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"checkpoint": a.checkpoint, "device": eng.device_name, "chunk": a.chunk, "steps": a.steps,
+                       "repeats": a.repeats, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
