@@ -96,6 +96,17 @@ GLM_HD float f32_from_bits(uint32_t u) {
 #endif
 }
 
+// The greedy choice over logits: the largest, the lowest index among equals, and a NaN over every
+// number (the first NaN): np.argmax's rule. (a, ia) is chosen over (b, ib); an index < 0 is no
+// candidate. A total order on (value, index) pairs, so any reduction tree gives the scan's index.
+GLM_HD bool argmax_better(float a, int ia, float b, int ib) {
+    if (ia < 0) return false;
+    if (ib < 0) return true;
+    const bool na = a != a, nb = b != b;
+    if (na || nb) return na && (!nb || ia < ib);
+    return a > b || (a == b && ia < ib);
+}
+
 // The indexer's selection order of a pool score (docs/numerics.md, "Ties at the indexer's selection
 // boundary"): a u32 whose order is the scores' descending rank: -0 and +0 one key (equal scores), every
 // NaN the lowest key (below -inf: the oracle's argsort of -scores puts NaN last). Equal keys go to the

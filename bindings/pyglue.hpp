@@ -115,7 +115,9 @@ py::list stage_table(const py::dict& d) {
 // One forward step of an engine whose step() has the shared signature (bindings/engine_types.hpp):
 // the numpy arguments checked and copied, the step run without the GIL, the logits written straight
 // into the array returned.
-// Returns (head_rows i64[n], logits f32[n, V], [(layer, stage name, row, value)], injected).
+// want_head per row: 0 no head, 1 logits (returned), 2 only the greedy token (returned in `tokens`, one per
+// such row in row order; the logits stay in the engine).
+// Returns (head_rows i64[n], logits f32[n, V], [(layer, stage name, row, value)], injected, tokens i32[m]).
 // alloc (optional): makes the [n, V] logits array and says whether its memory is page-locked.
 using LogitsAlloc = std::function<py::array_t<float>(size_t n, size_t V, bool& pinned)>;
 template <class Engine>
@@ -124,7 +126,7 @@ py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::objec
                    const LogitsAlloc& alloc = nullptr) {
     const py::array seq = checked(seq_o, "seq_ids", "i", 8);
     const py::array tok = checked(tok_o, "tokens", "i", 4);
-    const py::array head = checked(head_o, "want_head", "b", 1);
+    const py::array head = checked(head_o, "want_head", "bu", 1);
     const py::array caprow = checked(caprow_o, "cap_rows", "b", 1);
     const py::array mask = checked(mask_o, "cap_mask", "b", 1);
     if (seq.ndim() != 1 || tok.ndim() != 1 || head.ndim() != 1 || caprow.ndim() != 1 || mask.ndim() != 1)
@@ -157,8 +159,11 @@ py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::objec
         inj.active = true;
     }
     // the logits land in the numpy array handed back (the rows wanting them, in row order)
-    size_t n_head = 0;
-    for (uint8_t w : wh) n_head += w ? 1 : 0;
+    size_t n_head = 0, n_tok = 0;
+    for (uint8_t w : wh) {
+        n_head += w == 1 ? 1 : 0;
+        n_tok += w == 2 ? 1 : 0;
+    }
     bool pinned = false;
     py::array_t<float> logits = alloc && n_head ? alloc(n_head, V, pinned)
                                                 : py::array_t<float>({static_cast<py::ssize_t>(n_head), static_cast<py::ssize_t>(V)});
@@ -169,7 +174,8 @@ py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::objec
         py::gil_scoped_release nogil;
         E.step(ids, toks, wh, cr, cm, inj, out);
     }
-    if (out.head_rows.size() != n_head) throw std::logic_error("step: head rows disagree with want_head");
+    if (out.head_rows.size() != n_head || out.tokens.size() != n_tok)
+        throw std::logic_error("step: head rows disagree with want_head");
     py::array_t<int64_t> rows(static_cast<py::ssize_t>(n_head));
     if (n_head) std::memcpy(rows.mutable_data(), out.head_rows.data(), n_head * 8);
     py::list caps;
@@ -184,7 +190,9 @@ py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::objec
         if (!r.bytes.empty()) std::memcpy(a.mutable_data(), r.bytes.data(), r.bytes.size());
         caps.append(py::make_tuple(r.layer, kStages[r.stage].name, r.row, a));
     }
-    return py::make_tuple(rows, logits, caps, out.injected);
+    py::array_t<int32_t> tokens(static_cast<py::ssize_t>(n_tok));
+    if (n_tok) std::memcpy(tokens.mutable_data(), out.tokens.data(), n_tok * 4);
+    return py::make_tuple(rows, logits, caps, out.injected, tokens);
 }
 
 }  // namespace glm::pyglue

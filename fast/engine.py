@@ -392,8 +392,10 @@ class Engine:
         """One forward step over several sequences at once.
 
         segments: list of (cache, ids, capture, logits) with logits "all" (every row's logits),
-        "last" (the last row's) or None. Each cache appears at most once. Returns, per segment, the
-        logits [n, V] asked for (or None).
+        "last" (the last row's), "argmax" (only the last row's greedy token, np.argmax's rule, chosen
+        where the logits are: on the GPU for the CUDA engine, so a decode step copies one int per
+        sequence instead of a vocabulary-wide row) or None. Each cache appears at most once. Returns,
+        per segment, the logits [n, V] asked for, the token (an int) for "argmax", or None.
         """
         if not segments:
             raise EngineInputError("step needs at least one segment")
@@ -408,14 +410,14 @@ class Engine:
             seen.add(cache._id)
             ids = self._check_ids(ids, cache.length)
             capture = self._check_capture(capture)
-            if want not in ("all", "last", None):
-                raise EngineInputError(f"logits must be 'all', 'last' or None, got {want!r}")
+            if want not in ("all", "last", "argmax", None):
+                raise EngineInputError(f"logits must be 'all', 'last', 'argmax' or None, got {want!r}")
             rows.append((cache, ids, capture, want, cache.length))
         self._check_growth(rows)
         T = sum(r[1].size for r in rows)
         seq_ids = np.empty(T, np.int64)
         tokens = np.empty(T, np.int32)
-        want_head = np.zeros(T, np.bool_)
+        want_head = np.zeros(T, np.uint8)   # 0 no head, 1 logits, 2 only the greedy token
         cap_rows = np.zeros(T, np.bool_)
         L = self.config.num_hidden_layers
         mask = np.zeros((L + 1, self._n_stages), np.bool_)
@@ -427,9 +429,11 @@ class Engine:
             seq_ids[t:t + n] = cache._id
             tokens[t:t + n] = ids
             if want == "all" or (capture is not None and any(capture.wants(L, h) for h in _HEAD_STAGES)):
-                want_head[t:t + n] = True
+                want_head[t:t + n] = 1
             elif want == "last":
-                want_head[t + n - 1] = True
+                want_head[t + n - 1] = 1
+            elif want == "argmax":
+                want_head[t + n - 1] = 2
             if capture is not None:
                 cap_rows[t:t + n] = True
                 for layer in range(L + 1):
@@ -438,8 +442,8 @@ class Engine:
                             mask[layer, i] = True
             spans.append((t, n))
             t += n
-        head_rows, logits, caps, injected = self._core.step(seq_ids, tokens, want_head, cap_rows,
-                                                            mask.reshape(-1), self._inject_core)
+        head_rows, logits, caps, injected, argmaxes = self._core.step(seq_ids, tokens, want_head, cap_rows,
+                                                                      mask.reshape(-1), self._inject_core)
         self.injected += int(injected)
         if self._inject_core is not None and not injected:
             layer, ipos, stage, elem, _ = self._inject
@@ -457,6 +461,7 @@ class Engine:
         # logits per segment: views of the one array when its rows are consecutive there (no copy of
         # a 150k-wide row per step)
         where = {int(r): i for i, r in enumerate(head_rows)}
+        token_of = dict(zip(np.flatnonzero(want_head == 2).tolist(), argmaxes.tolist()))
         out = []
         for (cache, ids, capture, want, start), (t0, n) in zip(rows, spans):
             if want == "all":
@@ -468,6 +473,9 @@ class Engine:
             elif want == "last":
                 i = where[t0 + n - 1]
                 out.append(logits[i:i + 1])
+            elif want == "argmax":
+                r = t0 + n - 1
+                out.append(int(token_of[r]) if r in token_of else int(np.argmax(logits[where[r]])))
             else:
                 out.append(None)
         return out
@@ -602,11 +610,11 @@ class Engine:
                     seg_ids = p[r["fed"]:r["fed"] + take]
                     r["fed"] += take
                     done_prefill = r["fed"] == p.size
-                    want = "all" if return_logits else ("last" if done_prefill else None)
+                    want = "all" if return_logits else ("argmax" if done_prefill else None)
                     kinds.append(done_prefill)
                 else:
                     seg_ids = [out[i][-1]]
-                    want = "all" if return_logits else "last"
+                    want = "all" if return_logits else "argmax"  # (the token chosen where the logits are)
                     kinds.append(True)
                 segs.append((r["cache"], seg_ids, caps[i], want))
             results = self.step(segs)
@@ -618,7 +626,8 @@ class Engine:
                 finished = False
                 if produce:
                     if len(out[i]) < max_new_tokens:
-                        out[i].append(int(np.argmax(lg[-1])))  # greedy: ties to the lowest id
+                        # greedy: np.argmax's rule (ties to the lowest id), here or in the engine
+                        out[i].append(lg if isinstance(lg, int) else int(np.argmax(lg[-1])))
                     finished = len(out[i]) >= max_new_tokens
                 if finished:
                     r["cache"].close()

@@ -221,6 +221,22 @@ def test_batched_generate(side, name, requests, max_batch, ckpt_path, single_eng
         assert got.hashes == {k: v for k, v in cap.hashes.items() if k[2] < npos}
 
 
+@pytest.mark.parametrize("side,name,requests,max_batch", [
+    side_param(s, n, r, m, checkpoint=n, ranks=C.BATCH_RANKS, id=f"{n}-b{r}-max{m}", skip=C.batch_skip(s, n))
+    for s in C.SIDES for n in C.BATCH_CHECKPOINTS for r, m in C.BATCHES])
+def test_batched_generate_tokens_chosen_in_engine(side, name, requests, max_batch, ckpt_path, single_engines,
+                                                  reference):
+    """Without logits or captures asked, generate's steps ask the engine for each row's greedy token
+    ("argmax": on the GPU for the CUDA engine, no logits copied): the reference's tokens."""
+    cases = C.batch_cases(name, requests)
+    runs = [reference(side, c) for c in cases]
+    eng = make_engine(side, ckpt_path(name), ranks=C.BATCH_RANKS) if side in C.RANK_SIDES else \
+        single_engines(side, name)
+    outs = eng.generate([r[0] for r in runs], C.BATCH_NEW, chunk=C.BATCH_CHUNK, max_batch=max_batch,
+                        arrivals=C.batch_arrivals(requests))
+    assert outs == [toks[:C.BATCH_NEW] for _, toks, _, _ in runs]
+
+
 # ---------------------------------------------------------------------------------------------
 # fault injection: the same value perturbed as in the reference, propagated the same way
 

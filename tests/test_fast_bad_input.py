@@ -271,16 +271,25 @@ def test_core_step_checks(eng):
                     ({"seq": np.array([sid, sid], np.int64)}, "same length"),
                     ({"inj": (99, 0, 0, 0, 1)}, "injection"),
                     ({"inj": (0, 0, 10**6, 0, 1)}, "injection"),
-                    ({"inj": (0, 0, 0)}, "inject")):
+                    ({"inj": (0, 0, 0)}, "inject"),
+                    ({"head": np.full(1, 3, np.uint8)}, "want_head must be 0, 1 or 2")):
         with pytest.raises(ValueError, match=msg):
             call(**kw)
     sid2 = core.new_sequence()
     with pytest.raises(ValueError, match="consecutive"):
         core.step(np.array([sid, sid2, sid], np.int64), np.array([1, 2, 3], np.int32), np.ones(3, np.bool_),
                   np.zeros(3, np.bool_), ok["mask"], None)
-    rows, logits, caps, injected = call()
-    assert rows.tolist() == [0] and logits.shape == (1, 300) and caps == [] and injected == 0
+    rows, logits, caps, injected, tokens = call()
+    assert rows.tolist() == [0] and logits.shape == (1, 300) and caps == [] and injected == 0 and tokens.size == 0
     assert core.sequence_length(sid) == 1
+    # want_head 2: the row's greedy token only, the argmax of the logits the same step would return
+    fork = core.fork_sequence(sid)
+    rows, logits, _, _, _ = call(tok=np.array([5], np.int32))
+    rows2, logits2, _, _, tokens = call(seq=np.array([fork], np.int64), tok=np.array([5], np.int32),
+                                        head=np.full(1, 2, np.uint8))
+    assert rows2.size == 0 and logits2.shape == (0, 300) and tokens.dtype == np.int32
+    assert tokens.tolist() == [int(np.argmax(logits[0]))]
+    core.free_sequence(fork)
     with pytest.raises(ValueError, match="unknown sequence"):
         core.sequence_length(10**9)
     with pytest.raises(ValueError, match="unknown sequence"):

@@ -220,7 +220,8 @@ void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const floa
             int cap_layer, const Lin& gate_up = Lin{});                                                 // moe.cu
 void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out);
 void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits);               // head.cu
-void argmax_into(const float* logits, int n, int* out);  // head.cu: the greedy token of one row, on the device
+// head.cu: the greedy token of each of `rows` rows of n logits, on the device
+void argmax_into(const float* logits, int n, int* out, int rows = 1);
 void embed_rows(Step& s, const Lin& embed, int* d_tok, float* e, float* X);                                        // head.cu
 
 // Small elementwise kernels shared by the modules (norm.cu).

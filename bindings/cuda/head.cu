@@ -56,20 +56,13 @@ void embed_rows(Step& s, const Lin& embed, int* d_tok, float* e, float* X) {
     check_launch("streams");
 }
 
-// The greedy choice over n logits: the largest, the lowest index among equals, and a NaN over every
-// number (the first NaN): np.argmax's rule. (a, ia) is chosen over (b, ib); an index < 0 is no candidate.
-// The rule is a total order on (value, index) pairs, so the tree of the block reduction gives the same
-// index as a scan.
-GLM_DEV bool argmax_better(float a, int ia, float b, int ib) {
-    if (ia < 0) return false;
-    if (ib < 0) return true;
-    const bool na = a != a, nb = b != b;
-    if (na || nb) return na && (!nb || ia < ib);
-    return a > b || (a == b && ia < ib);
-}
+// The greedy choice over each row of n logits (num::argmax_better: np.argmax's rule), one block per row.
+using num::argmax_better;
 constexpr int kArgmaxThreads = 1024;
 __global__ void __launch_bounds__(kArgmaxThreads) k_argmax(const float* __restrict__ x, int n, int* out) {
     pdl_enter();
+    x += static_cast<int64_t>(blockIdx.x) * n;
+    out += blockIdx.x;
     __shared__ float sv[kArgmaxThreads];
     __shared__ int si[kArgmaxThreads];
     const int t = static_cast<int>(threadIdx.x);
@@ -95,9 +88,9 @@ __global__ void __launch_bounds__(kArgmaxThreads) k_argmax(const float* __restri
     if (t == 0) *out = si[0];
 }
 
-void argmax_into(const float* logits, int n, int* out) {
+void argmax_into(const float* logits, int n, int* out, int rows) {
     auto k = k_argmax;
-    GLM_LAUNCH(k, 1, kArgmaxThreads, 0, logits, n, out);
+    GLM_LAUNCH(k, static_cast<unsigned>(rows), kArgmaxThreads, 0, logits, n, out);
     check_launch("argmax");
 }
 

@@ -505,6 +505,8 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
     if (T > 65535) throw std::invalid_argument("a step takes at most 65535 rows in the CUDA engine");
     if (tokens.size() != T || want_head.size() != T || cap_rows.size() != T)
         throw std::invalid_argument("seq_ids, tokens, want_head and cap_rows must have one entry per row");
+    for (uint8_t w : want_head)
+        if (w > 2) throw std::invalid_argument("want_head must be 0, 1 or 2");
     if (cap_mask.size() != static_cast<size_t>(L + 1) * S_COUNT)
         throw std::invalid_argument("cap_mask must have (num_hidden_layers + 1) * n_stages entries");
     for (size_t t = 0; t < T; ++t)
@@ -617,11 +619,15 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
     }
     hc_flush(s);  // (none is left pending after the last layer; kept as the rule for readers of X)
 
-    // head, for the rows that want logits
-    std::vector<int> hrows;
-    for (size_t t = 0; t < T; ++t)
-        if (want_head[t]) hrows.push_back(static_cast<int>(t));
+    // head, for the rows that want logits (want_head 1) or only their greedy token (2: the argmax on the
+    // device, the logits not copied)
+    std::vector<int> hrows, trows;
+    for (size_t t = 0; t < T; ++t) {
+        if (want_head[t] == 1) hrows.push_back(static_cast<int>(t));
+        else if (want_head[t] == 2) trows.push_back(static_cast<int>(t));
+    }
     out.head_rows.assign(hrows.begin(), hrows.end());
+    out.token_rows.assign(trows.begin(), trows.end());
     const size_t V = static_cast<size_t>(c.vocab_size);
     if (gio) {  // the greedy loop: the next token stays on the device
         float* logits = s.scratch.d<float>(V);
@@ -633,14 +639,22 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
         return;
     }
     float* dst = out.logits_out(hrows.size() * V);  // (not in a greedy loop: no host logits there)
-    if (!hrows.empty()) {
-        float* logits = s.scratch.d<float>(hrows.size() * V);
-        head_forward(s, X, hrows, logits);
+    int* d_next = nullptr;
+    if (!hrows.empty() || !trows.empty()) {
+        std::vector<int> rows(hrows);  // the logits rows first: they are the block copied to the host
+        rows.insert(rows.end(), trows.begin(), trows.end());
+        float* logits = s.scratch.d<float>(rows.size() * V);
+        head_forward(s, X, rows, logits);
+        if (!trows.empty()) {
+            d_next = s.scratch.d<int>(trows.size());
+            argmax_into(logits + hrows.size() * V, static_cast<int>(V), d_next, static_cast<int>(trows.size()));
+        }
         s.mark("end");
         // into the caller's buffer (the numpy array handed back): directly when it is page-locked (the
         // bindings' pool), else through pinned staging (a pageable copy runs at a fraction of the speed)
         const size_t nb = hrows.size() * V * sizeof(float);
-        if (out.logits_dst_pinned) {
+        if (nb == 0) {
+        } else if (out.logits_dst_pinned) {
             check(cudaMemcpyAsync(dst, logits, nb, cudaMemcpyDeviceToHost, 0), "logits");
             check(cudaStreamSynchronize(0), "logits");
         } else if (nb <= (size_t{16} << 20)) {  // decode-sized: pinned staging; a whole prefill's rows: directly
@@ -650,6 +664,10 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
             std::memcpy(dst, h, nb);
         } else {
             check(cudaMemcpy(dst, logits, nb, cudaMemcpyDeviceToHost), "logits");
+        }
+        if (d_next) {
+            out.tokens.resize(trows.size());
+            check(cudaMemcpy(out.tokens.data(), d_next, trows.size() * sizeof(int), cudaMemcpyDeviceToHost), "tokens");
         }
     } else {
         s.mark("end");
