@@ -78,6 +78,12 @@ def copy_bandwidth() -> float:
     return 2 * n / float(np.median(ts))
 
 
+def decode_step_tokens(eng, caches, toks) -> list[int]:
+    """One greedy decode step of every cache as generate takes it: each row's token chosen in the engine
+    ("argmax": on the GPU, no logits copied to the host)."""
+    return eng.step([(c, [t], None, "argmax") for c, t in zip(caches, toks)])
+
+
 def time_batch_decode(eng, B: int, n: int, rng):
     """B caches, each prefilled with 8 random tokens, two warm-up decode steps, then n timed ones:
     (seconds per step, the caches, their last tokens)."""
@@ -86,10 +92,10 @@ def time_batch_decode(eng, B: int, n: int, rng):
     eng.step([(c, [int(v) for v in rng.integers(0, V, 8)], None, "last") for c in caches])
     toks = [1] * B
     for _ in range(2):
-        toks = [int(t) for t in np.argmax(eng.decode(caches, toks), axis=1)]
+        toks = decode_step_tokens(eng, caches, toks)
     t0 = time.perf_counter()
     for _ in range(n):
-        toks = [int(t) for t in np.argmax(eng.decode(caches, toks), axis=1)]
+        toks = decode_step_tokens(eng, caches, toks)
     return (time.perf_counter() - t0) / n, caches, toks
 
 
@@ -104,7 +110,7 @@ def stage_ms(eng, step, n: int, digits: int) -> dict:
     return st
 
 
-def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) -> dict:
+def bench_engine(path: str, bw: float, steps: int, prefill_lens, batches) -> dict:
     from fast.cuda import CudaEngine
     from oracle.checkpoint import open_checkpoint
     t0 = time.perf_counter()
@@ -187,24 +193,37 @@ def bench_engine(path: str, bw: float, steps: int, prefill_len: int, batches) ->
         # where a batched step's device time goes (two timed steps)
         def stepB():
             nonlocal toks
-            toks = [int(t) for t in np.argmax(eng.decode(caches, toks), axis=1)]
+            toks = decode_step_tokens(eng, caches, toks)
         st = stage_ms(eng, stepB, 2, 3)
         res["decode_batch"][B]["stage_ms"] = st
-        log(f"  per-module device ms per b{B} step: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
+        ksum = sum(st.values())
+        res["decode_batch"][B]["wall_over_kernels"] = round(dt * 1e3 / ksum, 3) if ksum else None
+        log(f"  per-module device ms per b{B} step: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items())
+            + f" (sum {ksum:.2f}; the step's wall time is {dt * 1e3 / ksum:.2f}x that)" if ksum else "")
         for c in caches:
             c.close()
 
-    if prefill_len > 0:  # (--prefill 0: decode only, an A/B run of a decode change)
-        ids = [int(v) for v in rng.integers(0, V, prefill_len)]
-        eng.prefill(ids[:64], eng.new_cache())  # warm-up
-        cache = eng.new_cache()
-        t0 = time.perf_counter()
-        eng.step([(cache, ids, None, "last")])
-        dt = time.perf_counter() - t0
-        res["prefill"] = {"tokens": prefill_len, "seconds": round(dt, 4), "tokens_per_s": round(prefill_len / dt, 1)}
-        log(f"  prefill {prefill_len} tokens: {dt:.3f} s, {prefill_len / dt:.1f} tok/s")
-        res["prefill_stage_ms"] = stage_ms(eng, lambda: eng.step([(eng.new_cache(), ids, None, "last")]), 1, 3)
-        log("  per-module device ms of the prefill: " + ", ".join(f"{k} {v:.2f}" for k, v in res["prefill_stage_ms"].items()))
+    for i, plen in enumerate(prefill_lens):  # (--prefill 0: decode only, an A/B run of a decode change)
+        if plen <= 0:
+            continue
+        ids = [int(v) for v in rng.integers(0, V, plen)]
+        for _ in range(2):  # warm-up: the same shape twice (kernels tuned, scratch grown)
+            eng.step([(eng.new_cache(), ids, None, "last")])
+        ts = []
+        for _ in range(3):
+            cache = eng.new_cache()
+            t0 = time.perf_counter()
+            eng.step([(cache, ids, None, "last")])
+            ts.append(time.perf_counter() - t0)
+            cache.close()
+        dt = float(np.median(ts))
+        row = {"tokens": plen, "seconds": round(dt, 4), "tokens_per_s": round(plen / dt, 1)}
+        res.setdefault("prefill_by_len", {})[plen] = row
+        log(f"  prefill {plen} tokens: {dt:.3f} s, {plen / dt:.1f} tok/s (median of 3 after 2 warm-ups)")
+        if i == 0:
+            res["prefill"] = row
+            res["prefill_stage_ms"] = stage_ms(eng, lambda: eng.step([(eng.new_cache(), ids, None, "last")]), 1, 3)
+            log("  per-module device ms of the prefill: " + ", ".join(f"{k} {v:.2f}" for k, v in res["prefill_stage_ms"].items()))
     del eng
     gc.collect()
     return res
@@ -317,13 +336,14 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=288)
     p.add_argument("--releases", default="fp8,mxfp4")
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--prefill", default="512", help="prefill lengths, comma-separated (the first is also the peer's)")
     p.add_argument("--batches", default="8,32")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
     releases = [r for r in a.releases.split(",") if r]
     batches = [int(b) for b in a.batches.split(",") if b]
+    prefill_lens = [int(v) for v in str(a.prefill).split(",") if v]
     doc = {"slice": slice_overrides(a.layers, a.experts)}
     if a.make or a.make_only:
         doc["made"] = make_slices(a.slice_dir, a.layers, a.experts, releases, a.workers)
@@ -336,14 +356,14 @@ def main(argv=None) -> int:
     for rel in releases:
         path = os.path.join(a.slice_dir, f"slice-{rel}")
         log(f"== CUDA engine, slice-{rel}")
-        doc["engine"][rel] = bench_engine(path, bw, a.steps, a.prefill, batches)
+        doc["engine"][rel] = bench_engine(path, bw, a.steps, prefill_lens, batches)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(doc, f, indent=1, default=str)
     if not a.no_peer:
         log("== peer: transformers glm5_next, BF16")
         try:
-            doc["peer"] = bench_peer(a.layers, a.experts, a.steps, a.prefill, batches)
+            doc["peer"] = bench_peer(a.layers, a.experts, a.steps, prefill_lens[0], batches)
         except Exception as e:  # noqa: BLE001 - the engine's numbers stand without the peer
             doc["peer"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             log(f"  peer failed: {doc['peer']['error']}")
