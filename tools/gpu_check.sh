@@ -15,7 +15,8 @@
 # NCU_KERNELS=REGEX (ncu --set full on the engine's kernels whose names match, in decode steps at batch 1:
 # details and per-SASS-instruction stall samples into $OUT; NCU_SKIP, NCU_KCOUNT: which launches), BENCH=0 (no benchmarks),
 # SASS=REGEX (cuobjdump of the kernels whose mangled names match, with each one's instruction mix), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
-# CONTEXT=1024,...,131072 (tools/bench_context.py on slice-fp8 after the benchmarks: decode b1 and prefill as the context grows),
+# FLASH=1 (make the flash zoo checkpoint instead of the slice, then tools/bench_flash.py: full-depth decode b1 and
+# CUDA = CPU at 45 layers; with BENCH=0 since there is no slice), CONTEXT=1024,...,131072 (tools/bench_context.py on slice-fp8 after the benchmarks: decode b1 and prefill as the context grows),
 # AB="VAR=VALUE ..." (decode again with each setting, e.g. GLM_PDL=0 GLM_EXPERT_TILE=4), EP=0 (no expert-parallel
 # tests and benchmark where the host has 2+ GPUs; EP_RANKS: ranks of its benchmark, default every GPU). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
 # after the main build (VARIANT_PREFILL=0: decode only).
@@ -59,7 +60,14 @@ phase "slice checkpoints: generating in the background ($LAYERS layers, $EXPERTS
 MAKE_PID=""
 HAVE=1
 for r in ${RELEASES//,/ }; do [ -f "$SLICE/slice-$r/config.json" ] || HAVE=0; done
-if [ "$HAVE" = 1 ]; then
+if [ "${FLASH:-0}" = "1" ]; then
+  # the flash checkpoint instead (41.2 GiB: the disk does not hold both); the slice phases find no slice
+  echo "skipped: FLASH=1 makes flash-fp8 into ${FLASH_DIR:-/tmp/flash} instead"
+  mkdir -p "${FLASH_DIR:-/tmp/flash}"
+  ( NUMBA_NUM_THREADS=2 python3 -c "from tools.zoo import make_checkpoint; make_checkpoint('flash', 'fp8', '${FLASH_DIR:-/tmp/flash}/flash-fp8', workers=$(( $(nproc) / 2 )))" \
+      > "$OUT/flash_make.log" 2>&1; echo "exit $?" >> "$OUT/flash_make.log" ) &
+  MAKE_PID=$!
+elif [ "$HAVE" = 1 ]; then
   echo "present"
 else
   (  # one process per release, in parallel, each with a few workers of two threads: the GPU tests'
@@ -223,6 +231,13 @@ if compgen -G ".variants/*.so" > /dev/null; then
   cp /tmp/_cuda_main.so "$MOD"
 fi
 
+fi
+
+if [ "${FLASH:-0}" = "1" ]; then
+  phase "flash: 45 layers at real widths, 32 experts (tools/bench_flash.py)"
+  cat "$OUT/flash_make.log"
+  timeout $(( $(left) - 10 )) python3 tools/bench_flash.py --dir "${FLASH_DIR:-/tmp/flash}" --json "$OUT/bench_flash.json"
+  echo "flash exit $?"
 fi
 
 if [ -n "${CONTEXT:-}" ] && [ -f "$SLICE/slice-fp8/config.json" ]; then

@@ -211,6 +211,15 @@ ZOO: dict[str, ZooEntry] = {
         schedule=_default_schedule(1),
         doc="real GLM-5.3-Flash widths, 4 layers (KDA, KDA, KDA, MLA; first dense): GPU benchmarks",
     ),
+    "flash": ZooEntry(
+        "flash",
+        dict(num_hidden_layers=45, n_routed_experts=32, layer_types=None, mlp_layer_types=None, indexer_types=None),
+        (7,),
+        shard_bytes=4 << 30,
+        schedule=_default_schedule(3),
+        doc="the real model's 45 layers at real widths, 32 routed experts (top 8): what one token reads "
+            "is the real model's; FP8 42.5 GiB, made on the GPU machine",
+    ),
 }
 
 _SCHEDULES = ("layer_types", "mlp_layer_types", "indexer_types")
