@@ -7,6 +7,7 @@ runs: the modeling module's `torch` is a proxy whose `float32` is `torch.float64
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import types
@@ -31,6 +32,27 @@ def peer_in_float64():
     finally:
         peer_mod.torch = saved_torch
         torch.Tensor.float = saved_float
+
+
+@contextlib.contextmanager
+def canonical_topk():
+    """Tensor.topk with the canonical tie rule (equal values: the lower index first), as a stable sort.
+    The peer's indexer selects pools with `index_scores.topk(k).indices`, and torch leaves the order of
+    equal values unspecified (docs/numerics.md, "Ties at the indexer's selection boundary"). Relu'd
+    scores are exactly 0 in both implementations whenever every head's score is negative, so at long
+    context a query's boundary can fall on such an exact tie. Only the tie order changes; the values
+    and the rest of the peer are untouched."""
+    saved = torch.Tensor.topk
+    Topk = collections.namedtuple("topk", "values indices")
+
+    def stable(self, k, dim=-1, largest=True, sorted=True):
+        v, i = torch.sort(self, dim=dim, descending=largest, stable=True)
+        return Topk(v.narrow(dim, 0, k), i.narrow(dim, 0, k))
+    torch.Tensor.topk = stable
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = saved
 
 
 def peer_config(**overrides) -> Glm5NextTextConfig:
