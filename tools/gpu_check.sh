@@ -164,13 +164,15 @@ if [ -n "${MAKE_PID:-}" ]; then
   phase "waiting for the slice checkpoints"
   wait "$MAKE_PID"
 fi
-cat "$OUT/slice_make.log" 2>/dev/null
+cat "$OUT/slice_make.log" "$OUT/flash_make.log" 2>/dev/null
 df -h /tmp | tail -1
 
 phase "slice: CUDA engine = CPU engine at real widths"
 T_SLICE=$(( $(left) - 90 )); [ "$T_SLICE" -gt 120 ] && T_SLICE=120
 if [ "${TESTS:-1}" = "0" ]; then
   echo "skipped: TESTS=0"
+elif [ "${FLASH:-0}" = "1" ]; then
+  echo "skipped: FLASH=1 (no slice on the disk; the flash phase compares the engines at full depth)"
 elif [ "$T_SLICE" -gt 30 ]; then
   GLM_SLICE_DIR="$SLICE" timeout "$T_SLICE" python3 -m pytest tests/test_fast_cuda.py -q -rs -p no:cacheprovider -k slice \
     > "$OUT/pytest_slice.log" 2>&1
