@@ -269,7 +269,7 @@ class Spec:
         self.todo = [int(first_token)]
         self.drafts: list[int] = []
         self._snapshot = None
-        self._fed = 0        # tokens of todo fed by the pending step
+        self.emits = True    # whether the last step gives tokens (False: it only fed part of todo)
         self.start = 0       # the cache length before the pending step
 
     def begin(self, drafts, limit: int | None = None) -> list[int]:
@@ -277,19 +277,15 @@ class Spec:
         When todo alone passes the limit, only its first `limit` tokens run and the step emits nothing
         (the scheduler stops its steps at prefix-cache block boundaries)."""
         self.start = self.cache.length
-        if limit is not None and len(self.todo) > limit:
-            self.drafts, self._fed = [], max(1, limit)
-            return self.todo[:self._fed]
+        self.emits = limit is None or len(self.todo) <= limit
+        if not self.emits:
+            self.drafts = []
+            return self.todo[:max(1, limit)]
         room = len(drafts) if limit is None else max(0, min(len(drafts), limit - len(self.todo)))
-        self.drafts, self._fed = [int(t) for t in drafts[:room]], len(self.todo)
+        self.drafts = [int(t) for t in drafts[:room]]
         if self.drafts:
             self._snapshot = self.cache.fork()
         return self.todo + self.drafts
-
-    @property
-    def emits(self) -> bool:
-        """Whether the pending step gives this sequence tokens (False: only part of todo runs)."""
-        return self._fed == len(self.todo)
 
     def end(self, logits, choose) -> tuple[list[int], np.ndarray, range]:
         """After the step: logits are its rows for this sequence (all of them, or the last when it ran
@@ -297,7 +293,7 @@ class Spec:
         at that row's next position). -> (emitted tokens, their rows, the positions whose rows and
         state are now settled: what ran and holds an accepted token)."""
         if not self.emits:
-            self.todo = self.todo[self._fed:]
+            self.todo = self.todo[self.cache.length - self.start:]
             return [], logits[:0], range(self.start, self.cache.length)
         rows = logits[len(logits) - len(self.drafts) - 1:]
         out = []
@@ -331,23 +327,20 @@ class Spec:
 
 
 def scratch_capture(capture: Capture | None) -> Capture | None:
-    """A capture of the same selection, for a step whose rejected rows must not reach `capture`."""
+    """A capture of the same selection (values kept), for a step whose rejected rows must not reach
+    `capture`."""
     if capture is None:
         return None
-    return Capture(stages=capture.stages, layers=capture.layers, keep_values=capture.keep_values)
+    return Capture(stages=capture.stages, layers=capture.layers)
 
 
 def keep_positions(scratch: Capture | None, capture: Capture | None, positions: range) -> None:
-    """Copy the rows of `positions` (accepted tokens) from `scratch` into `capture`."""
+    """Put the rows of `positions` (accepted tokens) from `scratch` into `capture`, in position order."""
     if scratch is None or capture is None:
         return
-    for (layer, stage, pos), h in scratch.hashes.items():
-        if pos in positions:
-            capture.hashes[(layer, stage, pos)] = h
-    for key, rows in scratch.values.items():
-        kept = {p: v for p, v in rows.items() if p in positions}
-        if kept:
-            capture.values.setdefault(key, {}).update(kept)
+    for (layer, stage), rows in scratch.values.items():
+        for pos in sorted(p for p in rows if p in positions):
+            capture.put(layer, stage, pos, rows[pos])
 
 
 # -- the library's greedy loop (Engine.generate(..., speculate=...)) ------------------------------------
