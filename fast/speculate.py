@@ -228,7 +228,7 @@ def open_drafter(spec, target):
     from .engine import Engine
     if not Path(path, "config.json").is_file():
         raise ValueError(f"speculate {spec!r}: {path} is not a checkpoint folder (no config.json)")
-    eng = Engine(path, device=target.device, threads=target.threads, max_context=target.max_context)
+    eng = Engine(path, device=target.device, threads=target.options.get("threads"), max_context=target.max_context)
     return ModelDrafter(eng, k, target, path)
 
 
