@@ -225,10 +225,11 @@ def open_drafter(spec, target):
     kind, path, k = parse_speculate(spec)
     if kind == "ngram":
         return NgramDrafter(k)
-    from .engine import Engine
     if not Path(path, "config.json").is_file():
         raise ValueError(f"speculate {spec!r}: {path} is not a checkpoint folder (no config.json)")
-    eng = Engine(path, device=target.device, threads=target.options.get("threads"), max_context=target.max_context)
+    # the target's own class (fast.Engine or fast.cuda.CudaEngine): this module does not import fast.engine
+    eng = type(target)(path, device=target.device, threads=target.options.get("threads"),
+                       max_context=target.max_context)
     return ModelDrafter(eng, k, target, path)
 
 

@@ -1,7 +1,7 @@
 """Decode tokens/s with and without speculative decoding, one process (docs/perf.md, "Speculative decoding").
 
-    python -m tools.bench_speculate --checkpoint golden/tiny-fp8 [--threads 1] [--k 2,4,8] [--new 128]
-                                    [--repeats 5] [--drafter DIR]
+    python -m tools.bench_speculate --checkpoint golden/tiny-fp8 [--device cpu|cuda] [--threads 1]
+                                    [--k 2,4,8] [--new 128] [--repeats 5] [--drafter DIR]
 
 The prompt is repetitive (a 12-token unit, 6 times). Each configuration is warmed once and then
 timed --repeats times, interleaved (off, ngram:K, ..., off, ngram:K, ...); the table gives the median
@@ -45,13 +45,14 @@ def main(argv=None) -> int:
     from fast.speculate import open_drafter
     p = argparse.ArgumentParser(prog="python -m tools.bench_speculate", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--k", default="2,4,8")
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--drafter", default=None, help="a drafter checkpoint (model:DIR:K) besides ngram:K")
     a = p.parse_args(argv)
-    eng = fast.Engine(a.checkpoint, threads=a.threads)
+    eng = fast.Engine(a.checkpoint, device=a.device, threads=a.threads)
     V = eng.config.vocab_size
     prompt = [(97 * i + 13) % V for i in range(12)] * 6
     ref = eng.generate(prompt, a.new)
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
             same[name] = out == ref
             stats[name] = eng.speculation if spec is not None else None
     base = statistics.median(times["off"])
-    print(f"{a.checkpoint}, threads={a.threads}, prompt {len(prompt)} (repetitive), {a.new} new tokens, "
+    print(f"{a.checkpoint}, {a.device}, threads={a.threads}, prompt {len(prompt)} (repetitive), {a.new} new tokens, "
           f"median of {a.repeats}")
     print("| drafter | tok/s | vs off | acceptance | steps per token | same tokens |")
     print("|---|---|---|---|---|---|")
