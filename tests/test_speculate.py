@@ -397,14 +397,14 @@ def test_bad_speculate_options_of_the_server(golden_dir):
             build_server(p.parse_args(["--checkpoint", str(golden_dir / "tiny-fp8"), "--speculate", bad]))
 
 
-def _conversation(c, turns, rng_seed, sampled):
+def _conversation(c, model, vocab, turns, rng_seed, sampled):
     """Turn k's prompt = the transcript so far (prompt + answer token ids) + a new user message."""
     rng = random.Random(rng_seed)
-    ids, transcript = [1, 2, 3] + [rng.randrange(V) for _ in range(9)], []
+    ids, transcript = [1, 2, 3] + [rng.randrange(vocab) for _ in range(9)], []
     for turn in range(turns):
-        unit = [rng.randrange(V) for _ in range(3)]
+        unit = [rng.randrange(vocab) for _ in range(3)]
         ids = ids + [250 + turn] + unit * 4              # a new, repetitive user message
-        body = {"model": "tiny-fp8", "prompt": ids, "max_tokens": 9 + 3 * turn, "logprobs": 0}
+        body = {"model": model, "prompt": ids, "max_tokens": 9 + 3 * turn, "logprobs": 0}
         body.update({"temperature": 0.8, "seed": 40 + turn} if sampled and turn % 2 else {"temperature": 0})
         got = _ask(c, body)
         transcript.append(got)
@@ -412,19 +412,20 @@ def _conversation(c, turns, rng_seed, sampled):
     return json.dumps(transcript, sort_keys=True).encode()
 
 
-def test_the_replay_gate(golden_dir):
+def _replay_gate(root, model, drafter, vocab):
     """A 4-turn conversation replayed 12 times through one server with the prefix cache and speculation
     on, with filler requests arriving at random times: every transcript byte-identical to a cold server's
-    with both off."""
-    srv, uv, url = _start(golden_dir, "--max-step-tokens", "7")
+    with both off. The drafter is another release of the same master weights: its drafts are right at
+    times and wrong more often (the zoo's random models rarely repeat themselves, so n-gram drafts are
+    rarely right)."""
+    srv, uv, url = _start(root, "--max-step-tokens", "7", model=model)
     try:
         with httpx.Client(base_url=url, timeout=120) as c:
-            cold = [_conversation(c, 4, 9, sampled) for sampled in (False, True)]
+            cold = [_conversation(c, model, vocab, 4, 9, sampled) for sampled in (False, True)]
     finally:
         _stop(srv, uv)
-    srv, uv, url = _start(golden_dir, "--max-step-tokens", "7", "--prefix-cache-mb", "32", "--prefix-block", "6",
-                          "--speculate", f"model:{golden_dir / 'tiny-bf16'}:4")   # (tiny's answers rarely repeat
-    # themselves, so n-gram drafts are rarely right: tiny-bf16's drafts are right often, and wrong too)
+    srv, uv, url = _start(root, "--max-step-tokens", "7", "--prefix-cache-mb", "32", "--prefix-block", "6",
+                          "--speculate", f"model:{root / drafter}:4", model=model)
     stop, errors = threading.Event(), []
 
     def filler(seed):
@@ -433,8 +434,8 @@ def test_the_replay_gate(golden_dir):
             with httpx.Client(base_url=url, timeout=120) as c:
                 while not stop.is_set():
                     stop.wait(rng.random() * 0.05)
-                    ids = [rng.randrange(V) for _ in range(rng.randrange(1, 30))]
-                    _ask(c, {"model": "tiny-fp8", "prompt": ids, "max_tokens": rng.randrange(1, 12),
+                    ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+                    _ask(c, {"model": model, "prompt": ids, "max_tokens": rng.randrange(1, 12),
                              "temperature": rng.choice([0, 1.0]), "stream": rng.random() < 0.3, "logprobs": 0})
         except Exception as e:  # noqa: BLE001
             errors.append(repr(e))
@@ -445,7 +446,7 @@ def test_the_replay_gate(golden_dir):
         with httpx.Client(base_url=url, timeout=120) as c:
             for replay in range(12):
                 sampled = replay % 2 == 1
-                assert _conversation(c, 4, 9, sampled) == cold[sampled], replay
+                assert _conversation(c, model, vocab, 4, 9, sampled) == cold[sampled], replay
             stop.set()
             for t in ts:
                 t.join(60)
@@ -455,3 +456,12 @@ def test_the_replay_gate(golden_dir):
     finally:
         stop.set()
         _stop(srv, uv)
+
+
+def test_the_replay_gate(golden_dir):
+    _replay_gate(golden_dir, "tiny-fp8", "tiny-bf16", V)
+
+
+@pytest.mark.slow
+def test_the_replay_gate_on_small(small_zoo):
+    _replay_gate(small_zoo, "small-fp8", "small-bf16", 1000)
