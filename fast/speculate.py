@@ -270,18 +270,16 @@ class Spec:
         self.todo = [int(first_token)]
         self.drafts: list[int] = []
         self._snapshot = None
-        self.emits = True    # whether the last step gives tokens (False: it only fed part of todo)
         self.start = 0       # the cache length before the pending step
 
     def begin(self, drafts, limit: int | None = None) -> list[int]:
-        """The tokens this sequence runs in the step: todo then the drafts, at most `limit` in all.
-        When todo alone passes the limit, only its first `limit` tokens run and the step emits nothing
-        (the scheduler stops its steps at prefix-cache block boundaries)."""
+        """The tokens this sequence runs in the step: todo then the drafts, at most `limit` in all (the
+        scheduler stops a step at the next prefix-cache block boundary). todo never passes a limit that
+        stays the same while the cache does: after a rejection it grows by a + 1 <= the drafts that fit."""
         self.start = self.cache.length
-        self.emits = limit is None or len(self.todo) <= limit
-        if not self.emits:
-            self.drafts = []
-            return self.todo[:max(1, limit)]
+        if limit is not None and len(self.todo) > limit:
+            raise ValueError(f"{len(self.todo)} accepted tokens to feed but a limit of {limit}: the limit moved "
+                             f"while the cache did not")
         room = len(drafts) if limit is None else max(0, min(len(drafts), limit - len(self.todo)))
         self.drafts = [int(t) for t in drafts[:room]]
         if self.drafts:
@@ -293,9 +291,6 @@ class Spec:
         one token); choose(row, j) is the token for the j-th row from the end of todo (serial's rule
         at that row's next position). -> (emitted tokens, their rows, the positions whose rows and
         state are now settled: what ran and holds an accepted token)."""
-        if not self.emits:
-            self.todo = self.todo[self.cache.length - self.start:]
-            return [], logits[:0], range(self.start, self.cache.length)
         rows = logits[len(logits) - len(self.drafts) - 1:]
         out = []
         for j, row in enumerate(rows):

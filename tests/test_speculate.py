@@ -346,7 +346,9 @@ def _prompts(rng, count):
 
 def test_the_server_speculates_under_concurrent_traffic(engines, golden_dir):
     """n-gram, model and forced drafters (all wrong, alternating) behind one server each, 12 clients at
-    once, greedy and seeded, streamed and not: every answer equals the serial loop's bits."""
+    once, greedy and seeded, streamed and not: every answer equals the serial loop's bits. The forced
+    drafters run with the prefix cache (block 5): alternating drafts pile up accepted tokens not yet
+    fed faster than a step may feed them before the next block boundary (a step that only feeds)."""
     eng = engines("tiny-fp8")
     rng = random.Random(21)
     prompts = _prompts(rng, 12)
@@ -358,7 +360,8 @@ def test_the_server_speculates_under_concurrent_traffic(engines, golden_dir):
     for setup in setups:
         forced = isinstance(setup, str)
         srv, uv, url = _start(golden_dir, "--max-step-tokens", "16",
-                              *(("--speculate", "ngram:2") if forced else setup))
+                              *(("--speculate", "ngram:2", "--prefix-cache-mb", "16", "--prefix-block", "5")
+                                if forced else setup))
         if forced:   # (the scheduler reads its drafter at every step)
             srv.scheduler.drafter = Forced(6, answers, setup)
         got, errors = [None] * len(bodies), []

@@ -244,8 +244,8 @@ class Scheduler:
 
     def _decoded(self, r: Request, lg: np.ndarray) -> None:
         """A sequence in decode after its step: its tokens (with speculation: the accepted drafts and the
-        chosen one, or none when its step only fed accepted tokens up to a block boundary), and a fork
-        at a block boundary its cache reached (a cache holds only accepted tokens)."""
+        chosen one), and a fork at a block boundary its cache reached (a cache holds only accepted
+        tokens)."""
         if r.spec is None:
             emitted, rows, moved = [None], [lg[-1]], True
         else:
@@ -257,7 +257,7 @@ class Scheduler:
                 self._finish(r, "error", error=str(e))
                 return
             r.cache, moved = r.spec.cache, r.spec.committed
-            if self.metrics is not None and r.spec.emits:
+            if self.metrics is not None:
                 self.metrics.speculation(len(r.spec.drafts), len(emitted) - 1)
         if self.prefix is not None and moved and r.pnode is not None and r.cache.length % self.prefix.block == 0:
             if r.pending is not None:
