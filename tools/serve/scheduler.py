@@ -171,10 +171,7 @@ class Scheduler:
             if r.spec is None:
                 segs.append((r.cache, [r.tokens[-1]], None, "last"))
             else:
-                limit = None
-                if self.prefix is not None and r.pnode is not None:   # stop at the next block boundary
-                    limit = self.prefix.block - r.cache.length % self.prefix.block
-                segs.append((r.cache, r.spec.begin(d, limit), None, "all"))
+                segs.append((r.cache, r.spec.begin(d, self._boundary(r)), None, "all"))
             rows.append(r)
             budget -= len(segs[-1][1])
         decodes = len(segs)
@@ -224,14 +221,27 @@ class Scheduler:
                 if self.drafter is not None and not r.finished:
                     r.spec = Spec(r.cache, r.tokens[-1])
 
+    def _boundary(self, r: Request) -> int | None:
+        """With the prefix cache, the most tokens r's decode row may run: up to the next block boundary."""
+        if self.prefix is None or r.pnode is None:
+            return None
+        return self.prefix.block - r.cache.length % self.prefix.block
+
     def _drafts(self, decoding: list[Request]) -> list[list[int]]:
-        """Each speculating sequence's drafts: at most K, none past its max_tokens, none from an EOS on."""
+        """Each speculating sequence's drafts: at most K, none past its max_tokens or the next block
+        boundary, none from an EOS on, and in all no more than the step budget leaves after every decode's
+        tokens not yet fed (in batch order)."""
         items = []
+        spare = self.max_step_tokens - sum(1 if r.spec is None else len(r.spec.todo) for r in decoding)
         for r in decoding:
             if r.spec is not None:
                 if r.draft is None:
                     r.draft = self.drafter.start()
-                k = min(self.drafter.k, r.max_tokens - len(r.tokens) - 1)
+                k = max(0, min(self.drafter.k, r.max_tokens - len(r.tokens) - 1, spare))
+                room = self._boundary(r)
+                if room is not None:
+                    k = min(k, room - len(r.spec.todo))
+                spare -= k
                 items.append((r.draft, np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)]), k))
         try:
             made = iter(self.drafter.draft(items) if items else [])
