@@ -37,7 +37,8 @@ from oracle.capture import Capture
 from oracle.sampling import SamplingParams, sample
 
 __all__ = ["NgramDrafter", "ModelDrafter", "Spec", "SpecStats", "parse_speculate", "ngram_propose",
-           "open_drafter", "generate", "GREEDY", "NGRAM_MAX"]
+           "open_drafter", "close_drafter", "check_vocabulary", "before_eos", "generate", "sample_loop",
+           "GREEDY", "NGRAM_MAX"]
 
 GREEDY = SamplingParams()
 NGRAM_MAX = 8   # the longest suffix NgramDrafter matches (longer matches count as this long)
@@ -345,7 +346,22 @@ def generate(engine, ids, max_new_tokens, caps, chunk, max_batch, arrivals, retu
     """Engine.generate's loop with speculation (its inputs already checked): the same requests, joins,
     prompt chunks and greedy tokens; in decode each request verifies its drafts. -> (out, logit rows per
     request or None); engine.speculation holds the SpecStats of the call."""
-    drafter = open_drafter(drafter, engine)
+    made = open_drafter(drafter, engine)
+    try:
+        return _generate(engine, ids, max_new_tokens, caps, chunk, max_batch, arrivals, return_logits, made)
+    finally:
+        if made is not drafter:   # a model drafter opened for this call
+            close_drafter(made)
+
+
+def close_drafter(drafter) -> None:
+    """Free what open_drafter opened (a model drafter's engine)."""
+    eng = getattr(drafter, "engine", None)
+    if eng is not None:
+        eng.close()
+
+
+def _generate(engine, ids, max_new_tokens, caps, chunk, max_batch, arrivals, return_logits, drafter):
     stats = engine.speculation = SpecStats()
     n = len(ids)
     out = [[] for _ in range(n)]
@@ -356,16 +372,15 @@ def generate(engine, ids, max_new_tokens, caps, chunk, max_batch, arrivals, retu
     keep = return_logits or any(c is not None for c in caps)   # serial's state at the end is wanted
 
     def finish(r):
-        i, sp = r["i"], r.get("spec")
-        if sp is not None and keep and len(sp.todo) > 1:   # serial fed every token but the last
+        i, sp = r["i"], r["spec"]
+        if keep and len(sp.todo) > 1:   # serial fed every token but the last: the accepted ones still unfed
             lg = engine.step([(sp.cache, sp.todo[:-1], caps[i], "all" if return_logits else None)])[0]
             if return_logits:
                 for j, p in enumerate(range(sp.cache.length - lg.shape[0], sp.cache.length)):
                     rows_of[i][p] = lg[j]
-        if sp is not None:
-            sp.close()
-            drafter.release(r.get("dstate"))
-        r["cache"].close() if sp is None else sp.cache.close()
+        sp.close()
+        drafter.release(r.get("dstate"))
+        sp.cache.close()
 
     while order or active:
         while order and arrivals[order[0]] <= step_no and (max_batch is None or len(active) < max_batch):
@@ -408,9 +423,11 @@ def generate(engine, ids, max_new_tokens, caps, chunk, max_batch, arrivals, retu
                     for j in range(lg.shape[0]):
                         rows_of[i][cache.length - lg.shape[0] + j] = lg[j]
                 if r["fed"] == ids[i].size:
-                    if max_new_tokens > 0:
-                        out[i].append(int(np.argmax(lg[-1])))
-                    r["spec"] = Spec(r["cache"], out[i][-1] if out[i] else 0)
+                    if max_new_tokens == 0:
+                        r["cache"].close()
+                        continue
+                    out[i].append(int(np.argmax(lg[-1])))   # greedy: ties to the lowest id
+                    r["spec"] = Spec(r["cache"], out[i][-1])
             else:
                 emitted, _, settled = sp.end(lg, lambda row, j: int(np.argmax(row)))  # greedy: ties to the lowest id
                 stats.verifies += 1
@@ -446,8 +463,18 @@ def sample_loop(engine, prompt, n: int, params: SamplingParams, drafter, eos=(),
     chosen by `sample(row, params, position)` with its log_softmax value; stops after a token in `eos`.
     -> (tokens, logprobs, stats), and the cache when keep_cache (holding what serial's holds at the
     end: every token but the last fed). capture: the stage rows of every position fed, as serial's."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    made = open_drafter(drafter, engine)
+    try:
+        return _sample_loop(engine, prompt, n, params, made, eos, capture, keep_cache)
+    finally:
+        if made is not drafter:
+            close_drafter(made)
+
+
+def _sample_loop(engine, prompt, n, params, drafter, eos, capture, keep_cache):
     from oracle.sampling import log_softmax
-    drafter = open_drafter(drafter, engine)
     stats = SpecStats()
     prompt = [int(t) for t in prompt]
     cache = engine.new_cache()

@@ -15,7 +15,6 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 
 
 class Replay:

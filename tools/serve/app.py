@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fast.speculate import open_drafter
+from fast.speculate import close_drafter, open_drafter
 from oracle.sampling import SAMPLING_VERSION, SamplingParams
 
 from .metrics import Metrics
@@ -122,6 +122,8 @@ class Server:
 
     def close(self) -> None:
         self.scheduler.close()
+        if self.drafter is not None:
+            close_drafter(self.drafter)
 
     # -- request parsing ----------------------------------------------------------------------------
     def _check_model(self, body: dict) -> None:
