@@ -16,7 +16,6 @@ import statistics
 import time
 
 
-
 class Replay:
     """Proposes the known answer: every draft is right (the ceiling of speculation)."""
 
