@@ -105,6 +105,7 @@ class Engine:
     """
 
     ep = None  # expert parallelism (fast.distributed.EPSetup) when ranks / expert_ranges / memory_limit are given
+    speculation = None  # the last speculative generate's fast.speculate.SpecStats
     device = "cpu"
     _executor = None  # the C++ executor (self._core); None once closed
 
@@ -532,7 +533,7 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int, capture=None, *, chunk: int | None = None,
                  max_batch: int | None = None, arrivals: Sequence[int] | None = None,
-                 return_logits: bool = False):
+                 return_logits: bool = False, speculate=None):
         """Greedy decoding with continuous batching.
 
         prompts: one prompt (a flat sequence of token ids, or a 1-D integer array) -> one list of new
@@ -548,6 +549,10 @@ class Engine:
         Once one request is left with its prompt fed (and no capture or logits asked), an engine with
         a device-resident greedy loop (CUDA) produces its remaining tokens without a host round trip
         per token.
+
+        speculate: None, "ngram:K", "model:DIR:K" or a drafter (fast/speculate.py): requests in decode
+        verify up to K drafted tokens per step; the tokens, logits and captures are the same bits as
+        without. The call's drafted / accepted counts are left in `self.speculation` (SpecStats).
         """
         single = len(prompts) > 0 and all(_is_int(v) for v in prompts) if isinstance(prompts, (list, tuple)) else False
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
@@ -575,6 +580,14 @@ class Engine:
             need = p.size + max(max_new_tokens - 1, 0)
             if need > self.max_context:
                 raise EngineInputError(f"prompt {i}: {need} positions exceed the maximum context of {self.max_context}")
+
+        if speculate is not None:
+            from .speculate import generate as speculative
+            out, lgs = speculative(self, ids, max_new_tokens, caps, chunk, max_batch, arrivals, return_logits,
+                                   speculate)
+            if return_logits:
+                return (out[0], lgs[0]) if single else (out, lgs)
+            return out[0] if single else out
 
         out = [[] for _ in range(n)]
         logit_rows = [[] for _ in range(n)]

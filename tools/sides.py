@@ -7,6 +7,7 @@ A SPEC names an engine and options after a colon, comma-separated:
     oracle:precision=float64        every rounding removed (not canonical; for the peer check)
     cpu:threads=2,batch=4           the fast CPU engine, 2 threads, the request in a batch of 4
     cpu:prefix-cache                the prompt's first half computed on a cache that is then forked
+    cpu:speculate=4                 speculative decoding: up to 4 n-gram drafts verified per step (fast/speculate.py)
     cpu:inject=15,45,mla.scores,3,1 one value perturbed by 1 ULP (L,P,STAGE,ELEM,ULPS)
     cuda:expf=native                a non-canonical switch of an engine
     cpu:ranks=2,memory-limit=N      expert parallelism over 2 ranks (docs/ep.md); verify-ranks, max-context
@@ -37,6 +38,7 @@ OPTIONS = {
     "batch": ("int", ("cpu", "cuda")),
     "chunk": ("int", ("oracle", "cpu", "cuda")),
     "prefix-cache": ("flag-or-int", ("oracle", "cpu", "cuda")),
+    "speculate": ("int", ("cpu", "cuda")),
     "threads": ("int", ("cpu", "cuda")),
     "inject": ("inject", ("oracle", "cpu", "cuda")),
     "precision": (("canonical", "float64"), ("oracle",)),
@@ -237,8 +239,11 @@ class Side:
         self.config = self.engine.config
         self.fired = None                # after generate: did the injection hit (None: no injection)
         self.positions = 0               # after generate: the positions the run processed
+        self.speculation = None          # after generate with speculate=K: fast.speculate.SpecStats
         if "inject" in self.options:
             check_injection(self.options["inject"], self.config)
+        if "speculate" in self.options and "prefix-cache" in self.options:
+            raise SideError(f"SPEC {spec.text!r}: speculate and prefix-cache do not go together in one side")
 
     def __str__(self) -> str:
         return str(self.spec)
@@ -298,12 +303,17 @@ class Side:
             if inject is not None and inject != o.get("inject"):
                 self.engine.inject = str(inject)
             batch = o.get("batch", 1)
-            if k is not None or (on_token is not None and batch == 1):
+            # speculate=K: greedy with up to K n-gram drafts per step; rows of rejected drafts never reach
+            # the logits or the capture (fast/speculate.py)
+            speculate = f"ngram:{o['speculate']}" if "speculate" in o else None
+            if k is not None or (on_token is not None and batch == 1 and speculate is None):
                 tokens, logits = self._loop(ids, n, capture, chunk, None, k, on_token)
             else:
                 prompts = [ids] + filler_prompts(ids, batch - 1, self.config.vocab_size)
                 caps = [capture] + [None] * (batch - 1)
-                outs, all_logits = self.engine.generate(prompts, n, capture=caps, chunk=chunk, return_logits=True)
+                outs, all_logits = self.engine.generate(prompts, n, capture=caps, chunk=chunk, return_logits=True,
+                                                        speculate=speculate)
+                self.speculation = self.engine.speculation if speculate else None
                 tokens, logits = list(outs[0]), all_logits[0]
                 for i, t in enumerate(tokens if on_token is not None else []):
                     on_token(i, int(t))

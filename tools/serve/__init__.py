@@ -2,6 +2,7 @@
 
     oracle serve --checkpoint DIR [--engine cpu|cuda[:options]] [--host 127.0.0.1] [--port 8000]
                  [--max-batch N] [--max-queue N] [--max-step-tokens N] [--prefix-cache-mb N] [--prefix-block N]
+                 [--speculate ngram:K|model:DIR:K]
     python -m tools.serve ...            the same without the `oracle` command
 
 app.py: routes and request checking; scheduler.py: the continuous-batching loop that owns the engine;
@@ -30,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory for snapshots of prompt prefixes, reused by later prompts that start the same (0: off)")
     p.add_argument("--prefix-block", type=int, default=16,
                    help="prefix cache granularity: snapshots are taken at multiples of this many prompt tokens")
+    p.add_argument("--speculate", default=None, metavar="ngram:K|model:DIR:K",
+                   help="speculative decoding (same answers): up to K drafts per step, from the sequence's own "
+                        "n-grams or a smaller checkpoint with the same vocabulary")
     p.add_argument("--model-name", default=None, help="the model id clients use (default: the checkpoint's folder name)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the checkpoint's)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level")
@@ -50,10 +54,14 @@ def build_server(args):
                          ("--prefix-block", args.prefix_block, 1)):
         if v < low:
             raise ValueError(f"{flag} must be >= {low}, got {v}")
+    if args.speculate is not None:
+        from fast.speculate import parse_speculate
+        parse_speculate(args.speculate)            # refused before the engine is loaded
     engine = open_side(spec, args.checkpoint).engine
     return Server(engine, args.checkpoint, args.engine, model_name=args.model_name, max_batch=args.max_batch,
                   max_queue=args.max_queue, max_step_tokens=args.max_step_tokens, chat_template=args.chat_template,
-                  prefix_cache_mb=args.prefix_cache_mb, prefix_block=args.prefix_block)
+                  prefix_cache_mb=args.prefix_cache_mb, prefix_block=args.prefix_block,
+                  speculate=getattr(args, "speculate", None))
 
 
 def serve_in_thread(server, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fast.core import human_bytes
+from fast.speculate import close_drafter, open_drafter
 from oracle.sampling import SAMPLING_VERSION, SamplingParams
 
 from .metrics import Metrics
@@ -83,7 +84,8 @@ class Server:
 
     def __init__(self, engine, checkpoint, engine_spec: str = "cpu", *, model_name: str | None = None,
                  max_batch: int = 16, max_queue: int = 64, max_step_tokens: int = 512, tokenizer=None,
-                 chat_template: str | None = None, prefix_cache_mb: float = 0, prefix_block: int = 16):
+                 chat_template: str | None = None, prefix_cache_mb: float = 0, prefix_block: int = 16,
+                 speculate=None):
         self.engine = engine
         self.config = engine.config
         self.checkpoint = Path(checkpoint)
@@ -99,9 +101,11 @@ class Server:
         self.metrics = Metrics()
         self.prefix = (PrefixCache(engine, int(prefix_cache_mb * (1 << 20)), prefix_block, self.metrics)
                        if prefix_cache_mb else None)
+        # speculation changes no answer, so the fingerprint does not name it
+        self.drafter = open_drafter(speculate, engine) if speculate is not None else None
         self.scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue,
                                    max_step_tokens=max_step_tokens, tokenizer=self.tokenizer, metrics=self.metrics,
-                                   prefix_cache=self.prefix)
+                                   prefix_cache=self.prefix, drafter=self.drafter)
         self.app = self._make_app()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -119,6 +123,8 @@ class Server:
 
     def close(self) -> None:
         self.scheduler.close()
+        if self.drafter is not None:
+            close_drafter(self.drafter)
 
     # -- request parsing ----------------------------------------------------------------------------
     def _check_model(self, body: dict) -> None:
@@ -506,7 +512,8 @@ class Server:
             active, waiting = server.scheduler.load
             return {"status": "ok", "model": server.model_name, "engine": server.engine_spec,
                     "checkpoint": str(server.checkpoint), "system_fingerprint": server.fingerprint,
-                    "active": active, "waiting": waiting, "max_context": server.max_context}
+                    "active": active, "waiting": waiting, "max_context": server.max_context,
+                    "speculate": None if server.drafter is None else str(server.drafter)}
 
         @app.get("/v1/models")
         async def models():

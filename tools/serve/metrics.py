@@ -51,6 +51,10 @@ class Metrics:
         self.prefix_looked_tokens = 0    # prompt tokens of the lookups
         self.prefix_budget = self.prefix_bytes = self.prefix_entries = 0
         self.prefix_snapshots = self.prefix_evictions = 0
+        self.spec_enabled = False
+        self.spec_verifies = 0           # a sequence's decode steps under speculation that emitted tokens
+        self.spec_drafted = 0            # draft tokens verified
+        self.spec_accepted = 0           # ... and accepted
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -88,6 +92,13 @@ class Metrics:
             self.prefix_enabled = True
             self.prefix_budget, self.prefix_bytes, self.prefix_entries = budget, held, entries
             self.prefix_snapshots, self.prefix_evictions = snapshots, evictions
+
+    def speculation(self, drafted: int, accepted: int) -> None:
+        with self._lock:
+            self.spec_enabled = True
+            self.spec_verifies += 1
+            self.spec_drafted += drafted
+            self.spec_accepted += accepted
 
     def render(self, active: int, waiting: int) -> str:
         with self._lock:
@@ -138,4 +149,11 @@ class Metrics:
                     ("glm_prefix_cache_budget_bytes", "gauge", "The prefix cache's budget (--prefix-cache-mb).", self.prefix_budget),
                 ):
                     metric(name, kind, help_, [f"{name} {v}"])
+            if self.spec_enabled:
+                for name, help_, v in (
+                    ("glm_spec_verify_steps_total", "Decode steps of a sequence under speculation (--speculate).", self.spec_verifies),
+                    ("glm_spec_draft_tokens_total", "Draft tokens verified.", self.spec_drafted),
+                    ("glm_spec_accepted_tokens_total", "Draft tokens accepted (equal to the token chosen at their position).", self.spec_accepted),
+                ):
+                    metric(name, "counter", help_, [f"{name} {v}"])
             return "\n".join(L) + "\n"

@@ -15,6 +15,12 @@ step (the last boundary in each chunk, and the end of a prefix it shares with an
 sequence is forked at each block boundary; the last such fork joins the cache when the request ends
 (stop or length), so the next turn of a conversation (this prompt + this answer + more) resumes
 after the answer.
+
+With a drafter (`--speculate`, fast/speculate.py) a sequence in decode runs its accepted-but-unfed
+tokens and up to K drafts in its row of the step and may get several tokens from it, each chosen from
+its own row exactly as above; a rejected draft leaves no trace (the sequence's cache goes back to a
+snapshot), so its cache only ever holds accepted tokens and the block-boundary forks stay exact. Its
+steps stop at block boundaries as prompt chunks do.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fast.speculate import Spec, before_eos
 from oracle.sampling import SamplingParams, log_softmax, sample
 
 
@@ -51,6 +58,8 @@ class Request:
     pnode: object = None                     # the prefix cache's node this request pins (its deepest snapshot)
     reach: int = 0                           # where a prefix other prompts share ends (prefix.restore)
     pending: object = None                   # a fork at the last block boundary of its generated tokens
+    spec: object = None                      # fast.speculate.Spec in decode under speculation (owns `cache`)
+    draft: object = None                     # the drafter's state for this sequence
     cancelled: bool = False
     finished: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
@@ -65,7 +74,7 @@ class Scheduler:
     """Drives `engine` (a fast.Engine: new_cache, step) for many requests on one thread."""
 
     def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 64, max_step_tokens: int = 512,
-                 tokenizer=None, metrics=None, prefix_cache=None):
+                 tokenizer=None, metrics=None, prefix_cache=None, drafter=None):
         if max_batch < 1 or max_queue < 0 or max_step_tokens < 1:
             raise ValueError("max_batch and max_step_tokens must be >= 1, max_queue >= 0")
         self.engine = engine
@@ -73,6 +82,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.prefix = prefix_cache
+        self.drafter = drafter           # None: one token per sequence in decode and step
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
@@ -155,11 +165,15 @@ class Scheduler:
     def _step(self, batch: list[Request]) -> None:
         segs, rows = [], []
         budget = self.max_step_tokens
-        for r in batch:   # decodes first: one token each, always
-            if r.cache is not None and r.fed == r.prompt.size:
+        decoding = [r for r in batch if r.cache is not None and r.fed == r.prompt.size]
+        drafts = self._drafts(decoding)
+        for r, d in zip(decoding, drafts):   # decodes first: one token each (with drafts: more), always
+            if r.spec is None:
                 segs.append((r.cache, [r.tokens[-1]], None, "last"))
-                rows.append(r)
-                budget -= 1
+            else:
+                segs.append((r.cache, r.spec.begin(d, self._boundary(r)), None, "all"))
+            rows.append(r)
+            budget -= len(segs[-1][1])
         decodes = len(segs)
         for r in batch:   # then prompt chunks, in arrival order, while the budget lasts
             if r.cache is None:
@@ -199,23 +213,81 @@ class Scheduler:
             for r in rows[decodes:]:   # the prompt chunks of this step
                 if r.pnode is not None:
                     r.pnode = self.prefix.insert(r.pnode, r.prompt, r.cache)
-            for r in rows[:decodes]:
-                if r.pnode is not None and r.cache.length % self.prefix.block == 0:
-                    if r.pending is not None:
-                        r.pending.close()
-                    try:
-                        r.pending = r.cache.fork()
-                    except Exception:  # noqa: BLE001 - e.g. out of memory: no snapshot of this answer
-                        r.pending = None
-        for r, (_, _, _, want), lg in zip(rows, segs, results):
-            if want is None:
-                continue
-            self._produce(r, lg[-1])
+        for k, (r, (_, _, _, want), lg) in enumerate(zip(rows, segs, results)):
+            if k < decodes:
+                self._decoded(r, lg)
+            elif want is not None:
+                self._produce(r, lg[-1])
+                if self.drafter is not None and not r.finished:
+                    r.spec = Spec(r.cache, r.tokens[-1])
 
-    def _produce(self, r: Request, row: np.ndarray) -> None:
+    def _boundary(self, r: Request) -> int | None:
+        """With the prefix cache, the most tokens r's decode row may run: up to the next block boundary."""
+        if self.prefix is None or r.pnode is None:
+            return None
+        return self.prefix.block - r.cache.length % self.prefix.block
+
+    def _drafts(self, decoding: list[Request]) -> list[list[int]]:
+        """Each speculating sequence's drafts: at most K, none past its max_tokens or the next block
+        boundary, none from an EOS on, and in all no more than the step budget leaves after every decode's
+        tokens not yet fed (in batch order)."""
+        items = []
+        spare = self.max_step_tokens - sum(1 if r.spec is None else len(r.spec.todo) for r in decoding)
+        for r in decoding:
+            if r.spec is not None:
+                if r.draft is None:
+                    r.draft = self.drafter.start()
+                k = max(0, min(self.drafter.k, r.max_tokens - len(r.tokens) - 1, spare))
+                room = self._boundary(r)
+                if room is not None:
+                    k = min(k, room - len(r.spec.todo))
+                spare -= k
+                items.append((r.draft, np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)]), k))
+        try:
+            made = iter(self.drafter.draft(items) if items else [])
+        except Exception:  # noqa: BLE001 - e.g. out of memory in the drafter: no drafts, the drafters start over
+            for r in decoding:
+                self.drafter.release(r.draft)
+                r.draft = None
+            made = iter([[] for _ in items])
+        return [before_eos(next(made), r.eos) if r.spec is not None else [] for r in decoding]
+
+    def _decoded(self, r: Request, lg: np.ndarray) -> None:
+        """A sequence in decode after its step: its tokens (with speculation: the accepted drafts and the
+        chosen one), and a fork at a block boundary its cache reached (a cache holds only accepted
+        tokens)."""
+        if r.spec is None:
+            emitted, rows, moved = [None], [lg[-1]], True
+        else:
+            base = r.prompt.size + len(r.tokens)   # the position of the first token this step chooses
+            try:
+                emitted, rows, _ = r.spec.end(lg, lambda row, j: sample(row, r.params, base + j))
+            except ValueError as e:
+                r.cache = r.spec.cache
+                self._finish(r, "error", error=str(e))
+                return
+            r.cache, moved = r.spec.cache, r.spec.committed
+            if self.metrics is not None:
+                self.metrics.speculation(len(r.spec.drafts), len(emitted) - 1)
+        if self.prefix is not None and moved and r.pnode is not None and r.cache.length % self.prefix.block == 0:
+            if r.pending is not None:
+                r.pending.close()
+            try:
+                r.pending = r.cache.fork()
+            except Exception:  # noqa: BLE001 - e.g. out of memory: no snapshot of this answer
+                r.pending = None
+        for t, row in zip(emitted, rows):
+            self._produce(r, row, t)
+            if r.finished:
+                return
+        if r.draft is not None:
+            self.drafter.settle(r.draft, np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)]).tolist())
+
+    def _produce(self, r: Request, row: np.ndarray, token: int | None = None) -> None:
+        """The token for `row` (`token`: already chosen from it by the same rule) goes to the request."""
         position = r.prompt.size + len(r.tokens)   # where the chosen token will sit
         try:
-            t = sample(row, r.params, position)
+            t = sample(row, r.params, position) if token is None else token
             lp = log_softmax(row)
         except ValueError as e:
             self._finish(r, "error", error=str(e))
@@ -258,9 +330,16 @@ class Scheduler:
         if r.finished:
             return
         r.finished = True
+        if r.spec is not None:
+            r.spec.close()
+            r.cache = r.spec.cache
+        if r.draft is not None:
+            self.drafter.release(r.draft)
+            r.draft = None
         if r.pending is not None:
-            if reason in ("stop", "length") and r.pnode is not None:
-                seq = np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)])
+            seq = np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)])
+            # (speculation may have fed accepted tokens past a stop that ended the answer early)
+            if reason in ("stop", "length") and r.pnode is not None and r.pending.length <= seq.size:
                 r.pnode = self.prefix.insert(r.pnode, seq, r.pending, own=True)
             else:
                 r.pending.close()
