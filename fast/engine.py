@@ -29,6 +29,7 @@ import numpy as np
 
 from oracle.capture import Capture
 from oracle.checkpoint import Checkpoint, open_checkpoint
+from oracle.sampling import SamplingParams, sample
 from oracle.stages import ALL_STAGE_NAMES, HEAD
 
 from . import core as _C
@@ -526,6 +527,23 @@ class Engine:
             return list(capture)
         raise EngineInputError(f"capture must be None, a Capture or a list of {n} Captures")
 
+    @staticmethod
+    def _sampling_per_request(sampling, n: int) -> list:
+        if sampling is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling, SamplingParams):
+            return [sampling] * n
+        if isinstance(sampling, (list, tuple)) and len(sampling) == n and all(
+                isinstance(sp, SamplingParams) for sp in sampling):
+            return list(sampling)
+        raise EngineInputError(f"sampling must be None, an oracle.sampling.SamplingParams or a list of {n} of them")
+
+    @staticmethod
+    def _want(params) -> str:
+        """A producing row's logits request: greedy rows get their token from the engine (on the GPU for
+        the CUDA engine), sampled rows their logits row."""
+        return "argmax" if params.greedy else "last"
+
     def _greedy_tail(self, cache, first_token: int, n: int):
         """n greedy decode steps of one cache in one call, or None where the engine has no such path
         (generate then steps through the host loop)."""
@@ -533,8 +551,8 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int, capture=None, *, chunk: int | None = None,
                  max_batch: int | None = None, arrivals: Sequence[int] | None = None,
-                 return_logits: bool = False, speculate=None):
-        """Greedy decoding with continuous batching.
+                 return_logits: bool = False, speculate=None, sampling=None):
+        """Greedy or sampled decoding with continuous batching.
 
         prompts: one prompt (a flat sequence of token ids, or a 1-D integer array) -> one list of new
         token ids; a list of prompts (each a sequence of ids; a list holding one prompt included) -> a
@@ -553,6 +571,11 @@ class Engine:
         speculate: None, "ngram:K", "model:DIR:K" or a drafter (fast/speculate.py): requests in decode
         verify up to K drafted tokens per step; the tokens, logits and captures are the same bits as
         without. The call's drafted / accepted counts are left in `self.speculation` (SpecStats).
+
+        sampling: None (greedy), an oracle.sampling.SamplingParams for every request, or a list with one
+        per prompt: the token at position p is `oracle.sampling.sample(logits row, params, p)`, the draw
+        keyed by (seed, p) only, so a request's tokens do not depend on the batch, the chunking or the
+        other requests (docs/sampling.md). Greedy requests take their token where the logits are.
         """
         single = len(prompts) > 0 and all(_is_int(v) for v in prompts) if isinstance(prompts, (list, tuple)) else False
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
@@ -581,7 +604,11 @@ class Engine:
             if need > self.max_context:
                 raise EngineInputError(f"prompt {i}: {need} positions exceed the maximum context of {self.max_context}")
 
+        params = self._sampling_per_request(sampling, n)
         if speculate is not None:
+            if any(not sp.greedy for sp in params):
+                raise EngineInputError("generate: speculate decodes greedily here (the server's --speculate "
+                                       "samples); give sampling=None or temperature 0 with it")
             from .speculate import generate as speculative
             out, lgs = speculative(self, ids, max_new_tokens, caps, chunk, max_batch, arrivals, return_logits,
                                    speculate)
@@ -602,7 +629,7 @@ class Engine:
             if not active:
                 step_no = arrivals[pending[0]]
                 continue
-            if len(active) == 1 and not pending and not return_logits:
+            if len(active) == 1 and not pending and not return_logits and params[active[0]["i"]].greedy:
                 # the last request, its prompt fed and nothing to capture: the rest of its tokens in
                 # one call where the engine can keep them on the device (same tokens; CudaEngine)
                 r = active[0]
@@ -623,11 +650,11 @@ class Engine:
                     seg_ids = p[r["fed"]:r["fed"] + take]
                     r["fed"] += take
                     done_prefill = r["fed"] == p.size
-                    want = "all" if return_logits else ("argmax" if done_prefill else None)
+                    want = "all" if return_logits else (self._want(params[i]) if done_prefill else None)
                     kinds.append(done_prefill)
                 else:
                     seg_ids = [out[i][-1]]
-                    want = "all" if return_logits else "argmax"  # (the token chosen where the logits are)
+                    want = "all" if return_logits else self._want(params[i])
                     kinds.append(True)
                 segs.append((r["cache"], seg_ids, caps[i], want))
             results = self.step(segs)
@@ -639,8 +666,10 @@ class Engine:
                 finished = False
                 if produce:
                     if len(out[i]) < max_new_tokens:
-                        # greedy: np.argmax's rule (ties to the lowest id), here or in the engine
-                        out[i].append(lg if isinstance(lg, int) else int(np.argmax(lg[-1])))
+                        # greedy: np.argmax's rule (ties to the lowest id), here or in the engine;
+                        # sampled: the draw of the token's position
+                        pos = ids[i].size + len(out[i])
+                        out[i].append(lg if isinstance(lg, int) else sample(lg[-1], params[i], pos))
                     finished = len(out[i]) >= max_new_tokens
                 if finished:
                     r["cache"].close()

@@ -152,3 +152,27 @@ def test_the_batch_1_loop_is_the_same_on_the_oracle_and_the_cpu_engine(golden_di
     # sampling is not greedy: some seeded run differs from the greedy one
     greedy = sample_loop(engine, [1, 2, 3, 4, 5], 10, SamplingParams(0.0))[0]
     assert any(sample_loop(engine, [1, 2, 3, 4, 5], 10, SamplingParams(1.0, 0, 1.0, s))[0] != greedy for s in range(3))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_generate_samples_as_the_batch_1_loop(golden_dir, device):
+    """Engine.generate(sampling=...) with several requests of different parameters, arriving at
+    different steps, chunked, in one batch: each request's tokens are the batch-1 loop's
+    (oracle.sampling.sample_loop on the same engine), greedy requests included."""
+    import fast
+    if device == "cuda":
+        from fast.cuda import cuda_available
+        if not cuda_available():
+            pytest.skip("no CUDA engine (fast._cuda not built or no device)")
+    engine = fast.Engine(str(golden_dir / "tiny-fp8"), device=device)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 41)), [5, 5, 5, 5]]
+    params = [SamplingParams(0.9, 20, 0.9, 7), SamplingParams(0.0), SamplingParams(1.5, 0, 1.0, 2 ** 64 - 1),
+              SamplingParams(1.0, 5, 0.5, 3)]
+    want = [sample_loop(engine, p, 9, sp)[0] for p, sp in zip(prompts, params)]
+    got = engine.generate(prompts, 9, sampling=params, chunk=4, max_batch=3, arrivals=[0, 2, 1, 5])
+    assert got == want
+    assert engine.generate(prompts[0], 9, sampling=params[0]) == want[0]
+    with pytest.raises(fast.EngineInputError, match="sampling must be"):
+        engine.generate(prompts, 2, sampling=params[:2])
+    with pytest.raises(fast.EngineInputError, match="speculate decodes greedily"):
+        engine.generate(prompts, 2, sampling=params, speculate="ngram:2")
