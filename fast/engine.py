@@ -7,6 +7,8 @@
     logits = eng.decode([c1, c2], [t1, t2])       # one decode token for each of several sequences
     outs = eng.generate([[1, 2, 3], [4, 5]], 8)   # greedy, continuous batching -> [[8 ids], [8 ids]]
     toks = eng.generate([1, 2, 3], 8)             # one prompt -> [8 ids]
+    arrays = cache.export()                       # the state as named f32 arrays (+ "length")
+    twin = eng.import_cache(arrays)               # a new cache holding it (either engine's export)
     eng = fast.Engine(path, ranks=3)              # expert parallelism over 3 processes (docs/ep.md)
     with fast.Engine(path) as eng: ...            # eng.close() at the end: executor and caches freed
 

@@ -14,7 +14,14 @@ import random
 import numpy as np
 import pytest
 
-from tests.test_prefix_cache import _ask, _body, _metric, _snapshot_depths, _start, _stop
+from tests.test_prefix_cache import (
+    _ask,
+    _body,
+    _metric,
+    _snapshot_depths,
+    _start,
+    _stop,
+)
 
 httpx = pytest.importorskip("httpx")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -199,6 +206,7 @@ def test_the_disk_budget_keeps_the_most_recently_used_files(golden_dir, tmp_path
 
 def test_a_disk_tier_needs_the_memory_tier(golden_dir, tmp_path):
     import argparse
+
     from tools.serve import add_arguments, build_server
     p = argparse.ArgumentParser()
     add_arguments(p)

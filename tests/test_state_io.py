@@ -16,7 +16,14 @@ pytest.importorskip("fast._core")
 import fast
 from fast.core import EngineInputError
 from tests.cases import TINY
-from tests.engine_checks import EMU_SLOW, NO_CUDA, NO_GLOO, cuda_state, have_gloo, prompt
+from tests.engine_checks import (
+    EMU_SLOW,
+    NO_CUDA,
+    NO_GLOO,
+    cuda_state,
+    have_gloo,
+    prompt,
+)
 
 LENGTHS = (1, 3, 4, 5, 17, 40)
 CONTINUE = 9   # prompt tokens after the export (chunks of 4), then 3 decode tokens

@@ -27,7 +27,8 @@ from fast.speculate import close_drafter, open_drafter
 from oracle.sampling import SAMPLING_VERSION, SamplingParams
 
 from .metrics import Metrics
-from .prefix import DiskTier, PrefixCache
+from .prefix import PrefixCache
+from .prefix_disk import DiskTier
 from .scheduler import QueueFull, Request, Scheduler
 
 MAX_TOP_LOGPROBS = 20
