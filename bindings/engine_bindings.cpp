@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "pyglue.hpp"
+#include "state_glue.hpp"
 #include "cpu/engine.hpp"
 #include "cpu/exp64.hpp"
 #include "cpu/formats.hpp"
@@ -240,6 +241,15 @@ void register_engine(py::module_& m) {
                      bad(e.what());
                  }
              })
+        .def(
+            "export_sequence", [](PyEngine& pe, int64_t id) { return glm::pyglue::export_state(*pe.eng, id); },
+            py::arg("id"), "The sequence's state -> (length, {name: f32 array}) (bindings/state_io.hpp's layout).")
+        .def(
+            "import_sequence",
+            [](PyEngine& pe, const py::object& arrays, const py::object& length) {
+                return glm::pyglue::import_state(*pe.eng, arrays, length);
+            },
+            py::arg("arrays"), py::arg("length"), "A new sequence holding an exported state -> its id.")
         .def_property_readonly("live_sequences", [](PyEngine& pe) { return pe.eng->live_sequences(); })
         .def_property_readonly("threads", [](PyEngine& pe) { return pe.eng->threads(); })
         .def_property_readonly("weight_bytes", [](PyEngine& pe) { return pe.eng->weight_bytes(); })

@@ -499,6 +499,12 @@ class _DriverCore(_RankCore):
         self.local.reserve_sequence(sid, positions)
         self.cluster.queue((self.eid, "reserve_sequence", (int(sid), int(positions)), None))
 
+    def import_sequence(self, arrays, length):
+        self._check()
+        sid = int(self.local.import_sequence(arrays, length))
+        self.cluster.queue((self.eid, "import_sequence", (dict(arrays), int(length)), sid))
+        return sid
+
     def free_sequence(self, sid):
         if self.cluster.alive and self.cluster.generation == self.generation:
             self.cluster.queue((self.eid, "free_sequence", (int(sid),), None))

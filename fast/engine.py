@@ -7,6 +7,8 @@
     logits = eng.decode([c1, c2], [t1, t2])       # one decode token for each of several sequences
     outs = eng.generate([[1, 2, 3], [4, 5]], 8)   # greedy, continuous batching -> [[8 ids], [8 ids]]
     toks = eng.generate([1, 2, 3], 8)             # one prompt -> [8 ids]
+    arrays = cache.export()                       # the state as named f32 arrays (+ "length")
+    twin = eng.import_cache(arrays)               # a new cache holding it (either engine's export)
     eng = fast.Engine(path, ranks=3)              # expert parallelism over 3 processes (docs/ep.md)
     with fast.Engine(path) as eng: ...            # eng.close() at the end: executor and caches freed
 
@@ -87,6 +89,14 @@ class Cache:
         return self
 
     copy = fork
+
+    def export(self) -> dict[str, np.ndarray]:
+        """This sequence's state as named f32 arrays in the layout both engines share (docs/engine_cpu.md,
+        "Exporting a sequence's state"), and "length" (0-d int64): what Engine.import_cache takes back,
+        on either engine."""
+        self._engine._check_cache(self)
+        length, arrays = self._engine._core.export_sequence(self._id)
+        return {"length": np.array(length, np.int64), **arrays}
 
     def close(self) -> None:
         self._finalizer()
@@ -300,6 +310,30 @@ class Engine:
         return Cache(self, int(self._core.new_sequence()))
 
     new_request = new_cache
+
+    def import_cache(self, arrays) -> Cache:
+        """A new cache holding an exported state (Cache.export, of this engine or the other one): its
+        continuation gives the bits of the exported sequence's. Every name, shape and dtype is checked
+        (EngineInputError naming the tensor)."""
+        if not isinstance(arrays, dict):
+            raise EngineInputError(f"import_cache: expected a dict of name -> array, got {type(arrays).__name__}")
+        n = arrays.get("length")
+        if n is None:
+            raise EngineInputError("import_cache: 'length' is missing (Cache.export gives it)")
+        n = np.asarray(n)
+        if n.shape not in ((), (1,)) or not np.issubdtype(n.dtype, np.integer):
+            raise EngineInputError(f"import_cache: 'length' must be one integer, got {n.dtype} {n.shape}")
+        length = int(n.reshape(()))
+        if not 0 <= length <= self.max_context:
+            raise EngineInputError(f"import_cache: length {length} is outside [0, {self.max_context}]")
+        self._check_room(self.sequence_bytes(length), length)
+        try:
+            sid = int(self._core.import_sequence({k: v for k, v in arrays.items() if k != "length"}, length))
+        except ValueError as e:
+            raise EngineInputError(str(e)) from None
+        cache = Cache(self, sid)
+        cache._room = length
+        return cache
 
     # ---------------------------------------------------------------- memory
     def sequence_memory(self, length: int) -> dict[str, int]:

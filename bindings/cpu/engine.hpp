@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "../engine_types.hpp"
+#include "../state_io.hpp"
 #include "cdot.hpp"
 #include "ep.hpp"
 #include "expf.hpp"
@@ -45,6 +46,7 @@ using glm::stage_by_name;
 using glm::Injection;
 using glm::CaptureRecord;
 using glm::StepOutput;
+using glm::StateTensor;
 
 // ---- non-canonical switches (for demonstrating what the diff tool localizes) --------------------
 
@@ -249,6 +251,11 @@ class Engine {
     void reserve_sequence(int64_t id, int64_t positions);
     // Bytes the sequence's state holds (the capacity of its buffers, not only what is filled).
     int64_t sequence_bytes(int64_t id) const;
+    // The sequence's state in the canonical layout (bindings/state_io.hpp), and its length.
+    std::vector<StateTensor> export_sequence(int64_t id, int64_t& length) const;
+    // A new sequence of `length` positions holding the given state (checked against the layout first:
+    // std::invalid_argument naming the tensor) -> its id.
+    int64_t import_sequence(const std::vector<StateTensor>& arrays, int64_t length);
     size_t live_sequences() const {
         std::lock_guard<std::mutex> lk(mu_);
         return seqs_.size();

@@ -492,6 +492,66 @@ int64_t Engine::sequence_bytes(int64_t id) const {
     return static_cast<int64_t>(n * sizeof(float));
 }
 
+std::vector<StateTensor> Engine::export_sequence(int64_t id, int64_t& length) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
+    const Sequence& q = *it->second;
+    if (q.broken)
+        throw std::invalid_argument("sequence " + std::to_string(id) + " is unusable: an earlier step failed half-way through it");
+    length = q.length;
+    std::vector<StateTensor> out;
+    for (const glm::StateSpec& sp : glm::state_layout(cfg_, q.length)) {
+        const size_t l = static_cast<size_t>(sp.layer);
+        StateTensor t{sp.name, sp.shape, {}};
+        const std::vector<float>* src = nullptr;
+        switch (sp.part) {
+            case glm::StatePart::ConvTail: src = &q.kda[l].conv_tail; break;
+            case glm::StatePart::S: src = &q.kda[l].S; break;
+            case glm::StatePart::C: src = &q.mla[l].c; break;
+            case glm::StatePart::IndexK: src = &q.mla[l].k; break;
+            case glm::StatePart::IndexGate: src = &q.mla[l].gate; break;
+            case glm::StatePart::PoolKeys: src = &q.mla[l].pool_keys; break;
+        }
+        if (src->size() != glm::numel(sp.shape))
+            throw std::logic_error("export: " + sp.name + " holds " + std::to_string(src->size()) + " values, expected " +
+                                   std::to_string(glm::numel(sp.shape)));
+        if (sp.part == glm::StatePart::S) {
+            t.data.resize(src->size());
+            glm::transpose_heads(src->data(), t.data.data(), sp.shape[0], sp.shape[1]);
+        } else {
+            t.data = *src;
+        }
+        out.push_back(std::move(t));
+    }
+    return out;
+}
+
+int64_t Engine::import_sequence(const std::vector<StateTensor>& arrays, int64_t length) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!finalized_) throw std::logic_error("the engine's weights are not finalized");
+    const std::vector<const StateTensor*> given = glm::check_state(cfg_, arrays, length);
+    auto q = std::make_unique<Sequence>(make_sequence());
+    const std::vector<glm::StateSpec> layout = glm::state_layout(cfg_, length);
+    for (size_t i = 0; i < layout.size(); ++i) {
+        const glm::StateSpec& sp = layout[i];
+        const size_t l = static_cast<size_t>(sp.layer);
+        const std::vector<float>& v = given[i]->data;
+        switch (sp.part) {
+            case glm::StatePart::ConvTail: q->kda[l].conv_tail = v; break;
+            case glm::StatePart::S: glm::transpose_heads(v.data(), q->kda[l].S.data(), sp.shape[0], sp.shape[1]); break;
+            case glm::StatePart::C: q->mla[l].c = v; break;
+            case glm::StatePart::IndexK: q->mla[l].k = v; break;
+            case glm::StatePart::IndexGate: q->mla[l].gate = v; break;
+            case glm::StatePart::PoolKeys: q->mla[l].pool_keys = v; break;
+        }
+    }
+    q->length = length;
+    const int64_t id = next_id_++;
+    seqs_[id] = std::move(q);
+    return id;
+}
+
 // ---- the step -----------------------------------------------------------------------------------
 
 void Engine::check_hw() const {

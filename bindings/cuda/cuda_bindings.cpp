@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../pyglue.hpp"
+#include "../state_glue.hpp"
 #include "engine_api.hpp"
 
 #ifndef GLM_CUDA_MODULE
@@ -228,6 +229,13 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
                  translate([&] { pe.eng->reserve_sequence(id, positions); return 0; });
              })
         .def("sequence_bytes", [](PyEngine& pe, int64_t id) { return translate([&] { return pe.eng->sequence_bytes(id); }); })
+        .def("export_sequence", [](PyEngine& pe, int64_t id) { return glm::pyglue::export_state(*pe.eng, id); },
+             py::arg("id"))
+        .def("import_sequence",
+             [](PyEngine& pe, const py::object& arrays, const py::object& length) {
+                 return glm::pyglue::import_state(*pe.eng, arrays, length);
+             },
+             py::arg("arrays"), py::arg("length"))
         .def_property_readonly("live_sequences", [](PyEngine& pe) { return pe.eng->live_sequences(); })
         .def_property_readonly("threads", [](PyEngine& pe) { return pe.threads; })
         .def_property_readonly("weight_bytes", [](PyEngine& pe) { return pe.eng->weight_bytes(); })

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../engine_types.hpp"
+#include "../state_io.hpp"
 
 namespace glm::cuda {
 
@@ -27,6 +28,7 @@ using glm::SDType;
 using glm::Injection;
 using glm::CaptureRecord;
 using glm::StepOutput;
+using glm::StateTensor;
 
 // Expert parallelism (docs/ep.md, "GPU"): the hook moves rows between ranks. send: [rows][D] BF16 bits
 // (uint16) on the device, this rank's routed slots filled and the others zero; recv: [ranks][rows][D]
@@ -76,6 +78,12 @@ class Engine {
     void reserve_sequence(int64_t id, int64_t positions);
     // Device bytes the sequence's state holds (its buffers' sizes, not only what is filled).
     int64_t sequence_bytes(int64_t id) const;
+    // The sequence's state copied to the host in the canonical layout (bindings/state_io.hpp), and its
+    // length: the CPU engine's export of the same tokens, bit for bit.
+    std::vector<StateTensor> export_sequence(int64_t id, int64_t& length) const;
+    // A new sequence of `length` positions holding the given state (checked first: std::invalid_argument
+    // naming the tensor), copied to the device; its buffers sized as a step growing it to `length` would.
+    int64_t import_sequence(const std::vector<StateTensor>& arrays, int64_t length);
     size_t live_sequences() const;
 
     void step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,

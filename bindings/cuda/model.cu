@@ -421,6 +421,76 @@ int64_t Engine::sequence_bytes(int64_t id) const {
     return static_cast<int64_t>(n);
 }
 
+namespace {
+// The device buffer of one layout entry.
+DBuf& state_buf(Sequence& q, const glm::StateSpec& sp) {
+    const size_t l = static_cast<size_t>(sp.layer);
+    switch (sp.part) {
+        case glm::StatePart::ConvTail: return q.kda[l].conv_tail;
+        case glm::StatePart::S: return q.kda[l].S;
+        case glm::StatePart::C: return q.mla[l].c;
+        case glm::StatePart::IndexK: return q.mla[l].k;
+        case glm::StatePart::IndexGate: return q.mla[l].gate;
+        default: return q.mla[l].pk;
+    }
+}
+}  // namespace
+
+std::vector<StateTensor> Engine::export_sequence(int64_t id, int64_t& length) const {
+    auto it = p_->seqs.find(id);
+    if (it == p_->seqs.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
+    Sequence& q = *it->second;
+    length = q.length;
+    std::vector<StateTensor> out;
+    for (const glm::StateSpec& sp : glm::state_layout(p_->cfg, q.length)) {
+        StateTensor t{sp.name, sp.shape, std::vector<float>(glm::numel(sp.shape))};
+        const DBuf& b = state_buf(q, sp);
+        const size_t nb = t.data.size() * sizeof(float);
+        if (nb > b.n) throw std::logic_error("export: " + sp.name + " is larger than its device buffer");
+        if (nb == 0) {
+            out.push_back(std::move(t));
+            continue;
+        }
+        if (sp.part == glm::StatePart::S) {
+            std::vector<float> st(t.data.size());
+            check(cudaMemcpy(st.data(), b.p, nb, cudaMemcpyDeviceToHost), "export");
+            glm::transpose_heads(st.data(), t.data.data(), sp.shape[0], sp.shape[1]);
+        } else {
+            check(cudaMemcpy(t.data.data(), b.p, nb, cudaMemcpyDeviceToHost), "export");
+        }
+        out.push_back(std::move(t));
+    }
+    return out;
+}
+
+int64_t Engine::import_sequence(const std::vector<StateTensor>& arrays, int64_t length) {
+    Impl& E_ = *p_;
+    if (!E_.finalized) throw std::logic_error("the engine's weights are not finalized");
+    const std::vector<const StateTensor*> given = glm::check_state(E_.cfg, arrays, length);
+    std::unique_ptr<Sequence> q = make_sequence(E_);
+    reserve(E_, *q, length);  // the capacity a step growing a new sequence to `length` would give it
+    const std::vector<glm::StateSpec> layout = glm::state_layout(E_.cfg, length);
+    for (size_t i = 0; i < layout.size(); ++i) {
+        const glm::StateSpec& sp = layout[i];
+        const std::vector<float>& v = given[i]->data;
+        const size_t nb = v.size() * sizeof(float);
+        if (nb == 0) continue;
+        DBuf& b = state_buf(*q, sp);
+        if (nb > b.n) throw std::logic_error("import: " + sp.name + " is larger than its device buffer");
+        if (sp.part == glm::StatePart::S) {
+            std::vector<float> st(v.size());
+            glm::transpose_heads(v.data(), st.data(), sp.shape[0], sp.shape[1]);
+            check(cudaMemcpy(b.p, st.data(), nb, cudaMemcpyHostToDevice), "import");
+        } else {
+            check(cudaMemcpy(b.p, v.data(), nb, cudaMemcpyHostToDevice), "import");
+        }
+    }
+    q->length = length;
+    const int64_t id = E_.next_id++;
+    E_.seqs[id] = std::move(q);
+    return id;
+}
+
 size_t Engine::live_sequences() const { return p_->seqs.size(); }
 
 // ---- the step -------------------------------------------------------------------------------------

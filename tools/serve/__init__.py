@@ -2,6 +2,7 @@
 
     oracle serve --checkpoint DIR [--engine cpu|cuda[:options]] [--host 127.0.0.1] [--port 8000]
                  [--max-batch N] [--max-queue N] [--max-step-tokens N] [--prefix-cache-mb N] [--prefix-block N]
+                 [--prefix-cache-dir DIR] [--prefix-cache-disk-mb N]
                  [--speculate ngram:K|model:DIR:K]
     python -m tools.serve ...            the same without the `oracle` command
 
@@ -29,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-step-tokens", type=int, default=512, help="prompt + decode tokens in one engine step")
     p.add_argument("--prefix-cache-mb", type=float, default=0,
                    help="memory for snapshots of prompt prefixes, reused by later prompts that start the same (0: off)")
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="also keep the prefix cache's snapshots as files in DIR, found again after a restart")
+    p.add_argument("--prefix-cache-disk-mb", type=float, default=1024,
+                   help="disk for those files; the least recently used are deleted beyond it")
     p.add_argument("--prefix-block", type=int, default=16,
                    help="prefix cache granularity: snapshots are taken at multiples of this many prompt tokens")
     p.add_argument("--speculate", default=None, metavar="ngram:K|model:DIR:K",
@@ -54,6 +59,8 @@ def build_server(args):
                          ("--prefix-block", args.prefix_block, 1)):
         if v < low:
             raise ValueError(f"{flag} must be >= {low}, got {v}")
+    if args.prefix_cache_dir is not None and (not args.prefix_cache_mb or args.prefix_cache_disk_mb <= 0):
+        raise ValueError("--prefix-cache-dir needs --prefix-cache-mb > 0 and --prefix-cache-disk-mb > 0")
     if args.speculate is not None:
         from fast.speculate import parse_speculate
         parse_speculate(args.speculate)            # refused before the engine is loaded
@@ -61,6 +68,7 @@ def build_server(args):
     return Server(engine, args.checkpoint, args.engine, model_name=args.model_name, max_batch=args.max_batch,
                   max_queue=args.max_queue, max_step_tokens=args.max_step_tokens, chat_template=args.chat_template,
                   prefix_cache_mb=args.prefix_cache_mb, prefix_block=args.prefix_block,
+                  prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk_mb=args.prefix_cache_disk_mb,
                   speculate=getattr(args, "speculate", None))
 
 

@@ -28,6 +28,7 @@ from oracle.sampling import SAMPLING_VERSION, SamplingParams
 
 from .metrics import Metrics
 from .prefix import PrefixCache
+from .prefix_disk import DiskTier
 from .scheduler import QueueFull, Request, Scheduler
 
 MAX_TOP_LOGPROBS = 20
@@ -85,7 +86,7 @@ class Server:
     def __init__(self, engine, checkpoint, engine_spec: str = "cpu", *, model_name: str | None = None,
                  max_batch: int = 16, max_queue: int = 64, max_step_tokens: int = 512, tokenizer=None,
                  chat_template: str | None = None, prefix_cache_mb: float = 0, prefix_block: int = 16,
-                 speculate=None):
+                 prefix_cache_dir=None, prefix_cache_disk_mb: float = 1024, speculate=None):
         self.engine = engine
         self.config = engine.config
         self.checkpoint = Path(checkpoint)
@@ -99,7 +100,9 @@ class Server:
         self.fingerprint = (f"glm-exact-{_project_version()}:sampling-v{SAMPLING_VERSION}:{engine_spec}:"
                             f"{self.checkpoint.name}-{checkpoint_identity(self.checkpoint)}")
         self.metrics = Metrics()
-        self.prefix = (PrefixCache(engine, int(prefix_cache_mb * (1 << 20)), prefix_block, self.metrics)
+        disk = (DiskTier(prefix_cache_dir, int(prefix_cache_disk_mb * (1 << 20)), self.fingerprint, prefix_block)
+                if prefix_cache_dir is not None and prefix_cache_mb else None)
+        self.prefix = (PrefixCache(engine, int(prefix_cache_mb * (1 << 20)), prefix_block, self.metrics, disk)
                        if prefix_cache_mb else None)
         # speculation changes no answer, so the fingerprint does not name it
         self.drafter = open_drafter(speculate, engine) if speculate is not None else None

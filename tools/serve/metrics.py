@@ -51,6 +51,7 @@ class Metrics:
         self.prefix_looked_tokens = 0    # prompt tokens of the lookups
         self.prefix_budget = self.prefix_bytes = self.prefix_entries = 0
         self.prefix_snapshots = self.prefix_evictions = 0
+        self.prefix_disk = None          # the disk tier's counts (--prefix-cache-dir), None when off
         self.spec_enabled = False
         self.spec_verifies = 0           # a sequence's decode steps under speculation that emitted tokens
         self.spec_drafted = 0            # draft tokens verified
@@ -92,6 +93,10 @@ class Metrics:
             self.prefix_enabled = True
             self.prefix_budget, self.prefix_bytes, self.prefix_entries = budget, held, entries
             self.prefix_snapshots, self.prefix_evictions = snapshots, evictions
+
+    def prefix_disk_state(self, **counts: int) -> None:
+        with self._lock:
+            self.prefix_disk = dict(counts)
 
     def speculation(self, drafted: int, accepted: int) -> None:
         with self._lock:
@@ -149,6 +154,10 @@ class Metrics:
                     ("glm_prefix_cache_budget_bytes", "gauge", "The prefix cache's budget (--prefix-cache-mb).", self.prefix_budget),
                 ):
                     metric(name, kind, help_, [f"{name} {v}"])
+            if self.prefix_disk is not None:
+                for key, kind, help_ in _DISK_METRICS:
+                    name = f"glm_prefix_cache_disk_{key}" + ("_total" if kind == "counter" else "")
+                    metric(name, kind, help_, [f"{name} {self.prefix_disk[key]}"])
             if self.spec_enabled:
                 for name, help_, v in (
                     ("glm_spec_verify_steps_total", "Decode steps of a sequence under speculation (--speculate).", self.spec_verifies),
@@ -157,3 +166,15 @@ class Metrics:
                 ):
                     metric(name, "counter", help_, [f"{name} {v}"])
             return "\n".join(L) + "\n"
+
+
+# the disk tier's metrics (tools/serve/prefix.py, DiskTier): glm_prefix_cache_disk_<key>[_total]
+_DISK_METRICS = (
+    ("hits", "counter", "Requests that resumed from a snapshot read from --prefix-cache-dir."),
+    ("writes", "counter", "Snapshot files written."),
+    ("skipped", "counter", "Files skipped: corrupt, of another server (fingerprint) or block size."),
+    ("evictions", "counter", "Snapshot files deleted to stay within --prefix-cache-disk-mb."),
+    ("files", "gauge", "Snapshot files of this server in the directory."),
+    ("bytes", "gauge", "Bytes of those files."),
+    ("budget_bytes", "gauge", "The disk tier's budget (--prefix-cache-disk-mb)."),
+)
