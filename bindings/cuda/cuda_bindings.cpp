@@ -95,7 +95,8 @@ constexpr FlagOption kFlagOptions[] = {{"pdl", &EngineOptions::pdl},
                                        {"tune", &EngineOptions::tune},
                                        {"stream_early", &EngineOptions::stream_early},
                                        {"hc_fuse", &EngineOptions::hc_fuse},
-                                       {"pinned_logits", &EngineOptions::pinned_logits}};
+                                       {"pinned_logits", &EngineOptions::pinned_logits},
+                                       {"gemm", &EngineOptions::gemm}};
 
 // From a dict of some of their names; unknown names and wrong types are refused.
 EngineOptions options_from_dict(const py::dict& d) {

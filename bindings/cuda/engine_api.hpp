@@ -53,6 +53,7 @@ struct EngineOptions {
     bool hc_fuse = true;        // hc_expand deferred into the next site's k_hc_mix where nothing observes it
     int expert_tile = 0;        // pairs per routed-expert work item for batches: 1, 4 or 8; 0 the engine's rule
     bool pinned_logits = true;  // decode-sized logits copied straight into page-locked arrays (the bindings)
+    bool gemm = true;           // several-token linear launches take the register-tiled kernel where it applies
 };
 
 class Engine {

@@ -19,6 +19,7 @@
 #include "lin_register.cuh"
 #include "lin_staged.cuh"
 #include "lin_tiled.cuh"
+#include "lin_gemm.cuh"
 #include "lin_stream.cuh"
 
 namespace glm::cuda {
@@ -155,6 +156,37 @@ void launch_mt_dec(const LinArgs& a, dim3 grid) {
 template <int FMT, bool EXPERT, int TT>
 void launch_mt(const LinArgs& a, dim3 grid) {
     with_dec<FMT, false>(a.dec, [&](auto dec) { launch_mt_dec<FMT, EXPERT, TT, decltype(dec)::value>(a, grid); });
+}
+
+// The register-tiled kernel: what the tiled kernel takes, several tokens (or expert items of several
+// pairs). The engine takes it (option gemm) for kGemmMinT tokens or more, and for expert items of 8
+// pairs (its expert tile is 64 rows x 8 pairs); fewer tokens keep the tiled kernel, whose 4- and
+// 8-token tiles waste nothing there.
+constexpr int kGemmMinT = 16;
+bool gemm_applies(const LinArgs& a, bool expert) {
+    return tiled_applies(a, expert) && (expert ? a.tile_pairs > 1 : a.T > 1);
+}
+bool gemm_chosen(const LinArgs& a, bool expert) {
+    return launch_options().gemm && gemm_applies(a, expert) && (expert ? a.tile_pairs >= 8 : a.T >= kGemmMinT);
+}
+template <int FMT, bool EXPERT, int DEC>
+void launch_gemm_dec(const LinArgs& a, dim3 grid) {
+    constexpr int TG = EXPERT ? 2 : 4;
+    auto k = k_linear_gemm<FMT, EXPERT, DEC, TG>;
+    constexpr size_t smem = static_cast<size_t>(gm_smem_bytes<FMT, TG>());
+    allow_smem(k, smem);
+    grid.x = static_cast<unsigned>((a.R + gm_rows<TG>() - 1) / gm_rows<TG>());
+    if (!EXPERT) {
+        const int64_t ty = (static_cast<int64_t>(a.T) + gm_tokens<TG>() - 1) / gm_tokens<TG>();
+        if (ty > 65535) throw std::invalid_argument("linear: at most 65535 token tiles per launch");
+        grid.y = static_cast<unsigned>(ty);
+        grid.z = 1;
+    }
+    GLM_LAUNCH(k, grid, kGmThreads, smem, a);
+}
+template <int FMT, bool EXPERT>
+void launch_gemm(const LinArgs& a, dim3 grid) {
+    with_dec<FMT, true>(a.dec, [&](auto dec) { launch_gemm_dec<FMT, EXPERT, decltype(dec)::value>(a, grid); });
 }
 
 // The streaming kernel: one token row (or expert items of one pair) whose rows can be copied.
@@ -294,6 +326,14 @@ struct WideLaunch {
     static bool run(const LinArgs& a, dim3, const LinChoice& c) {
         if (!wide_applies(a, EXPERT)) return false;
         launch_wide<FMT>(a, c.lpt);
+        return true;
+    }
+};
+template <int FMT, bool EXPERT>
+struct GemmLaunch {
+    static bool run(const LinArgs& a, dim3 grid, const LinChoice&) {
+        if (!gemm_applies(a, EXPERT)) return false;
+        launch_gemm<FMT, EXPERT>(a, grid);
         return true;
     }
 };
@@ -439,6 +479,17 @@ const LinKernel kLinKernels[] = {
          return d != 0;
      },
      launches_of<StreamLaunch>()},
+    // "gemm" (several tokens or expert items of several pairs; never a one-token candidate)
+    {LinKind::Gemm, "gemm", "gemm kernel",
+     [](const LinArgs& a, bool expert, const LinChoice&) { return gemm_applies(a, expert); },
+     [](const LinArgs&, bool, std::vector<LinChoice>&) {},
+     [](const LinChoice&) { return std::string("gemm"); },
+     [](const std::string& spec, LinChoice& c) {
+         if (spec != "gemm") return false;
+         c = variant(LinKind::Gemm);
+         return true;
+     },
+     launches_of<GemmLaunch>()},
 };
 
 const LinKernel& lin_kernel(LinKind kind) {
@@ -564,8 +615,12 @@ void launch_fmt(const LinArgs& a, dim3 grid) {
             else c.kind = staged ? LinKind::Staged : LinKind::Register;
         }
         if (launch_one_token<FMT, EXPERT>(a, grid, c)) return;
-    } else {
-        if (!a.no_staged && tiled_applies(a, EXPERT)) {
+    } else if (!a.no_staged) {  // forced: the gemm or the tiled kernel; else the register-tiled kernel where chosen
+        const LinKind k = a.choice.kind;
+        if (k == LinKind::Gemm || (k == LinKind::Auto && gemm_chosen(a, EXPERT))) {
+            if (GemmLaunch<FMT, EXPERT>::run(a, grid, a.choice)) return;
+        }
+        if (tiled_applies(a, EXPERT)) {
             launch_mt<FMT, EXPERT, TT>(a, grid);
             return;
         }
@@ -769,7 +824,7 @@ namespace {
 // kernel: "auto" (the engine's choice), "staged" (the engine's choice where the staged kernel applies,
 // refused elsewhere) or a variant of kLinKernels ("register", "register:occ5|6", "register:w4|2",
 // "stream:1|2|3[x]", "tiled", "tiled:1", "staged:LPT:XS[:RPB:CPS]") -> the forced choice; no_staged:
-// "register" (several tokens too); "tiled" gives expert work items of tile_for(T) pairs, "tiled:1" of one.
+// "register" (several tokens too); "tiled" and "gemm" give expert work items of tile_for(T) pairs, "tiled:1" of one.
 LinChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     no_staged = kernel == "register";
     require_staged = kernel.rfind("staged", 0) == 0;
@@ -779,7 +834,7 @@ LinChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require
         if (k.parse(kernel, c)) return c;
     throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occ5', 'register:occ6', "
                                 "'register:w4', 'register:w2' (one token, dense, FP8 or BF16), "
-                                "'stream:1|2|3' (x: x staged), 'tiled', "
+                                "'stream:1|2|3' (x: x staged), 'tiled', 'gemm', "
                                 "'tiled:1', 'staged' or "
                                 "'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
@@ -919,7 +974,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         // one expert (the matrix), each token row its own work item of one pair
         const void* tab[2] = {dd, ds};
         check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
-        const int tile = kernel == "tiled" ? tile_for(T) : 1;
+        const int tile = kernel == "tiled" || kernel == "gemm" ? tile_for(T) : 1;
         const std::vector<int> it = expert_items(T, 1, tile);
         check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "linear: items");
         set_expert_args(a, dtab, ditems, T, 1, tile);

@@ -1,0 +1,239 @@
+// The register-tiled several-token kernel (k_linear_gemm).
+// Part of weights.cu's translation unit (included there once, inside its anonymous namespace, so
+// that every kernel keeps one definition and its name); not a header for other files.
+#pragma once
+
+namespace glm::cuda {
+namespace {
+
+// ---- the register-tiled kernel ------------------------------------------------------------------
+//
+// Y[t][r] = cdot(W[r], X[t]) for a tile of rows x tokens (or an expert work item's pairs). Each output
+// is 64 FMA chains P[g][l] (chain k = 8g + l takes the columns 64c + k, c in order); chains, rows and
+// tokens are independent, so this is 64 small GEMMs of depth C/64 side by side, one per chain, whose
+// results are folded by the canonical trees once at the end. A thread owns 4 consecutive chains
+// (q = 2g + h: chains 8g + 4h .. + 3) of 4 rows x 4 tokens (kGmTG = 4; 8 x 2 for expert items of eight
+// pairs): 64 accumulators fed per chunk by 4 + 4 vector loads from shared memory (16 FMAs per loaded
+// float4, every one a step of its own chain in chunk order). Warp w holds g = w % 8 (both halves h) of
+// a 16-row set: within a warp the 4 x 16-byte words of a load are 8 distinct ones (one wavefront).
+//
+// Per slab of kGmS chunks: the block's weight rows (raw bytes) and its tokens' x rows (f32) arrive by
+// cp.async (kGmStages - 1 slabs in flight); each weight of the slab is then decoded ONCE into an f32
+// slab in shared memory (every token of the tile reads that one value), exactly as the other kernels
+// decode it in registers (decode_smem); the x rows are read where they were copied. Rows of both are
+// padded by 8 floats so that the 4 rows or tokens of a load fall on distinct banks.
+//
+// The fold (after the last chunk): P[g] += P[g + w] for w = 4, 2, 1 across the warps through shared
+// memory (the warps of g in [w, 2w) write, those of g < w add), then in the g = 0 warps the lane tree:
+// lanes l and l + 4 sit in threads h = 0 and h = 1 (a shuffle), l + 2 and l + 1 in registers.
+constexpr int kGmThreads = 512;
+constexpr int kGmS = 4;        // chunks per slab
+constexpr int kGmStages = 3;   // cp.async slabs (kGmStages - 1 in flight while one is consumed)
+constexpr int kGmPad = 8;      // floats of padding per staged row
+constexpr int kGmRowF = kGmS * 64 + kGmPad;  // floats per staged x row and per decoded weight row
+template <int TG>
+constexpr int gm_rows() {  // rows per block: two sets of 4 * (16 / TG)
+    return 2 * 4 * (16 / TG);
+}
+template <int TG>
+constexpr int gm_tokens() {  // tokens (or pairs) per block
+    return 4 * TG;
+}
+template <int FMT, int TG>
+constexpr int gm_stage_bytes() {  // raw weight bytes, then x
+    return gm_rows<TG>() * kGmS * chunk_bytes<FMT>() + gm_tokens<TG>() * kGmRowF * 4;
+}
+template <int FMT, int TG>
+constexpr int gm_smem_bytes() {
+    const int pipe = kGmStages * gm_stage_bytes<FMT, TG>() + gm_rows<TG>() * kGmRowF * 4;
+    const int fold = 2 * 4 * 64 * 32 * 4;  // [set][slot 0..3][element][lane]
+    return pipe > fold ? pipe : fold;
+}
+
+template <int FMT, bool EXPERT, int DEC, int TG>
+__global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
+    pdl_enter();
+    GLM_DYN_SMEM(unsigned char, sm);
+    constexpr int CB = chunk_bytes<FMT>(), RG = 16 / TG, BM = gm_rows<TG>(), BN = gm_tokens<TG>();
+    constexpr int WRAW = kGmS * CB;                     // raw bytes of one row in a slab
+    constexpr int SBYTES = gm_stage_bytes<FMT, TG>();
+    constexpr int GROUPS = BM * kGmS * 8;               // groups of eight weights to decode per slab
+    __shared__ const unsigned char* rowp[BM];
+    __shared__ const float* xrow[BN];
+    float* const Fw = reinterpret_cast<float*>(sm + kGmStages * SBYTES);
+    const int64_t C = a.C;
+    const int nchunks = static_cast<int>(C / 64);
+    const int nst = (nchunks + kGmS - 1) / kGmS;
+    const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+    const int set = warp >> 3, g = warp & 7, h = lane >> 4, rg = (lane & 15) / TG, tg = (lane & 15) % TG;
+    const int q4 = 4 * (2 * g + h);  // the first of this thread's four chains (8g + 4h)
+    const int my_r0 = set * (BM / 2) + rg;  // rows my_r0 + RG i, tokens tg + TG j of the tile
+    const int row_base = static_cast<int>(blockIdx.x) * BM;
+    const int64_t rb = row_bytes(FMT, C);
+    auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
+        r = r < a.R ? r : a.R - 1;
+        return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
+    };
+    // the decode groups of this thread (fixed over slabs): row, chunk in the slab, eight lanes
+    int64_t dscale[(GROUPS + kGmThreads - 1) / kGmThreads];
+#pragma unroll
+    for (int k = 0; k * kGmThreads < GROUPS; ++k) {
+        const int gi = tid + k * kGmThreads;
+        const int64_t ar = abs_row(row_base + gi / (kGmS * 8));
+        dscale[k] = FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) : 0);
+    }
+    const int n_items = EXPERT ? *a.n_items : 1;
+    for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
+         item += EXPERT ? static_cast<int>(gridDim.y) : 1) {
+        const void* data = a.data;
+        const void* scale = a.scale;
+        int cnt, start = 0;
+        if constexpr (EXPERT) {
+            const bool second = blockIdx.z != 0;
+            data = (second ? a.dtab2 : a.dtab)[a.items[3 * item]];
+            scale = (second ? a.stab2 : a.stab)[a.items[3 * item]];
+            start = a.items[3 * item + 1];
+            cnt = a.items[3 * item + 2];
+        } else {
+            start = static_cast<int>(blockIdx.y) * BN;
+            cnt = a.T - start < BN ? a.T - start : BN;
+        }
+        __syncthreads();  // the previous item's fold is read before rowp, xrow and the buffers change
+        if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(data) + abs_row(row_base + tid) * rb;
+        if (tid < BN) {  // slots past cnt compute the last token again (not stored)
+            const int j = tid < cnt ? tid : cnt - 1;
+            int64_t xr;
+            if constexpr (EXPERT) xr = pair_xrow(a, a.pairs[start + j]);
+            else xr = static_cast<int64_t>(start) + j;
+            xrow[tid] = a.X + xr * a.ldx;
+        }
+        __syncthreads();
+        auto issue = [&](int s) {
+            const int c0 = s * kGmS;
+            const int nc = nchunks - c0 < kGmS ? nchunks - c0 : kGmS;
+            unsigned char* buf = sm + (s % kGmStages) * SBYTES;
+            const int ppr = nc * CB / 16;  // 16-byte pieces per weight row in this slab
+            for (int p = tid; p < BM * ppr; p += kGmThreads) {
+                const int i = p / ppr, k = p - i * ppr;
+                cp_async16(buf + i * WRAW + 16 * k, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * k);
+            }
+            float* xs = reinterpret_cast<float*>(buf + BM * WRAW);
+            for (int p = tid; p < BN * nc * 16; p += kGmThreads) {
+                const int j = p / (nc * 16), k = p - j * (nc * 16);
+                cp_async16(xs + j * kGmRowF + 4 * k, xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * k);
+            }
+        };
+        float acc[4][4][4];  // [row i][token j][chain m]
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int m = 0; m < 4; ++m) acc[i][j][m] = 0.0f;
+        auto chunk = [&](const float* xs, int u) {
+            const int off = 64 * u + q4;
+            float4 xv[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) xv[j] = *reinterpret_cast<const float4*>(xs + (tg + TG * j) * kGmRowF + off);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float4 wv = *reinterpret_cast<const float4*>(Fw + (my_r0 + RG * i) * kGmRowF + off);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    acc[i][j][0] = ffma(wv.x, xv[j].x, acc[i][j][0]);
+                    acc[i][j][1] = ffma(wv.y, xv[j].y, acc[i][j][1]);
+                    acc[i][j][2] = ffma(wv.z, xv[j].z, acc[i][j][2]);
+                    acc[i][j][3] = ffma(wv.w, xv[j].w, acc[i][j][3]);
+                }
+            }
+        };
+        for (int s = 0; s < kGmStages - 1; ++s) {
+            if (s < nst) issue(s);
+            cp_async_commit();
+        }
+        for (int s = 0; s < nst; ++s) {
+            cp_async_wait<kGmStages - 2>();
+            __syncthreads();  // slab s is in; every thread is done with slab s - 1 (its buffer and Fw)
+            if (s + kGmStages - 1 < nst) issue(s + kGmStages - 1);
+            cp_async_commit();
+            const int c0 = s * kGmS;
+            const int nc = nchunks - c0 < kGmS ? nchunks - c0 : kGmS;
+            const unsigned char* buf = sm + (s % kGmStages) * SBYTES;
+#pragma unroll
+            for (int k = 0; k * kGmThreads < GROUPS; ++k) {
+                const int gi = tid + k * kGmThreads;
+                if (gi < GROUPS) {
+                    const int i = gi / (kGmS * 8), u = (gi / 8) % kGmS, g8 = gi % 8;
+                    if (u < nc) {
+                        const int64_t col = 64 * static_cast<int64_t>(c0 + u) + 8 * g8;
+                        float sc = 0.0f;
+                        if constexpr (FMT == W_FP8) {
+                            sc = __ldg(static_cast<const float*>(scale) + dscale[k] + col / 128);
+                        } else if constexpr (FMT == W_MXFP4) {
+                            const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + dscale[k] + col / 32);
+                            sc = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
+                        }
+                        float w[8];
+                        decode_smem<FMT, DEC, 8>(buf + i * WRAW + u * CB + g8 * (CB / 8), sc, w);
+                        float* d = Fw + i * kGmRowF + 64 * u + 8 * g8;
+                        *reinterpret_cast<float4*>(d) = make_float4(w[0], w[1], w[2], w[3]);
+                        *reinterpret_cast<float4*>(d + 4) = make_float4(w[4], w[5], w[6], w[7]);
+                    }
+                }
+            }
+            __syncthreads();  // the slab's weights are decoded
+            const float* xs = reinterpret_cast<const float*>(buf + BM * WRAW);
+            if (nc == kGmS) {
+#pragma unroll
+                for (int u = 0; u < kGmS; ++u) chunk(xs, u);
+            } else {
+                for (int u = 0; u < nc; ++u) chunk(xs, u);
+            }
+        }
+        cp_async_wait<0>();
+        // the accumulator tree across the warps of a set: P[g] += P[g + w] for w = 4, 2, 1
+        float* const red = reinterpret_cast<float*>(sm) + set * (4 * 64 * 32);
+#pragma unroll
+        for (int w = 4; w >= 1; w >>= 1) {
+            __syncthreads();  // (w = 4: every warp is done with the last slab)
+            if (g >= w && g < 2 * w) {
+#pragma unroll
+                for (int e = 0; e < 64; ++e) red[((g - w) * 64 + e) * 32 + lane] = acc[e >> 4][(e >> 2) & 3][e & 3];
+            }
+            __syncthreads();
+            if (g < w) {
+#pragma unroll
+                for (int e = 0; e < 64; ++e)
+                    acc[e >> 4][(e >> 2) & 3][e & 3] = add(acc[e >> 4][(e >> 2) & 3][e & 3], red[(g * 64 + e) * 32 + lane]);
+            }
+        }
+        // the lane tree of P[0] (warps g = 0): l += l + 4 (thread h = 1 to h = 0), then l + 2, l + 1
+        float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = row_base + my_r0 + RG * i;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float (&p)[4] = acc[i][j];
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    const float o = __shfl_down_sync(kFull, p[m], 16);
+                    p[m] = add(p[m], o);  // (meaningful on h = 0)
+                }
+                p[0] = add(p[0], p[2]);
+                p[1] = add(p[1], p[3]);
+                p[0] = add(p[0], p[1]);
+                const int slot = tg + TG * j;
+                if (g == 0 && h == 0 && r < a.R && slot < cnt) {
+                    int64_t yrow;
+                    if constexpr (EXPERT) yrow = a.pairs[start + slot];
+                    else yrow = static_cast<int64_t>(start) + slot;
+                    Y[yrow * a.ldy + r] = a.round ? bf16r(p[0]) : p[0];
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+}  // namespace glm::cuda
