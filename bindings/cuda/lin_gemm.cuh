@@ -75,12 +75,13 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
     };
     // the decode groups of this thread (fixed over slabs): row, chunk in the slab, eight lanes
-    int64_t dscale[(GROUPS + kGmThreads - 1) / kGmThreads];
+    // (32-bit scale offsets: gemm_applies bounds them)
+    int dscale[(GROUPS + kGmThreads - 1) / kGmThreads];
 #pragma unroll
     for (int k = 0; k * kGmThreads < GROUPS; ++k) {
         const int gi = tid + k * kGmThreads;
         const int64_t ar = abs_row(row_base + gi / (kGmS * 8));
-        dscale[k] = FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) : 0);
+        dscale[k] = static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) : 0));
     }
     const int n_items = EXPERT ? *a.n_items : 1;
     for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
@@ -183,12 +184,9 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             }
             __syncthreads();  // the slab's weights are decoded
             const float* xs = reinterpret_cast<const float*>(buf + BM * WRAW);
-            if (nc == kGmS) {
-#pragma unroll
-                for (int u = 0; u < kGmS; ++u) chunk(xs, u);
-            } else {
-                for (int u = 0; u < nc; ++u) chunk(xs, u);
-            }
+            // (not unrolled: with the next chunk's loads hoisted, 128 registers spill)
+#pragma unroll 1
+            for (int u = 0; u < nc; ++u) chunk(xs, u);
         }
         cp_async_wait<0>();
         // the accumulator tree across the warps of a set: P[g] += P[g + w] for w = 4, 2, 1
