@@ -17,20 +17,18 @@ namespace {
 // float4, every one a step of its own chain in chunk order). Warp w holds g = w % 8 (both halves h) of
 // a 16-row set: within a warp the 4 x 16-byte words of a load are 8 distinct ones (one wavefront).
 //
-// Per slab of kGmS chunks: the block's weight rows (raw bytes) and its tokens' x rows (f32) arrive by
-// cp.async (kGmStages - 1 slabs in flight); each weight of the slab is then decoded ONCE into an f32
-// slab in shared memory (every token of the tile reads that one value), exactly as the other kernels
-// decode it in registers (decode_smem); the x rows are read where they were copied. Rows of both are
-// padded by 8 floats so that the 4 rows or tokens of a load fall on distinct banks.
+// Per slab of S chunks (gm_slab): the block's weight rows (raw bytes) and its tokens' x rows (f32)
+// arrive by cp.async (gm_stages: up to two slabs in flight); each weight of a slab is decoded ONCE
+// into an f32 slab in shared memory (every token of the tile reads that one value), exactly as the
+// other kernels decode it in registers (decode_smem), one slab ahead of its use (two decoded buffers,
+// one barrier per slab); the x rows are read where they were copied. Rows of both are padded by 8
+// floats so that the 4 rows or tokens of a load fall on distinct banks.
 //
 // The fold (after the last chunk): P[g] += P[g + w] for w = 4, 2, 1 across the warps through shared
 // memory (the warps of g in [w, 2w) write, those of g < w add), then in the g = 0 warps the lane tree:
 // lanes l and l + 4 sit in threads h = 0 and h = 1 (a shuffle), l + 2 and l + 1 in registers.
 constexpr int kGmThreads = 512;
-constexpr int kGmS = 4;        // chunks per slab
-constexpr int kGmStages = 3;   // cp.async slabs (kGmStages - 1 in flight while one is consumed)
-constexpr int kGmPad = 8;      // floats of padding per staged row
-constexpr int kGmRowF = kGmS * 64 + kGmPad;  // floats per staged x row and per decoded weight row
+constexpr int kGmPad = 8;  // floats of padding per staged row
 template <int TG>
 constexpr int gm_rows() {  // rows per block: two sets of 4 * (16 / TG)
     return 2 * 4 * (16 / TG);
@@ -39,13 +37,31 @@ template <int TG>
 constexpr int gm_tokens() {  // tokens (or pairs) per block
     return 4 * TG;
 }
+// Chunks per slab and cp.async stages (slabs in flight: stages - 2 while one is decoded and one used):
+// as many as fit beside the two decoded slabs in 227 KB.
+template <int FMT, int TG>
+constexpr int gm_slab() {
+    return TG == 2 && (FMT == W_BF16 || FMT == W_F32) ? 2 : 4;
+}
+template <int FMT, int TG>
+constexpr int gm_rowf() {  // floats per staged x row and per decoded weight row
+    return gm_slab<FMT, TG>() * 64 + kGmPad;
+}
 template <int FMT, int TG>
 constexpr int gm_stage_bytes() {  // raw weight bytes, then x
-    return gm_rows<TG>() * kGmS * chunk_bytes<FMT>() + gm_tokens<TG>() * kGmRowF * 4;
+    return gm_rows<TG>() * gm_slab<FMT, TG>() * chunk_bytes<FMT>() + gm_tokens<TG>() * gm_rowf<FMT, TG>() * 4;
+}
+template <int FMT, int TG>
+constexpr int gm_fw_bytes() {  // the two decoded slabs
+    return 2 * gm_rows<TG>() * gm_rowf<FMT, TG>() * 4;
+}
+template <int FMT, int TG>
+constexpr int gm_stages() {
+    return gm_fw_bytes<FMT, TG>() + 4 * gm_stage_bytes<FMT, TG>() <= 227 * 1024 ? 4 : 3;
 }
 template <int FMT, int TG>
 constexpr int gm_smem_bytes() {
-    const int pipe = kGmStages * gm_stage_bytes<FMT, TG>() + gm_rows<TG>() * kGmRowF * 4;
+    const int pipe = gm_stages<FMT, TG>() * gm_stage_bytes<FMT, TG>() + gm_fw_bytes<FMT, TG>();
     const int fold = 2 * 4 * 64 * 32 * 4;  // [set][slot 0..3][element][lane]
     return pipe > fold ? pipe : fold;
 }
@@ -55,15 +71,19 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
     constexpr int CB = chunk_bytes<FMT>(), RG = 16 / TG, BM = gm_rows<TG>(), BN = gm_tokens<TG>();
-    constexpr int WRAW = kGmS * CB;                     // raw bytes of one row in a slab
+    constexpr int S = gm_slab<FMT, TG>(), ST = gm_stages<FMT, TG>(), RF = gm_rowf<FMT, TG>();
+    constexpr int WRAW = S * CB;                      // raw bytes of one row in a slab
     constexpr int SBYTES = gm_stage_bytes<FMT, TG>();
-    constexpr int GROUPS = BM * kGmS * 8;               // groups of eight weights to decode per slab
+    constexpr int GROUPS = BM * S * 8;                // groups of eight weights to decode per slab
+    constexpr int NG = (GROUPS + kGmThreads - 1) / kGmThreads;
+    static_assert(GROUPS % kGmThreads == 0, "every thread decodes the same number of groups");
+    static_assert(gm_smem_bytes<FMT, TG>() <= 227 * 1024, "shared memory");
     __shared__ const unsigned char* rowp[BM];
     __shared__ const float* xrow[BN];
-    float* const Fw = reinterpret_cast<float*>(sm + kGmStages * SBYTES);
+    float* const Fw = reinterpret_cast<float*>(sm + ST * SBYTES);  // two decoded slabs
     const int64_t C = a.C;
     const int nchunks = static_cast<int>(C / 64);
-    const int nst = (nchunks + kGmS - 1) / kGmS;
+    const int nst = (nchunks + S - 1) / S;
     const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
     const int set = warp >> 3, g = warp & 7, h = lane >> 4, rg = (lane & 15) / TG, tg = (lane & 15) % TG;
     const int q4 = 4 * (2 * g + h);  // the first of this thread's four chains (8g + 4h)
@@ -74,13 +94,13 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         r = r < a.R ? r : a.R - 1;
         return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
     };
-    // the decode groups of this thread (fixed over slabs): row, chunk in the slab, eight lanes
-    // (32-bit scale offsets: gemm_applies bounds them)
-    int dscale[(GROUPS + kGmThreads - 1) / kGmThreads];
+    // this thread's decode groups (the same in every slab): group tid + k * threads is row gi / (8S),
+    // chunk (gi / 8) % S of the slab, lanes 8 (gi % 8) .. + 7; their scales' offsets (32-bit: gemm_applies)
+    int dscale[NG];
 #pragma unroll
-    for (int k = 0; k * kGmThreads < GROUPS; ++k) {
+    for (int k = 0; k < NG; ++k) {
         const int gi = tid + k * kGmThreads;
-        const int64_t ar = abs_row(row_base + gi / (kGmS * 8));
+        const int64_t ar = abs_row(row_base + gi / (S * 8));
         dscale[k] = static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) : 0));
     }
     const int n_items = EXPERT ? *a.n_items : 1;
@@ -110,9 +130,9 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         }
         __syncthreads();
         auto issue = [&](int s) {
-            const int c0 = s * kGmS;
-            const int nc = nchunks - c0 < kGmS ? nchunks - c0 : kGmS;
-            unsigned char* buf = sm + (s % kGmStages) * SBYTES;
+            const int c0 = s * S;
+            const int nc = nchunks - c0 < S ? nchunks - c0 : S;
+            unsigned char* buf = sm + (s % ST) * SBYTES;
             const int ppr = nc * CB / 16;  // 16-byte pieces per weight row in this slab
             for (int p = tid; p < BM * ppr; p += kGmThreads) {
                 const int i = p / ppr, k = p - i * ppr;
@@ -121,7 +141,43 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             float* xs = reinterpret_cast<float*>(buf + BM * WRAW);
             for (int p = tid; p < BN * nc * 16; p += kGmThreads) {
                 const int j = p / (nc * 16), k = p - j * (nc * 16);
-                cp_async16(xs + j * kGmRowF + 4 * k, xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * k);
+                cp_async16(xs + j * RF + 4 * k, xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * k);
+            }
+        };
+        // the scales of slab s's groups (loaded a slab ahead of their decode)
+        auto load_scales = [&](int s, float (&sc)[NG]) {
+#pragma unroll
+            for (int k = 0; k < NG; ++k) {
+                const int gi = tid + k * kGmThreads, u = (gi / 8) % S;
+                const int64_t col = 64 * static_cast<int64_t>(s * S + u) + 8 * (gi % 8);
+                sc[k] = 0.0f;
+                if (s < nst && s * S + u < nchunks) {
+                    if constexpr (FMT == W_FP8) {
+                        sc[k] = __ldg(static_cast<const float*>(scale) + dscale[k] + col / 128);
+                    } else if constexpr (FMT == W_MXFP4) {
+                        const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + dscale[k] + col / 32);
+                        sc[k] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
+                    }
+                }
+            }
+        };
+        // raw slab s -> decoded slab s & 1 (each weight once, as decode_smem decodes it everywhere)
+        auto decode = [&](int s, const float (&sc)[NG]) {
+            const int c0 = s * S;
+            const int nc = nchunks - c0 < S ? nchunks - c0 : S;
+            const unsigned char* buf = sm + (s % ST) * SBYTES;
+            float* F = Fw + (s & 1) * (BM * RF);
+#pragma unroll
+            for (int k = 0; k < NG; ++k) {
+                const int gi = tid + k * kGmThreads;
+                const int i = gi / (S * 8), u = (gi / 8) % S, g8 = gi % 8;
+                if (u < nc) {
+                    float w[8];
+                    decode_smem<FMT, DEC, 8>(buf + i * WRAW + u * CB + g8 * (CB / 8), sc[k], w);
+                    float* d = F + i * RF + 64 * u + 8 * g8;
+                    *reinterpret_cast<float4*>(d) = make_float4(w[0], w[1], w[2], w[3]);
+                    *reinterpret_cast<float4*>(d + 4) = make_float4(w[4], w[5], w[6], w[7]);
+                }
             }
         };
         float acc[4][4][4];  // [row i][token j][chain m]
@@ -131,14 +187,14 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             for (int j = 0; j < 4; ++j)
 #pragma unroll
                 for (int m = 0; m < 4; ++m) acc[i][j][m] = 0.0f;
-        auto chunk = [&](const float* xs, int u) {
+        auto chunk = [&](const float* xs, const float* F, int u) {
             const int off = 64 * u + q4;
             float4 xv[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) xv[j] = *reinterpret_cast<const float4*>(xs + (tg + TG * j) * kGmRowF + off);
+            for (int j = 0; j < 4; ++j) xv[j] = *reinterpret_cast<const float4*>(xs + (tg + TG * j) * RF + off);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float4 wv = *reinterpret_cast<const float4*>(Fw + (my_r0 + RG * i) * kGmRowF + off);
+                const float4 wv = *reinterpret_cast<const float4*>(F + (my_r0 + RG * i) * RF + off);
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     acc[i][j][0] = ffma(wv.x, xv[j].x, acc[i][j][0]);
@@ -148,45 +204,36 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
                 }
             }
         };
-        for (int s = 0; s < kGmStages - 1; ++s) {
+        // One barrier per slab. Iteration s: slab s + 1 is in (cp.async) and slab s decoded (the
+        // iteration before); the barrier also ends every thread's use of slab s - 1 (its stage, which
+        // slab s + ST - 1 then refills, and its decoded buffer, which slab s + 1 then takes); then
+        // decode slab s + 1 and compute slab s, whose x is read in its stage.
+        float sc[NG];
+        for (int s = 0; s < ST - 1; ++s) {
             if (s < nst) issue(s);
             cp_async_commit();
         }
+        load_scales(0, sc);
+        cp_async_wait<ST - 2>();
+        __syncthreads();
+        decode(0, sc);
+        load_scales(1, sc);
         for (int s = 0; s < nst; ++s) {
-            cp_async_wait<kGmStages - 2>();
-            __syncthreads();  // slab s is in; every thread is done with slab s - 1 (its buffer and Fw)
-            if (s + kGmStages - 1 < nst) issue(s + kGmStages - 1);
+            cp_async_wait<ST - 3>();
+            __syncthreads();
+            if (s + ST - 1 < nst) issue(s + ST - 1);
             cp_async_commit();
-            const int c0 = s * kGmS;
-            const int nc = nchunks - c0 < kGmS ? nchunks - c0 : kGmS;
-            const unsigned char* buf = sm + (s % kGmStages) * SBYTES;
-#pragma unroll
-            for (int k = 0; k * kGmThreads < GROUPS; ++k) {
-                const int gi = tid + k * kGmThreads;
-                if (gi < GROUPS) {
-                    const int i = gi / (kGmS * 8), u = (gi / 8) % kGmS, g8 = gi % 8;
-                    if (u < nc) {
-                        const int64_t col = 64 * static_cast<int64_t>(c0 + u) + 8 * g8;
-                        float sc = 0.0f;
-                        if constexpr (FMT == W_FP8) {
-                            sc = __ldg(static_cast<const float*>(scale) + dscale[k] + col / 128);
-                        } else if constexpr (FMT == W_MXFP4) {
-                            const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + dscale[k] + col / 32);
-                            sc = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
-                        }
-                        float w[8];
-                        decode_smem<FMT, DEC, 8>(buf + i * WRAW + u * CB + g8 * (CB / 8), sc, w);
-                        float* d = Fw + i * kGmRowF + 64 * u + 8 * g8;
-                        *reinterpret_cast<float4*>(d) = make_float4(w[0], w[1], w[2], w[3]);
-                        *reinterpret_cast<float4*>(d + 4) = make_float4(w[4], w[5], w[6], w[7]);
-                    }
-                }
+            if (s + 1 < nst) {
+                decode(s + 1, sc);
+                load_scales(s + 2, sc);
             }
-            __syncthreads();  // the slab's weights are decoded
-            const float* xs = reinterpret_cast<const float*>(buf + BM * WRAW);
+            const int c0 = s * S;
+            const int nc = nchunks - c0 < S ? nchunks - c0 : S;
+            const float* xs = reinterpret_cast<const float*>(sm + (s % ST) * SBYTES + BM * WRAW);
+            const float* F = Fw + (s & 1) * (BM * RF);
             // (not unrolled: with the next chunk's loads hoisted, 128 registers spill)
 #pragma unroll 1
-            for (int u = 0; u < nc; ++u) chunk(xs, u);
+            for (int u = 0; u < nc; ++u) chunk(xs, F, u);
         }
         cp_async_wait<0>();
         // the accumulator tree across the warps of a set: P[g] += P[g + w] for w = 4, 2, 1
