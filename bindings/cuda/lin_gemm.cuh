@@ -133,16 +133,21 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             const int c0 = s * S;
             const int nc = nchunks - c0 < S ? nchunks - c0 : S;
             unsigned char* buf = sm + (s % ST) * SBYTES;
-            const int ppr = nc * CB / 16;  // 16-byte pieces per weight row in this slab
-            for (int p = tid; p < BM * ppr; p += kGmThreads) {
-                const int i = p / ppr, k = p - i * ppr;
-                cp_async16(buf + i * WRAW + 16 * k, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * k);
-            }
             float* xs = reinterpret_cast<float*>(buf + BM * WRAW);
-            for (int p = tid; p < BN * nc * 16; p += kGmThreads) {
-                const int j = p / (nc * 16), k = p - j * (nc * 16);
-                cp_async16(xs + j * RF + 4 * k, xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * k);
-            }
+            auto pieces = [&](auto ncc) {  // nc as a constant for whole slabs (divisions by constants)
+                const int n = ncc;
+                const int ppr = n * CB / 16;  // 16-byte pieces per weight row in this slab
+                for (int p = tid; p < BM * ppr; p += kGmThreads) {
+                    const int i = p / ppr, k = p - i * ppr;
+                    cp_async16(buf + i * WRAW + 16 * k, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * k);
+                }
+                for (int p = tid; p < BN * n * 16; p += kGmThreads) {
+                    const int j = p / (n * 16), k = p - j * (n * 16);
+                    cp_async16(xs + j * RF + 4 * k, xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * k);
+                }
+            };
+            if (nc == S) pieces(std::integral_constant<int, S>{});
+            else pieces(nc);
         };
         // the scales of slab s's groups (loaded a slab ahead of their decode)
         auto load_scales = [&](int s, float (&sc)[NG]) {
@@ -252,28 +257,31 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
                     acc[e >> 4][(e >> 2) & 3][e & 3] = add(acc[e >> 4][(e >> 2) & 3][e & 3], red[(g * 64 + e) * 32 + lane]);
             }
         }
-        // the lane tree of P[0] (warps g = 0): l += l + 4 (thread h = 1 to h = 0), then l + 2, l + 1
+        // the lane tree of P[0] in the warps g = 0 (a warp-uniform branch): l += l + 4 (thread h = 1 to h = 0),
+        // then l + 2, l + 1
         float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
+        if (g == 0) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = row_base + my_r0 + RG * i;
+            for (int i = 0; i < 4; ++i) {
+                const int r = row_base + my_r0 + RG * i;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                float (&p)[4] = acc[i][j];
+                for (int j = 0; j < 4; ++j) {
+                    float (&p)[4] = acc[i][j];
 #pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    const float o = __shfl_down_sync(kFull, p[m], 16);
-                    p[m] = add(p[m], o);  // (meaningful on h = 0)
-                }
-                p[0] = add(p[0], p[2]);
-                p[1] = add(p[1], p[3]);
-                p[0] = add(p[0], p[1]);
-                const int slot = tg + TG * j;
-                if (g == 0 && h == 0 && r < a.R && slot < cnt) {
-                    int64_t yrow;
-                    if constexpr (EXPERT) yrow = a.pairs[start + slot];
-                    else yrow = static_cast<int64_t>(start) + slot;
-                    Y[yrow * a.ldy + r] = a.round ? bf16r(p[0]) : p[0];
+                    for (int m = 0; m < 4; ++m) {
+                        const float o = __shfl_down_sync(kFull, p[m], 16);
+                        p[m] = add(p[m], o);  // (meaningful on h = 0)
+                    }
+                    p[0] = add(p[0], p[2]);
+                    p[1] = add(p[1], p[3]);
+                    p[0] = add(p[0], p[1]);
+                    const int slot = tg + TG * j;
+                    if (h == 0 && r < a.R && slot < cnt) {
+                        int64_t yrow;
+                        if constexpr (EXPERT) yrow = a.pairs[start + slot];
+                        else yrow = static_cast<int64_t>(start) + slot;
+                        Y[yrow * a.ldy + r] = a.round ? bf16r(p[0]) : p[0];
+                    }
                 }
             }
         }
