@@ -129,25 +129,50 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             xrow[tid] = a.X + xr * a.ldx;
         }
         __syncthreads();
+        // This thread's 16-byte pieces of a whole slab (the same in every slab but for the column offset):
+        // weight piece p (< BM * PPR) is row p / PPR, bytes 16 (p % PPR); x piece p is token p / (16 S),
+        // floats 4 (p % (16 S)). A last slab of fewer chunks takes the general loop.
+        constexpr int PPR = S * CB / 16, NWP = (BM * PPR + kGmThreads - 1) / kGmThreads;
+        constexpr int NXP = (BN * S * 16 + kGmThreads - 1) / kGmThreads;
+        const unsigned char* wsrc[NWP];
+        int wdst[NWP];
+#pragma unroll
+        for (int k = 0; k < NWP; ++k) {
+            const int p = tid + k * kGmThreads, i = p / PPR < BM ? p / PPR : BM - 1;
+            wsrc[k] = rowp[i] + 16 * (p % PPR);
+            wdst[k] = p < BM * PPR ? i * WRAW + 16 * (p % PPR) : -1;
+        }
+        const float* xsrc[NXP];
+        int xdst[NXP];
+#pragma unroll
+        for (int k = 0; k < NXP; ++k) {
+            const int p = tid + k * kGmThreads, j = p / (16 * S) < BN ? p / (16 * S) : BN - 1;
+            xsrc[k] = xrow[j] + 4 * (p % (16 * S));
+            xdst[k] = p < BN * S * 16 ? BM * WRAW + 4 * (j * RF + 4 * (p % (16 * S))) : -1;
+        }
         auto issue = [&](int s) {
             const int c0 = s * S;
             const int nc = nchunks - c0 < S ? nchunks - c0 : S;
             unsigned char* buf = sm + (s % ST) * SBYTES;
+            if (nc == S) {
+#pragma unroll
+                for (int k = 0; k < NWP; ++k)
+                    if (wdst[k] >= 0) cp_async16(buf + wdst[k], wsrc[k] + static_cast<int64_t>(c0) * CB);
+#pragma unroll
+                for (int k = 0; k < NXP; ++k)
+                    if (xdst[k] >= 0) cp_async16(buf + xdst[k], xsrc[k] + 64 * static_cast<int64_t>(c0));
+                return;
+            }
             float* xs = reinterpret_cast<float*>(buf + BM * WRAW);
-            auto pieces = [&](auto ncc) {  // nc as a constant for whole slabs (divisions by constants)
-                const int n = ncc;
-                const int ppr = n * CB / 16;  // 16-byte pieces per weight row in this slab
-                for (int p = tid; p < BM * ppr; p += kGmThreads) {
-                    const int i = p / ppr, k = p - i * ppr;
-                    cp_async16(buf + i * WRAW + 16 * k, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * k);
-                }
-                for (int p = tid; p < BN * n * 16; p += kGmThreads) {
-                    const int j = p / (n * 16), k = p - j * (n * 16);
-                    cp_async16(xs + j * RF + 4 * k, xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * k);
-                }
-            };
-            if (nc == S) pieces(std::integral_constant<int, S>{});
-            else pieces(nc);
+            const int ppr = nc * CB / 16;
+            for (int p = tid; p < BM * ppr; p += kGmThreads) {
+                const int i = p / ppr, k = p - i * ppr;
+                cp_async16(buf + i * WRAW + 16 * k, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * k);
+            }
+            for (int p = tid; p < BN * nc * 16; p += kGmThreads) {
+                const int j = p / (nc * 16), k = p - j * (nc * 16);
+                cp_async16(xs + j * RF + 4 * k, xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * k);
+            }
         };
         // the scales of slab s's groups (loaded a slab ahead of their decode)
         auto load_scales = [&](int s, float (&sc)[NG]) {
