@@ -361,6 +361,7 @@ LINEAR_EMU_CASES = [
     ("emu-f32-gemm", "f32", 20, 128, 16, False, False, False),
     ("emu-fp8-experts-gemm", "fp8", 130, 448, 13, True, True, False),
     ("emu-bf16-gemm-round", "bf16", 36, 256, 18, False, False, True),
+    ("emu-fp8-gemm-32", "fp8", 20, 704, 45, False, False, False),  # 32-token tiles (16 rows), 11 chunks
 ]
 
 

@@ -172,9 +172,10 @@ bool gemm_applies(const LinArgs& a, bool expert) {
 bool gemm_chosen(const LinArgs& a, bool expert) {
     return launch_options().gemm && gemm_applies(a, expert) && (expert ? a.tile_pairs >= 8 : a.T >= kGemmMinT);
 }
-template <int FMT, bool EXPERT, int DEC>
-void launch_gemm_dec(const LinArgs& a, dim3 grid) {
-    constexpr int TG = EXPERT ? 2 : 4;
+// TG: 4 x TG tokens (pairs) and 8 x (16 / TG) rows per block; each decoded weight meets 4 TG tokens, so
+// dense launches of 32 tokens or more take 32-token tiles, fewer 16; expert items of 8 pairs take 8.
+template <int FMT, bool EXPERT, int DEC, int TG>
+void launch_gemm_tg(const LinArgs& a, dim3 grid) {
     auto k = k_linear_gemm<FMT, EXPERT, DEC, TG>;
     constexpr size_t smem = static_cast<size_t>(gm_smem_bytes<FMT, TG>());
     allow_smem(k, smem);
@@ -189,7 +190,12 @@ void launch_gemm_dec(const LinArgs& a, dim3 grid) {
 }
 template <int FMT, bool EXPERT>
 void launch_gemm(const LinArgs& a, dim3 grid) {
-    with_dec<FMT, true>(a.dec, [&](auto dec) { launch_gemm_dec<FMT, EXPERT, decltype(dec)::value>(a, grid); });
+    with_dec<FMT, true>(a.dec, [&](auto dec) {
+        constexpr int DEC = decltype(dec)::value;
+        if (EXPERT) launch_gemm_tg<FMT, EXPERT, DEC, 2>(a, grid);
+        else if (a.T >= 32) launch_gemm_tg<FMT, EXPERT, DEC, 8>(a, grid);
+        else launch_gemm_tg<FMT, EXPERT, DEC, 4>(a, grid);
+    });
 }
 
 // The streaming kernel: one token row (or expert items of one pair) whose rows can be copied.
