@@ -159,9 +159,9 @@ void launch_mt(const LinArgs& a, dim3 grid) {
 }
 
 // The register-tiled kernel: what the tiled kernel takes, several tokens (or expert items of several
-// pairs). The engine takes it (option gemm) for kGemmMinT tokens or more, and for expert items of 8
-// pairs (its expert tile is 64 rows x 8 pairs); fewer tokens keep the tiled kernel, whose 4- and
-// 8-token tiles waste nothing there.
+// pairs). The engine takes it (option gemm) for dense launches of kGemmMinT tokens or more; fewer
+// tokens keep the tiled kernel, whose 4- and 8-token tiles waste nothing there. Expert items (8 pairs:
+// 64-row tiles) only when forced: on the H200 it was slower than the tiled kernel there (bench_gemm).
 constexpr int kGemmMinT = 16;
 bool gemm_applies(const LinArgs& a, bool expert) {
     if (!tiled_applies(a, expert) || !(expert ? a.tile_pairs > 1 : a.T > 1)) return false;
@@ -170,7 +170,7 @@ bool gemm_applies(const LinArgs& a, bool expert) {
     return max_ar * (a.C / 32 + 1) < (int64_t{1} << 31);
 }
 bool gemm_chosen(const LinArgs& a, bool expert) {
-    return launch_options().gemm && gemm_applies(a, expert) && (expert ? a.tile_pairs >= 8 : a.T >= kGemmMinT);
+    return launch_options().gemm && !expert && gemm_applies(a, expert) && a.T >= kGemmMinT;
 }
 // TG: 4 x TG tokens (pairs) and 8 x (16 / TG) rows per block; each decoded weight meets 4 TG tokens, so
 // dense launches of 32 tokens or more take 32-token tiles, fewer 16; expert items of 8 pairs take 8.
