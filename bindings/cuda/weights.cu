@@ -172,16 +172,15 @@ bool gemm_applies(const LinArgs& a, bool expert) {
 bool gemm_chosen(const LinArgs& a, bool expert) {
     return launch_options().gemm && !expert && gemm_applies(a, expert) && a.T >= kGemmMinT;
 }
-// TG: 4 x TG tokens (pairs) and 8 x (16 / TG) rows per block; each decoded weight meets 4 TG tokens, so
-// dense launches of 32 tokens or more take 32-token tiles, fewer 16; expert items of 8 pairs take 8.
-template <int FMT, bool EXPERT, int DEC, int TG>
+// TNG: 8 TNG tokens (pairs) and 64 / TNG rows per block.
+template <int FMT, bool EXPERT, int DEC, int TNG>
 void launch_gemm_tg(const LinArgs& a, dim3 grid) {
-    auto k = k_linear_gemm<FMT, EXPERT, DEC, TG>;
-    constexpr size_t smem = static_cast<size_t>(gm_smem_bytes<FMT, TG>());
+    auto k = k_linear_gemm<FMT, EXPERT, DEC, TNG>;
+    constexpr size_t smem = static_cast<size_t>(gm_smem_bytes<FMT, TNG>());
     allow_smem(k, smem);
-    grid.x = static_cast<unsigned>((a.R + gm_rows<TG>() - 1) / gm_rows<TG>());
+    grid.x = static_cast<unsigned>((a.R + gm_rows<TNG>() - 1) / gm_rows<TNG>());
     if (!EXPERT) {
-        const int64_t ty = (static_cast<int64_t>(a.T) + gm_tokens<TG>() - 1) / gm_tokens<TG>();
+        const int64_t ty = (static_cast<int64_t>(a.T) + gm_tokens<TNG>() - 1) / gm_tokens<TNG>();
         if (ty > 65535) throw std::invalid_argument("linear: at most 65535 token tiles per launch");
         grid.y = static_cast<unsigned>(ty);
         grid.z = 1;
@@ -192,9 +191,9 @@ template <int FMT, bool EXPERT>
 void launch_gemm(const LinArgs& a, dim3 grid) {
     with_dec<FMT, true>(a.dec, [&](auto dec) {
         constexpr int DEC = decltype(dec)::value;
-        if (EXPERT) launch_gemm_tg<FMT, EXPERT, DEC, 2>(a, grid);
-        else if (a.T >= 32) launch_gemm_tg<FMT, EXPERT, DEC, 8>(a, grid);
-        else launch_gemm_tg<FMT, EXPERT, DEC, 4>(a, grid);
+        // expert items of up to 8 pairs: 64 rows x 8 pairs; dense: 32 rows x 16 tokens
+        if (EXPERT) launch_gemm_tg<FMT, EXPERT, DEC, 1>(a, grid);
+        else launch_gemm_tg<FMT, EXPERT, DEC, 2>(a, grid);
     });
 }
 
