@@ -352,6 +352,16 @@ LINEAR_EMU_CASES = [
     ("emu-fp8-tiled", "fp8", 70, 192, 5, False, False, True),
     ("emu-bf16-tiled", "bf16", 40, 320, 3, False, False, False),
     ("emu-mxfp4-experts-tiled", "mxfp4", 48, 256, 11, True, True, True),
+    # the register-tiled kernel (auto from 16 tokens): rows not a multiple of its 32-row tile, tokens not
+    # of its 16, a last slab of fewer than its 4 chunks; expert items of 8 pairs (64-row tiles) and fewer.
+    # Unrounded (a changed FMA order shows in the f32 bits; BF16 rounding hides most of it)
+    ("emu-fp8-gemm", "fp8", 70, 320, 21, False, False, False),
+    ("emu-bf16-gemm", "bf16", 40, 576, 17, False, False, False),
+    ("emu-mxfp4-gemm", "mxfp4", 33, 512, 35, False, False, False),
+    ("emu-f32-gemm", "f32", 20, 128, 16, False, False, False),
+    ("emu-fp8-experts-gemm", "fp8", 130, 448, 13, True, True, False),
+    ("emu-bf16-gemm-round", "bf16", 36, 256, 18, False, False, True),
+    ("emu-fp8-gemm-32", "fp8", 20, 704, 45, False, False, False),  # 32-token tiles (16 rows), 11 chunks
 ]
 
 
@@ -411,7 +421,9 @@ def test_linear_kernels_match_cpu(case):
     stream += ["stream:1x", "stream:2x"] if T == 1 and C % 64 == 0 and C <= 4096 else []  # x staged per block
     # the wide register kernel (16 or 32 threads per row): one token, dense, FP8 or BF16 rows of whole chunks
     wide = ["register:w4", "register:w2"] if T == 1 and not expert and release in ("fp8", "bf16") and C % 64 == 0 else []
-    kernels = ["auto", "register"] + occ + wide + stream + tiled + (variants if staged else [])
+    # the register-tiled kernel: several tokens (experts: items of 4 or 8 pairs) of rows of whole chunks
+    gemm = ["gemm"] if C % 64 == 0 and T > 1 else []
+    kernels = ["auto", "register"] + occ + wide + stream + tiled + gemm + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data);
     # MXFP4: the software decode and the f16-pair placement (scales <= 240)
     # (scales past the fold exclude the placement: auto takes the other, 'int' is refused)
@@ -423,7 +435,7 @@ def test_linear_kernels_match_cpu(case):
     for kernel in kernels:
         full = ("auto", "register", "register:occ5", "register:occ6", "register:w4", "register:w2", "stream:1", "stream:2",
                 "stream:3", "stream:1x",
-                "stream:2x", "tiled", "tiled:1",
+                "stream:2x", "tiled", "tiled:1", "gemm",
                 "staged:4:1", "staged:2:0")
         for decode in decodes if kernel in full else ("auto",):
             got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert, decode=decode)
@@ -437,6 +449,9 @@ def test_linear_kernels_match_cpu(case):
     if not tiled:
         with pytest.raises(ValueError, match="tiled kernel does not apply"):
             cu.linear(release, data, scale, X, round=rnd, kernel="tiled", expert=expert)
+    if not gemm:
+        with pytest.raises(ValueError, match="gemm kernel does not apply"):
+            cu.linear(release, data, scale, X, round=rnd, kernel="gemm", expert=expert)
     if not wide:
         with pytest.raises(ValueError, match="wide register kernel does not apply"):
             cu.linear(release, data, scale, X, round=rnd, kernel="register:w4", expert=expert)
@@ -488,20 +503,23 @@ def test_engine_options(tmp_path, monkeypatch):
     path = str(tmp_path / "w128-fp8")
     make_checkpoint("tiny", "fp8", path, hidden_size=128)
     defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0,
-                "pinned_logits": True}
-    for var in ("GLM_PDL", "GLM_CUDA_TUNE", "GLM_STREAM_EARLY", "GLM_HC_FUSE", "GLM_EXPERT_TILE", "GLM_PINNED_LOGITS"):
+                "pinned_logits": True, "gemm": True}
+    for var in ("GLM_PDL", "GLM_CUDA_TUNE", "GLM_STREAM_EARLY", "GLM_HC_FUSE", "GLM_EXPERT_TILE", "GLM_PINNED_LOGITS",
+                "GLM_GEMM"):
         monkeypatch.delenv(var, raising=False)
     assert CudaEngine(path).options["cuda"] == defaults
     flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8,
-               "pinned_logits": False}
+               "pinned_logits": False, "gemm": False}
     eng, ref = CudaEngine(path, cuda_options=flipped), fast.Engine(path, device="cpu")
     assert eng.options["cuda"] == flipped and "'expert_tile': 8" in repr(eng)
     V = eng.config.vocab_size
     prompts = [prompt(V, 6 + i, 40 + i) for i in range(3)]
-    outs, lgs = eng.generate(prompts, 3, max_batch=3, return_logits=True)
-    for p, out, lg in zip(prompts, outs, lgs):
-        toks, logits = ref.generate(p, 3, return_logits=True)
-        assert out == toks and np.array_equal(bits(lg), bits(logits))
+    # flipped, and the defaults (the 21-token prefill's projections take the register-tiled kernel)
+    for e in (eng, CudaEngine(path)):
+        outs, lgs = e.generate(prompts, 3, max_batch=3, return_logits=True)
+        for p, out, lg in zip(prompts, outs, lgs):
+            toks, logits = ref.generate(p, 3, return_logits=True)
+            assert out == toks and np.array_equal(bits(lg), bits(logits))
     monkeypatch.setenv("GLM_HC_FUSE", "0")
     monkeypatch.setenv("GLM_EXPERT_TILE", "4")
     assert CudaEngine(path).options["cuda"] == dict(defaults, hc_fuse=False, expert_tile=4)

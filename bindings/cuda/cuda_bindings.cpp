@@ -96,7 +96,8 @@ constexpr FlagOption kFlagOptions[] = {{"pdl", &EngineOptions::pdl},
                                        {"tune", &EngineOptions::tune},
                                        {"stream_early", &EngineOptions::stream_early},
                                        {"hc_fuse", &EngineOptions::hc_fuse},
-                                       {"pinned_logits", &EngineOptions::pinned_logits}};
+                                       {"pinned_logits", &EngineOptions::pinned_logits},
+                                       {"gemm", &EngineOptions::gemm}};
 
 // From a dict of some of their names; unknown names and wrong types are refused.
 EngineOptions options_from_dict(const py::dict& d) {
@@ -508,4 +509,26 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         py::arg("reps") = 20, py::arg("decode") = "auto",
         "Median device microseconds of one linear launch (R x C weights made on the device; experts > 0: that many "
         "expert matrices, one pair each). kernel as linear().");
+    m.def(
+        "linear_bench_tokens",
+        [](const std::string& release, int64_t R, int64_t C, int T, int experts, int topk, const std::string& kernel,
+           int reps, const std::string& decode) {
+            return translate([&] {
+                py::gil_scoped_release nogil;
+                return linear_bench_tokens_device(release, R, C, T, experts, topk, kernel, reps, decode);
+            });
+        },
+        py::arg("release"), py::arg("R"), py::arg("C"), py::arg("T"), py::arg("experts") = 0, py::arg("topk") = 8,
+        py::arg("kernel") = "auto", py::arg("reps") = 5, py::arg("decode") = "auto",
+        "Median device microseconds of one several-token linear launch (T token rows; experts > 0: each token routed "
+        "to topk of that many expert matrices, the engine's work items). Two untimed passes first.");
+    m.def(
+        "bench_ffma",
+        [](int reps) {
+            return translate([&] {
+                py::gil_scoped_release nogil;
+                return ffma_peak_device(reps);
+            });
+        },
+        py::arg("reps") = 5, "The device's FP32 FMA rate in FLOP/s (independent FMA chains; median of reps launches).");
 }

@@ -55,6 +55,7 @@ struct EngineOptions {
     bool hc_fuse = true;        // hc_expand deferred into the next site's k_hc_mix where nothing observes it
     int expert_tile = 0;        // pairs per routed-expert work item for batches: 1, 4 or 8; 0 the engine's rule
     bool pinned_logits = true;  // decode-sized logits copied straight into page-locked arrays (the bindings)
+    bool gemm = true;           // several-token linear launches take the register-tiled kernel where it applies
 };
 
 class Engine {
@@ -177,6 +178,14 @@ std::vector<TunedShape> tuned_shapes();
 // that many distinct expert matrices, one pair each, as decode at batch 1).
 double linear_bench_device(const std::string& release, int64_t R, int64_t C, int experts, const std::string& kernel,
                            int reps, const std::string& decode = "auto");
+
+// Median device microseconds (two untimed passes, L2 evicted before each timed one) of one linear launch
+// over T token rows (experts > 0: that many expert matrices, each token routed to topk of them, the pairs
+// grouped by expert into the engine's work items). kernel as linear(): 'auto', 'tiled', 'gemm', ...
+double linear_bench_tokens_device(const std::string& release, int64_t R, int64_t C, int T, int experts, int topk,
+                                  const std::string& kernel, int reps, const std::string& decode = "auto");
+// The device's FP32 FMA rate (FLOP/s: 2 per FMA) from independent FMA chains, median of reps launches.
+double ffma_peak_device(int reps);
 
 // The argmax of n floats on the device (the greedy rule of Engine::greedy), for tests.
 int argmax_device(const float* host, int n);

@@ -19,6 +19,7 @@
 #include "lin_register.cuh"
 #include "lin_staged.cuh"
 #include "lin_tiled.cuh"
+#include "lin_gemm.cuh"
 #include "lin_stream.cuh"
 
 namespace glm::cuda {
@@ -155,6 +156,46 @@ void launch_mt_dec(const LinArgs& a, dim3 grid) {
 template <int FMT, bool EXPERT, int TT>
 void launch_mt(const LinArgs& a, dim3 grid) {
     with_dec<FMT, false>(a.dec, [&](auto dec) { launch_mt_dec<FMT, EXPERT, TT, decltype(dec)::value>(a, grid); });
+}
+
+// The register-tiled kernel: what the tiled kernel takes, several tokens (or expert items of several
+// pairs). The engine takes it (option gemm) for dense launches of kGemmMinT tokens or more; fewer
+// tokens keep the tiled kernel, whose 4- and 8-token tiles waste nothing there. Expert items (8 pairs:
+// 64-row tiles) only when forced: on the H200 it was slower than the tiled kernel there (bench_gemm).
+constexpr int kGemmMinT = 16;
+bool gemm_applies(const LinArgs& a, bool expert) {
+    if (!tiled_applies(a, expert) || !(expert ? a.tile_pairs > 1 : a.T > 1)) return false;
+    // its scale offsets are 32-bit
+    const int64_t max_ar = a.row0 + static_cast<int64_t>((a.R - 1) / a.rh) * a.hstride + a.woff + std::min(a.R, a.rh);
+    return max_ar * (a.C / 32 + 1) < (int64_t{1} << 31);
+}
+bool gemm_chosen(const LinArgs& a, bool expert) {
+    return launch_options().gemm && !expert && gemm_applies(a, expert) && a.T >= kGemmMinT;
+}
+// TG: 4 TG tokens (pairs) and 8 (16 / TG) rows per block.
+template <int FMT, bool EXPERT, int DEC, int TG>
+void launch_gemm_tg(const LinArgs& a, dim3 grid) {
+    auto k = k_linear_gemm<FMT, EXPERT, DEC, TG>;
+    constexpr size_t smem = static_cast<size_t>(gm_smem_bytes<FMT, TG>());
+    allow_smem(k, smem);
+    grid.x = static_cast<unsigned>((a.R + gm_rows<TG>() - 1) / gm_rows<TG>());
+    if (!EXPERT) {
+        const int64_t ty = (static_cast<int64_t>(a.T) + gm_tokens<TG>() - 1) / gm_tokens<TG>();
+        if (ty > 65535) throw std::invalid_argument("linear: at most 65535 token tiles per launch");
+        grid.y = static_cast<unsigned>(ty);
+        grid.z = 1;
+    }
+    GLM_LAUNCH(k, grid, kGmThreads, smem, a);
+}
+template <int FMT, bool EXPERT>
+void launch_gemm(const LinArgs& a, dim3 grid) {
+    with_dec<FMT, true>(a.dec, [&](auto dec) {
+        constexpr int DEC = decltype(dec)::value;
+        // expert items of up to 8 pairs: 64 rows x 8 pairs; dense: 32 rows x 16 tokens (32-token tiles,
+        // TG 8, fewer decodes per FMA, measured slower on the H200: 14.8 against 16.9 TFLOP/s)
+        if (EXPERT) launch_gemm_tg<FMT, EXPERT, DEC, 2>(a, grid);
+        else launch_gemm_tg<FMT, EXPERT, DEC, 4>(a, grid);
+    });
 }
 
 // The streaming kernel: one token row (or expert items of one pair) whose rows can be copied.
@@ -294,6 +335,14 @@ struct WideLaunch {
     static bool run(const LinArgs& a, dim3, const LinChoice& c) {
         if (!wide_applies(a, EXPERT)) return false;
         launch_wide<FMT>(a, c.lpt);
+        return true;
+    }
+};
+template <int FMT, bool EXPERT>
+struct GemmLaunch {
+    static bool run(const LinArgs& a, dim3 grid, const LinChoice&) {
+        if (!gemm_applies(a, EXPERT)) return false;
+        launch_gemm<FMT, EXPERT>(a, grid);
         return true;
     }
 };
@@ -439,6 +488,17 @@ const LinKernel kLinKernels[] = {
          return d != 0;
      },
      launches_of<StreamLaunch>()},
+    // "gemm" (several tokens or expert items of several pairs; never a one-token candidate)
+    {LinKind::Gemm, "gemm", "gemm kernel",
+     [](const LinArgs& a, bool expert, const LinChoice&) { return gemm_applies(a, expert); },
+     [](const LinArgs&, bool, std::vector<LinChoice>&) {},
+     [](const LinChoice&) { return std::string("gemm"); },
+     [](const std::string& spec, LinChoice& c) {
+         if (spec != "gemm") return false;
+         c = variant(LinKind::Gemm);
+         return true;
+     },
+     launches_of<GemmLaunch>()},
 };
 
 const LinKernel& lin_kernel(LinKind kind) {
@@ -564,8 +624,12 @@ void launch_fmt(const LinArgs& a, dim3 grid) {
             else c.kind = staged ? LinKind::Staged : LinKind::Register;
         }
         if (launch_one_token<FMT, EXPERT>(a, grid, c)) return;
-    } else {
-        if (!a.no_staged && tiled_applies(a, EXPERT)) {
+    } else if (!a.no_staged) {  // forced: the gemm or the tiled kernel; else the register-tiled kernel where chosen
+        const LinKind k = a.choice.kind;
+        if (k == LinKind::Gemm || (k == LinKind::Auto && gemm_chosen(a, EXPERT))) {
+            if (GemmLaunch<FMT, EXPERT>::run(a, grid, a.choice)) return;
+        }
+        if (tiled_applies(a, EXPERT)) {
             launch_mt<FMT, EXPERT, TT>(a, grid);
             return;
         }
@@ -769,7 +833,7 @@ namespace {
 // kernel: "auto" (the engine's choice), "staged" (the engine's choice where the staged kernel applies,
 // refused elsewhere) or a variant of kLinKernels ("register", "register:occ5|6", "register:w4|2",
 // "stream:1|2|3[x]", "tiled", "tiled:1", "staged:LPT:XS[:RPB:CPS]") -> the forced choice; no_staged:
-// "register" (several tokens too); "tiled" gives expert work items of tile_for(T) pairs, "tiled:1" of one.
+// "register" (several tokens too); "tiled" and "gemm" give expert work items of tile_for(T) pairs, "tiled:1" of one.
 LinChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     no_staged = kernel == "register";
     require_staged = kernel.rfind("staged", 0) == 0;
@@ -779,7 +843,7 @@ LinChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require
         if (k.parse(kernel, c)) return c;
     throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occ5', 'register:occ6', "
                                 "'register:w4', 'register:w2' (one token, dense, FP8 or BF16), "
-                                "'stream:1|2|3' (x: x staged), 'tiled', "
+                                "'stream:1|2|3' (x: x staged), 'tiled', 'gemm', "
                                 "'tiled:1', 'staged' or "
                                 "'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
@@ -919,7 +983,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         // one expert (the matrix), each token row its own work item of one pair
         const void* tab[2] = {dd, ds};
         check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
-        const int tile = kernel == "tiled" ? tile_for(T) : 1;
+        const int tile = kernel == "tiled" || kernel == "gemm" ? tile_for(T) : 1;
         const std::vector<int> it = expert_items(T, 1, tile);
         check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "linear: items");
         set_expert_args(a, dtab, ditems, T, 1, tile);
@@ -1006,6 +1070,143 @@ double linear_bench_device(const std::string& release, int64_t R, int64_t C, int
     cudaEventDestroy(e1);
     std::sort(ms.begin(), ms.end());
     return 1e3 * static_cast<double>(ms[ms.size() / 2]);
+}
+
+
+// ---- several-token benchmarks (tools/bench_gemm.py) ----------------------------------------------
+
+namespace {
+// Independent FMA chains (kFfmaChains per thread, a dependent chain each): the FP32 FMA peak of the
+// device, measured in the same process as the linear kernels it is the yardstick for.
+constexpr int kFfmaChains = 16;
+__global__ void __launch_bounds__(512) k_ffma_peak(float b, float c, int iters, float* out) {
+    pdl_enter();
+    float v[kFfmaChains];
+#pragma unroll
+    for (int k = 0; k < kFfmaChains; ++k) v[k] = static_cast<float>(threadIdx.x + k);
+    for (int i = 0; i < iters; ++i) {
+#pragma unroll
+        for (int k = 0; k < kFfmaChains; ++k) v[k] = ffma(v[k], b, c);
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kFfmaChains; ++k) s = fadd(s, v[k]);
+    if (s == 1.2345f) out[0] = s;  // (never: keeps the chains alive)
+}
+
+template <class F>
+double median_us(int reps, bool flush, F&& once) {
+    for (int i = 0; i < 2; ++i) once();  // two untimed passes
+    check(cudaDeviceSynchronize(), "bench warm-up");
+    cudaEvent_t e0, e1;
+    check(cudaEventCreate(&e0), "event");
+    check(cudaEventCreate(&e1), "event");
+    std::vector<float> ms;
+    for (int i = 0; i < reps; ++i) {
+        if (flush) flush_l2();
+        check(cudaEventRecord(e0, 0), "event");
+        once();
+        check(cudaEventRecord(e1, 0), "event");
+        check(cudaEventSynchronize(e1), "bench");
+        float t = 0;
+        check(cudaEventElapsedTime(&t, e0, e1), "event");
+        ms.push_back(t);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::sort(ms.begin(), ms.end());
+    return 1e3 * static_cast<double>(ms[ms.size() / 2]);
+}
+}  // namespace
+
+double ffma_peak_device(int reps) {
+    if (reps < 1) throw std::invalid_argument("bench_ffma: reps >= 1");
+    DevBufs B;
+    float* out = static_cast<float*>(B.alloc(4));
+    const int blocks = 4 * sm_count(), threads = 512, iters = 1 << 14;
+    auto k = k_ffma_peak;
+    const double us = median_us(reps, false, [&] { GLM_LAUNCH(k, blocks, threads, 0, 1.0000001f, 1e-7f, iters, out); });
+    check_launch("bench_ffma");
+    return 2.0 * blocks * threads * kFfmaChains * static_cast<double>(iters) / (us * 1e-6);  // FLOP/s
+}
+
+double linear_bench_tokens_device(const std::string& release, int64_t R, int64_t C, int T, int experts, int topk,
+                                  const std::string& kernel, int reps, const std::string& decode) {
+    const int fmt = parse_release(release);
+    parse_decode(decode);
+    bool no_staged = false, require_staged = false;
+    const LinChoice choice = parse_kernel(kernel, no_staged, require_staged);
+    if (R <= 0 || C <= 0 || C % 64 != 0 || T < 1 || experts < 0 || reps < 1 || (experts > 0 && (topk < 1 || topk > experts)))
+        throw std::invalid_argument("linear_bench_tokens: R > 0, C a positive multiple of 64, T >= 1, reps >= 1, "
+                                    "experts >= 0, 1 <= topk <= experts");
+    const int nmat = std::max(1, experts);
+    const int npairs = experts > 0 ? T * topk : T;
+    const size_t wbytes = static_cast<size_t>(R) * static_cast<size_t>(row_bytes(fmt, C));
+    const size_t sbytes = static_cast<size_t>(scale_bytes(fmt, R, C));
+    DevBufs B;
+    std::vector<const void*> tab(2 * static_cast<size_t>(nmat));
+    for (int e = 0; e < nmat; ++e) {
+        void* w = B.alloc(wbytes);
+        fill(w, wbytes, 17u + static_cast<uint32_t>(e), fmt);
+        void* sc = B.alloc(sbytes);
+        if (sbytes) fill(sc, sbytes, 1000u + static_cast<uint32_t>(e), W_F32);
+        tab[static_cast<size_t>(e)] = w;
+        tab[static_cast<size_t>(nmat + e)] = sc;
+    }
+    void* dx = B.alloc(static_cast<size_t>(T) * C * 4);
+    fill(dx, static_cast<size_t>(T) * C * 4, 5u, W_F32);
+    void* dy = B.alloc(static_cast<size_t>(npairs) * R * 4);
+    LinArgs a = whole_matrix_args(fmt, R, C, dx, C, dy, T, true, no_staged);
+    a.dec = dec_of(decode, fmt, true);  // the fill makes no NaN codes
+    a.choice = choice;
+    int tile = tile_for(T);
+    if (experts > 0) {
+        // top-k routing: token t's j-th expert (h(t) + j * (E / k)) % E (k distinct experts), the pairs
+        // grouped by expert in pair order, items of the engine's tile (moe.cu), or of one ('tiled:1')
+        tile = kernel == "tiled:1" ? 1 : ((4 * T * topk <= experts) ? 1 : (T * topk >= 4 * experts ? 8 : 4));
+        std::vector<std::vector<int>> by(static_cast<size_t>(experts));
+        for (int t = 0; t < T; ++t) {
+            const uint32_t h = (static_cast<uint32_t>(t) * 2654435761u) >> 7;
+            for (int j = 0; j < topk; ++j)
+                by[(h + static_cast<uint32_t>(j) * static_cast<uint32_t>(experts / topk)) % static_cast<uint32_t>(experts)]
+                    .push_back(t * topk + j);
+        }
+        std::vector<int> items, pairs;
+        for (int e = 0; e < experts; ++e) {
+            const std::vector<int>& p = by[static_cast<size_t>(e)];
+            for (size_t i = 0; i < p.size(); i += static_cast<size_t>(tile)) {
+                items.push_back(e);
+                items.push_back(static_cast<int>(pairs.size() + i));
+                items.push_back(static_cast<int>(std::min(p.size() - i, static_cast<size_t>(tile))));
+            }
+            pairs.insert(pairs.end(), p.begin(), p.end());
+        }
+        const int n = static_cast<int>(items.size() / 3);
+        std::vector<int> buf(items);
+        buf.push_back(n);
+        buf.insert(buf.end(), pairs.begin(), pairs.end());
+        int* di = static_cast<int*>(B.alloc(buf.size() * 4));
+        check(cudaMemcpy(di, buf.data(), buf.size() * 4, cudaMemcpyHostToDevice), "bench: items");
+        void* dtab = B.alloc(tab.size() * sizeof(void*));
+        check(cudaMemcpy(dtab, tab.data(), tab.size() * sizeof(void*), cudaMemcpyHostToDevice), "bench: table");
+        a.dtab = static_cast<const void* const*>(dtab);
+        a.stab = static_cast<const void* const*>(dtab) + nmat;
+        a.items = di;
+        a.n_items = di + 3 * n;
+        a.pairs = di + 3 * n + 1;
+        a.max_items = n;
+        a.tile_pairs = tile;
+        a.xdiv = topk;
+        check_forced(a, true, require_staged, "linear_bench_tokens");
+    } else {
+        a.data = tab[0];
+        a.scale = tab[1];
+        check_forced(a, false, require_staged, "linear_bench_tokens");
+    }
+    const bool ex = experts > 0;
+    const double us = median_us(reps, true, [&] { run(a, ex, tile, Nm{}); });
+    check(cudaDeviceSynchronize(), "linear_bench_tokens");
+    return us;
 }
 
 }  // namespace glm::cuda
