@@ -61,6 +61,13 @@ def engines(ckpt_path):
 
 
 @pytest.fixture(scope="session")
+def one_thread_engines(golden_dir):
+    """name -> a one-thread CPU engine over golden/NAME (for modules whose runs are many and short)."""
+    import fast
+    return _cached(lambda name: fast.Engine(str(golden_dir / name), threads=1))
+
+
+@pytest.fixture(scope="session")
 def cuda_engines(ckpt_path):
     """(name, **options) -> the CUDA engine (fast.cuda.CudaEngine; for tests that skip without it)."""
     from tests.engine_checks import make_engine

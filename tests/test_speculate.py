@@ -70,18 +70,9 @@ class Forced:
 
 
 @pytest.fixture(scope="module")
-def engines(golden_dir):
+def engines(one_thread_engines):
     """name -> a CPU engine with one thread (this module's runs are many and short)."""
-    import fast
-    made = {}
-
-    def get(name):
-        if name not in made:
-            made[name] = fast.Engine(str(golden_dir / name), threads=1)
-        return made[name]
-    yield get
-    for e in made.values():
-        e.close()
+    return one_thread_engines
 
 
 def _bits(a) -> list[int]:

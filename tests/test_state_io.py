@@ -30,16 +30,8 @@ CONTINUE = 9   # prompt tokens after the export (chunks of 4), then 3 decode tok
 
 
 @pytest.fixture(scope="module")
-def cpu_engines(golden_dir):
-    made = {}
-
-    def get(model):
-        if model not in made:
-            made[model] = fast.Engine(str(golden_dir / model), threads=1)
-        return made[model]
-    yield get
-    for e in made.values():
-        e.close()
+def cpu_engines(one_thread_engines):
+    return one_thread_engines
 
 
 def _u32(arrays: dict) -> dict:
