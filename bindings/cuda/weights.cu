@@ -556,6 +556,32 @@ void flush_l2() {
     check(cudaMemsetAsync(buf, 0, n, 0), "L2 flush");
 }
 
+template <class F>
+// The benchmarks' timing: two untimed passes, then the median of `reps` launches (device events), each
+// after an L2 eviction when `flush` (decode streams every weight from HBM: no rep may find it in L2).
+double median_us(int reps, bool flush, F&& once) {
+    for (int i = 0; i < 2; ++i) once();  // two untimed passes
+    check(cudaDeviceSynchronize(), "bench warm-up");
+    cudaEvent_t e0, e1;
+    check(cudaEventCreate(&e0), "event");
+    check(cudaEventCreate(&e1), "event");
+    std::vector<float> ms;
+    for (int i = 0; i < reps; ++i) {
+        if (flush) flush_l2();
+        check(cudaEventRecord(e0, 0), "event");
+        once();
+        check(cudaEventRecord(e1, 0), "event");
+        check(cudaEventSynchronize(e1), "bench");
+        float t = 0;
+        check(cudaEventElapsedTime(&t, e0, e1), "event");
+        ms.push_back(t);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::sort(ms.begin(), ms.end());
+    return 1e3 * static_cast<double>(ms[ms.size() / 2]);
+}
+
 // One token with kernel choice c (c.dec: another decode path); false when c does not apply to a's shape.
 template <int FMT, bool EXPERT>
 bool launch_one_token(const LinArgs& a, dim3 grid, const LinChoice& c) {
@@ -1050,26 +1076,7 @@ double linear_bench_device(const std::string& release, int64_t R, int64_t C, int
         if (experts > 0) run(a, true, 1, Nm{});
         else run(a, false, 1, Nm{});
     };
-    for (int i = 0; i < 3; ++i) once();
-    check(cudaDeviceSynchronize(), "bench warm-up");
-    cudaEvent_t e0, e1;
-    check(cudaEventCreate(&e0), "event");
-    check(cudaEventCreate(&e1), "event");
-    std::vector<float> ms;
-    for (int i = 0; i < reps; ++i) {
-        flush_l2();  // decode streams every weight from HBM: no rep may find it in L2
-        check(cudaEventRecord(e0, 0), "event");
-        once();
-        check(cudaEventRecord(e1, 0), "event");
-        check(cudaEventSynchronize(e1), "bench");
-        float t = 0;
-        check(cudaEventElapsedTime(&t, e0, e1), "event");
-        ms.push_back(t);
-    }
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    std::sort(ms.begin(), ms.end());
-    return 1e3 * static_cast<double>(ms[ms.size() / 2]);
+    return median_us(reps, true, once);
 }
 
 
@@ -1094,29 +1101,6 @@ __global__ void __launch_bounds__(512) k_ffma_peak(float b, float c, int iters, 
     if (s == 1.2345f) out[0] = s;  // (never: keeps the chains alive)
 }
 
-template <class F>
-double median_us(int reps, bool flush, F&& once) {
-    for (int i = 0; i < 2; ++i) once();  // two untimed passes
-    check(cudaDeviceSynchronize(), "bench warm-up");
-    cudaEvent_t e0, e1;
-    check(cudaEventCreate(&e0), "event");
-    check(cudaEventCreate(&e1), "event");
-    std::vector<float> ms;
-    for (int i = 0; i < reps; ++i) {
-        if (flush) flush_l2();
-        check(cudaEventRecord(e0, 0), "event");
-        once();
-        check(cudaEventRecord(e1, 0), "event");
-        check(cudaEventSynchronize(e1), "bench");
-        float t = 0;
-        check(cudaEventElapsedTime(&t, e0, e1), "event");
-        ms.push_back(t);
-    }
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    std::sort(ms.begin(), ms.end());
-    return 1e3 * static_cast<double>(ms[ms.size() / 2]);
-}
 }  // namespace
 
 double ffma_peak_device(int reps) {
