@@ -7,7 +7,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -159,6 +162,36 @@ double bench_linear(const std::string& release, const py::array& data, const py:
         best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     return best;
+}
+
+// The cores' FP32 FMA peak, the yardstick of the linear kernels' multiply-adds (tools/bench_cpu.py):
+// every thread runs kFmaChains independent 8-lane FMA chains (enough to cover the FMA latency on both
+// ports); best of `reps`. Returns multiply-adds per nanosecond over all threads.
+double bench_fma(unsigned threads, unsigned reps) {
+    if (threads < 1 || threads > 1024 || reps < 1) bad("bench_fma: threads, reps >= 1");
+    constexpr int kFmaChains = 12;
+    constexpr long kIters = 1L << 22;
+    ThreadPool pool(threads);
+    std::atomic<int> sink{0};
+    double best = 1e300;
+    py::gil_scoped_release nogil;
+    for (unsigned r = 0; r < reps; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        pool.run_all([&](unsigned t) {
+            __m256 v[kFmaChains];
+            for (int k = 0; k < kFmaChains; ++k) v[k] = _mm256_set1_ps(static_cast<float>(t + k));
+            const __m256 b = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+            for (long i = 0; i < kIters; ++i)
+                for (int k = 0; k < kFmaChains; ++k) v[k] = _mm256_fmadd_ps(v[k], b, c);
+            __m256 s = v[0];
+            for (int k = 1; k < kFmaChains; ++k) s = _mm256_add_ps(s, v[k]);
+            float out[8];
+            _mm256_storeu_ps(out, s);
+            if (out[0] == 1.2345f) sink.fetch_add(1);  // (never: keeps the chains alive)
+        });
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return static_cast<double>(threads) * kIters * kFmaChains * 8 / best / 1e9;
 }
 
 }  // namespace
@@ -337,6 +370,8 @@ void register_engine(py::module_& m) {
     m.def("engine_bench_copy", &bench_copy, py::arg("nbytes"), py::arg("threads"), py::arg("reps"),
           py::call_guard<py::gil_scoped_release>(),
           "Benchmark hook: best seconds of one memcpy of nbytes split over threads.");
+    m.def("engine_bench_fma", &bench_fma, py::arg("threads"), py::arg("reps"),
+          "Benchmark hook: the cores' FP32 FMA peak, multiply-adds per ns over `threads` threads (best of reps).");
     m.def("engine_bench_linear", &bench_linear, py::arg("release"), py::arg("data"), py::arg("scale"), py::arg("R"),
           py::arg("C"), py::arg("threads"), py::arg("reps"),
           "Benchmark hook: best seconds of one single-token matvec over a release-format weight.");

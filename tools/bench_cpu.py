@@ -135,8 +135,11 @@ def bench_streams(threads: list[int], rows: int = 49152, cols: int = 4096, copy_
     takes for every checkpoint, since the loader refuses NaN codes)."""
     from fast import _core
 
-    out = {"rows": rows, "cols": cols, "copy_bytes": copy_mb << 20, "tokens": tokens, "copy": {}, "expert_dot": {}}
+    out = {"rows": rows, "cols": cols, "copy_bytes": copy_mb << 20, "tokens": tokens, "copy": {}, "expert_dot": {},
+           "fma_peak_MACs_per_ns": {}}
     for th in threads:
+        # the compute ceiling: independent 8-lane FMA chains on every thread (multiply-adds per ns)
+        out["fma_peak_MACs_per_ns"][th] = _core.engine_bench_fma(th, reps)
         t = _core.engine_bench_copy(copy_mb << 20, th, reps)
         # the ceiling: memory traffic of a large memcpy, read + write (the STREAM "copy" convention; a
         # read-only stream such as a weight sweep can exceed the read half alone)
@@ -153,7 +156,9 @@ def bench_streams(threads: list[int], rows: int = 49152, cols: int = 4096, copy_
             out["expert_dot"][rel][th] = {"GBps": gbps, "GBps_per_core": gbps / th,
                                           "fraction_of_copy": gbps / out["copy"][th]["GBps"],
                                           "MACs_per_ns": rows * cols / t / 1e9,
-                                          "MACs_per_ns_tokens": rows * cols * X.shape[0] / tm / 1e9}
+                                          "MACs_per_ns_tokens": rows * cols * X.shape[0] / tm / 1e9,
+                                          "fraction_of_fma_peak_tokens":
+                                              rows * cols * X.shape[0] / tm / 1e9 / out["fma_peak_MACs_per_ns"][th]}
     return out
 
 
@@ -240,13 +245,15 @@ def format_report(r: dict) -> str:
               f"(load {loads(s)});",
               "copy = memcpy of 512 MiB, read + write bytes per second; last column: the same weight against "
               f"{s['tokens']} tokens at once",
-              f"| threads | copy GB/s | release | weight GB/s | per core | of copy | MAC/ns | MAC/ns, {s['tokens']} tokens |",
-              "|---|---|---|---|---|---|---|---|"]
+              f"| threads | copy GB/s | release | weight GB/s | per core | of copy | MAC/ns | MAC/ns, {s['tokens']} tokens "
+              "| of FMA peak |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for th, c in s["copy"].items():
         for rel, d in s["expert_dot"].items():
             e = d[th]
             lines.append(f"| {th} | {c['GBps']:.2f} | {rel} | {e['GBps']:.2f} | {e['GBps_per_core']:.2f} | "
-                         f"{e['fraction_of_copy']:.0%} | {e['MACs_per_ns']:.2f} | {e['MACs_per_ns_tokens']:.2f} |")
+                         f"{e['fraction_of_copy']:.0%} | {e['MACs_per_ns']:.2f} | {e['MACs_per_ns_tokens']:.2f} | "
+                         f"{e['fraction_of_fma_peak_tokens']:.0%} of {s['fma_peak_MACs_per_ns'][th]:.1f} |")
     if r.get("roofline"):
         lines += ["", "decode at batch 1, real widths: weight bytes per token / copy bandwidth",
                   "| checkpoint | threads | tok/s | GB/token | weight GB/s | roofline tok/s | of roofline |",
