@@ -23,7 +23,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from oracle.sampling import SamplingParams, sample_loop
-from tools.serve import add_arguments, build_server, serve_in_thread
+from tests.serving import metric, start_server, stop_server
+from tools.serve import add_arguments, build_server
 from tools.serve.app import _hash12
 from tools.serve.prefix import cache_bytes
 
@@ -36,17 +37,11 @@ _first = itertools.count(1)
 
 
 def _start(golden_dir, model, *extra):
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    srv = build_server(p.parse_args(["--checkpoint", str(golden_dir / model), "--engine", ENGINE, *extra]))
-    uv, url = serve_in_thread(srv)
-    return srv, uv, url
+    return start_server(golden_dir / model, ENGINE, *extra)
 
 
-def _stop(srv, uv):
-    uv.should_exit = True
-    uv.thread.join(10)
-    srv.close()
+_stop = stop_server
+_metric = metric
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +101,6 @@ def _expected(model, body, reference) -> dict:
     tokens, lps = reference(model, body["prompt"], body["max_tokens"], params)
     return {"token_ids": tokens, "logprobs": _bits(lps), "output_hash": _hash12(np.array(tokens), "<i4"),
             "logprobs_hash": _hash12(np.array(lps, np.float32), "<f4")}
-
-
-def _metric(client, name) -> int:
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return int(float(line.split()[1]))
-    raise AssertionError(f"{name} is not in /metrics")
 
 
 def _snapshot_depths(total, block, chunk):

@@ -26,7 +26,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from oracle.sampling import SamplingParams, sample_loop  # noqa: E402
-from tools.serve import add_arguments, build_server, serve_in_thread  # noqa: E402
+from tests.serving import start_server  # noqa: E402
 from tools.serve.app import _hash12, plain_chat_prompt  # noqa: E402
 
 CTX = 4096
@@ -37,13 +37,7 @@ ENGINE = os.environ.get("GLM_SERVE_ENGINE", "cpu:threads=1")
 
 
 def _start(golden_dir, *extra, ctx=CTX):
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    args = p.parse_args(["--checkpoint", str(golden_dir / MODEL), "--engine", f"{ENGINE}{',' if ':' in ENGINE else ':'}max-context={ctx}",
-                         *extra])
-    srv = build_server(args)
-    uv, url = serve_in_thread(srv)
-    return srv, uv, url
+    return start_server(golden_dir / MODEL, f"{ENGINE}{',' if ':' in ENGINE else ':'}max-context={ctx}", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -271,29 +271,16 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from tools.serve import add_arguments, build_server, serve_in_thread  # noqa: E402
+from tests.serving import metric, start_server, stop_server  # noqa: E402
+from tools.serve import add_arguments, build_server  # noqa: E402
 
 
 def _start(golden_dir, *extra, model="tiny-fp8"):
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    srv = build_server(p.parse_args(["--checkpoint", str(golden_dir / model), "--engine",
-                                     "cpu:threads=1,max-context=2048", *extra]))
-    uv, url = serve_in_thread(srv)
-    return srv, uv, url
+    return start_server(golden_dir / model, "cpu:threads=1,max-context=2048", *extra)
 
 
-def _stop(srv, uv):
-    uv.should_exit = True
-    uv.thread.join(10)
-    srv.close()
-
-
-def _metric(client, name) -> int:
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return int(float(line.split()[1]))
-    raise AssertionError(f"{name} is not in /metrics")
+_stop = stop_server
+_metric = metric
 
 
 def _ask(client, body) -> dict:
