@@ -8,6 +8,21 @@
 namespace glm::cuda {
 namespace {
 
+// An expert work item (moe.cu's items: [matrix, first pair, pairs]) as a kernel takes it: the matrix's
+// weights and scales, from the second tables in the blocks of blockIdx.z == 1 (gate|up's up half).
+struct ExpertItem {
+    const void* data;
+    const void* scale;
+    int start, cnt;
+    bool second;
+};
+GLM_DEV ExpertItem expert_item(const LinArgs& a, int item) {
+    const bool second = blockIdx.z != 0;
+    const int e = a.items[3 * item];
+    return {(second ? a.dtab2 : a.dtab)[e], (second ? a.stab2 : a.stab)[e], a.items[3 * item + 1],
+            a.items[3 * item + 2], second};
+}
+
 // Eight consecutive weights of absolute row ar at column col (col % 8 == 0, col + 8 <= C), decoded,
 // element by element (rows whose length breaks the vector alignment).
 template <int FMT>

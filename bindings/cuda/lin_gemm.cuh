@@ -110,11 +110,11 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         const void* scale = a.scale;
         int cnt, start = 0;
         if constexpr (EXPERT) {
-            const bool second = blockIdx.z != 0;
-            data = (second ? a.dtab2 : a.dtab)[a.items[3 * item]];
-            scale = (second ? a.stab2 : a.stab)[a.items[3 * item]];
-            start = a.items[3 * item + 1];
-            cnt = a.items[3 * item + 2];
+            const ExpertItem it = expert_item(a, item);
+            data = it.data;
+            scale = it.scale;
+            start = it.start;
+            cnt = it.cnt;
         } else {
             start = static_cast<int>(blockIdx.y) * BN;
             cnt = a.T - start < BN ? a.T - start : BN;

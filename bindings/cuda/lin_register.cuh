@@ -39,13 +39,12 @@ GLM_DEV void linear_block(const LinArgs& a, int tile) {
     const float* xr[TT];
     float* yr[TT];
     if constexpr (EXPERT) {
-        const int item = tile;
-        const int e = a.items[3 * item], start = a.items[3 * item + 1];
-        const bool second = blockIdx.z != 0;
-        cnt = a.items[3 * item + 2];
-        data = (second ? a.dtab2 : a.dtab)[e];
-        scale = (second ? a.stab2 : a.stab)[e];
-        float* const Y = second ? a.Y2 : a.Y;
+        const ExpertItem it = expert_item(a, tile);
+        const int start = it.start;
+        cnt = it.cnt;
+        data = it.data;
+        scale = it.scale;
+        float* const Y = it.second ? a.Y2 : a.Y;
 #pragma unroll
         for (int j = 0; j < TT; ++j) {
             const int p = a.pairs[start + (j < cnt ? j : cnt - 1)];
@@ -248,12 +247,12 @@ __global__ void k_linear_seq(LinArgs a, int tile) {
     if constexpr (EXPERT) {
         const int item = static_cast<int>(blockIdx.y);
         if (item >= *a.n_items) return;  // (the sequential path caps no grid: a demonstration mode)
-        const bool second = blockIdx.z != 0;
-        data = (second ? a.dtab2 : a.dtab)[a.items[3 * item]];
-        scale = (second ? a.stab2 : a.stab)[a.items[3 * item]];
-        Y = second ? a.Y2 : a.Y;
-        base = a.items[3 * item + 1];
-        cnt = a.items[3 * item + 2];
+        const ExpertItem it = expert_item(a, item);
+        data = it.data;
+        scale = it.scale;
+        Y = it.second ? a.Y2 : a.Y;
+        base = it.start;
+        cnt = it.cnt;
     } else {
         base = static_cast<int>(blockIdx.y) * tile;
         cnt = a.T - base < tile ? a.T - base : tile;

@@ -60,11 +60,11 @@ __global__ void __launch_bounds__(kMtThreads) k_linear_mt(LinArgs a) {
         const void* scale = a.scale;
         int cnt, start = 0;
         if constexpr (EXPERT) {
-            const bool second = blockIdx.z != 0;
-            data = (second ? a.dtab2 : a.dtab)[a.items[3 * item]];
-            scale = (second ? a.stab2 : a.stab)[a.items[3 * item]];
-            start = a.items[3 * item + 1];
-            cnt = a.items[3 * item + 2];
+            const ExpertItem it = expert_item(a, item);
+            data = it.data;
+            scale = it.scale;
+            start = it.start;
+            cnt = it.cnt;
         } else {
             cnt = a.T - item * TT < TT ? a.T - item * TT : TT;
         }
