@@ -502,14 +502,15 @@ def test_engine_options(tmp_path, monkeypatch):
     from tools.zoo import make_checkpoint
     path = str(tmp_path / "w128-fp8")
     make_checkpoint("tiny", "fp8", path, hidden_size=128)
+    from fast.cuda import _ENV_OPTIONS
     defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0,
-                "pinned_logits": True, "gemm": True}
-    for var in ("GLM_PDL", "GLM_CUDA_TUNE", "GLM_STREAM_EARLY", "GLM_HC_FUSE", "GLM_EXPERT_TILE", "GLM_PINNED_LOGITS",
-                "GLM_GEMM"):
+                "pinned_logits": True, "gemm": True, "idx_tiled": True}
+    assert sorted(name for name, _ in _ENV_OPTIONS.values()) == sorted(defaults)   # (an A/B variable each)
+    for var in _ENV_OPTIONS:
         monkeypatch.delenv(var, raising=False)
     assert CudaEngine(path).options["cuda"] == defaults
     flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8,
-               "pinned_logits": False, "gemm": False}
+               "pinned_logits": False, "gemm": False, "idx_tiled": False}
     eng, ref = CudaEngine(path, cuda_options=flipped), fast.Engine(path, device="cpu")
     assert eng.options["cuda"] == flipped and "'expert_tile': 8" in repr(eng)
     V = eng.config.vocab_size

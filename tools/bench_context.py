@@ -10,8 +10,12 @@ prefill rate reported for a context is that of the chunks that brought the seque
 tokens on the device (`CudaEngine.greedy`, the generate path) after one untimed warm-up call on
 another fork; the median of --repeats such calls, each on a fresh fork, is reported, with the device
 time of the indexer per decode step (CUDA events around mla.indexer; one separate timed run, since
-timing adds events) and the sequence's state (Engine.sequence_memory). Nothing here is compared:
-the engine's bits at long context are checked by the tests (CPU = CUDA), not by this script.
+timing adds events) and the sequence's state (Engine.sequence_memory). Then one more prefill chunk
+on a fork with the stage timers on: where a chunk's time goes at that context. Last, the indexer's
+scoring kernels alone at the longest context (`fast._cuda.index_scores`: --chunk queries of the real
+widths against its pools, random values, per-row and tiled kernels and the selection, median of 5
+launches after two untimed ones, and whether the two kernels' bits agree). Nothing else here is
+compared: the engine's bits at long context are checked by the tests (CPU = CUDA), not by this script.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ def log(*a):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--contexts", default="1024,4096,16384,32768,65536,131072")
+    p.add_argument("--contexts", default="1024,2048,4096,16384,32768,65536,131072")
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens per step)")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
     p.add_argument("--repeats", type=int, default=5)
@@ -45,13 +49,13 @@ def main(argv=None) -> int:
     from oracle.checkpoint import open_checkpoint
 
     contexts = sorted(int(c) for c in a.contexts.split(","))
-    eng = CudaEngine(open_checkpoint(a.checkpoint, verify=False), max_context=contexts[-1] + a.steps + 8)
+    eng = CudaEngine(open_checkpoint(a.checkpoint, verify=False), max_context=contexts[-1] + max(a.steps, a.chunk) + 8)
     cfg = eng.config
     log(f"{a.checkpoint}: {eng.device_name}, {cfg.num_hidden_layers} layers, index_topk {cfg.index_topk}, "
         f"kpool {cfg.index_kpool}; state at {contexts[-1]} positions {human_bytes(eng.sequence_bytes(contexts[-1]))}")
     rng = np.random.default_rng(0)
     V = cfg.vocab_size
-    seq = eng.new_cache().reserve(contexts[-1] + a.steps + 1)  # (forks keep the room: no growth while timed)
+    seq = eng.new_cache().reserve(contexts[-1] + max(a.steps, a.chunk) + 1)  # (forks keep the room: no growth while timed)
     # warm the prefill path (kernels tuned, buffers made) on a throwaway sequence
     eng.prefill([int(v) for v in rng.integers(0, V, min(a.chunk, contexts[0]))], eng.new_cache())
     rows = []
@@ -83,19 +87,63 @@ def main(argv=None) -> int:
         st = {k: v / 8 for k, v in eng.stage_times().items()}
         eng.set_timing(False)
         f.close()
+        # one more chunk on a fork, timed per stage
+        f = seq.fork()
+        m = min(a.chunk, ctx)
+        eng.set_timing(True)
+        eng.reset_stage_times()
+        t0 = time.perf_counter()
+        eng.step([(f, [int(v) for v in rng.integers(0, V, m)], None, "last")])
+        chunk_s = time.perf_counter() - t0
+        pst = eng.stage_times()
+        eng.set_timing(False)
+        f.close()
         med = float(np.median(times))
         idx = st.get("mla.indexer", float("nan"))
         row = {"context": ctx, "prefill_tok_s": round(prefill, 1), "decode_tok_s": round(1 / med, 1),
                "decode_ms": round(med * 1e3, 4), "indexer_ms": round(idx, 4),
                "state_bytes": eng.sequence_bytes(ctx), "stage_ms": {k: round(v, 4) for k, v in st.items()}}
+        row["prefill_chunk"] = {"tokens": m, "ms": round(chunk_s * 1e3, 2),
+                                "stage_ms": {k: round(v, 3) for k, v in pst.items()}}
         rows.append(row)
         log(f"  {ctx:>7} positions: prefill {prefill:8.0f} tok/s | decode b1 {1 / med:7.1f} tok/s "
             f"({med * 1e3:.3f} ms) | mla.indexer {idx:.3f} ms | state {human_bytes(row['state_bytes'])}")
+        top = sorted(pst.items(), key=lambda kv: -kv[1])[:6]
+        log(f"           a chunk of {m} more: {chunk_s * 1e3:.1f} ms, stages " +
+            ", ".join(f"{k} {v:.1f}" for k, v in top))
+    kern = indexer_kernels(cfg, contexts[-1], a.chunk)
+    if kern:
+        log(f"  indexer kernels alone, {a.chunk} queries at {contexts[-1] - a.chunk}..{contexts[-1] - 1}: "
+            f"per-row {kern['per_row_ms']:.2f} ms, tiled {kern['tiled_ms']:.2f} ms "
+            f"({kern['per_row_ms'] / kern['tiled_ms']:.1f}x), selection {kern['select_ms']:.2f} ms; "
+            f"same bits: {kern['same_bits']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"checkpoint": a.checkpoint, "device": eng.device_name, "chunk": a.chunk, "steps": a.steps,
-                       "repeats": a.repeats, "rows": rows}, f, indent=1)
+                       "repeats": a.repeats, "rows": rows, "indexer_kernels": kern}, f, indent=1)
     return 0
+
+
+def indexer_kernels(cfg, ctx: int, n: int) -> dict | None:
+    """The scoring kernels alone: n queries at positions ctx-n..ctx-1 with the config's widths, random
+    values (time does not depend on them); None when the tiled kernel does not apply."""
+    from fast.cuda import cuda_module
+    cu = cuda_module()
+    ni, di, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+    budget = cfg.index_topk // kp
+    rng = np.random.default_rng(1)
+    pos = list(range(ctx - n, ctx))
+    q = rng.standard_normal((n, ni, di), dtype=np.float32)
+    w = rng.standard_normal((n, ni), dtype=np.float32)
+    keys = rng.standard_normal((ctx // kp, di), dtype=np.float32)
+    try:
+        a = cu.index_scores(q, w, keys, pos, kp, budget, False, 5)
+        b = cu.index_scores(q, w, keys, pos, kp, budget, True, 5)
+    except ValueError as e:
+        log(f"  indexer kernels alone: {e}")
+        return None
+    return {"queries": n, "context": ctx, "per_row_ms": a["ms"], "tiled_ms": b["ms"], "select_ms": b["select_ms"],
+            "same_bits": bool(np.array_equal(a["scores"].view(np.uint32), b["scores"].view(np.uint32)))}
 
 
 if __name__ == "__main__":

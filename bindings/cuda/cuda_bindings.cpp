@@ -97,7 +97,8 @@ constexpr FlagOption kFlagOptions[] = {{"pdl", &EngineOptions::pdl},
                                        {"stream_early", &EngineOptions::stream_early},
                                        {"hc_fuse", &EngineOptions::hc_fuse},
                                        {"pinned_logits", &EngineOptions::pinned_logits},
-                                       {"gemm", &EngineOptions::gemm}};
+                                       {"gemm", &EngineOptions::gemm},
+                                       {"idx_tiled", &EngineOptions::idx_tiled}};
 
 // From a dict of some of their names; unknown names and wrong types are refused.
 EngineOptions options_from_dict(const py::dict& d) {
@@ -368,6 +369,33 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         py::arg("scores"), py::arg("pos"), py::arg("kp"), py::arg("budget"),
         "The indexer's selection kernel for one query at `pos` over its (pos + 1) // kp pool scores: the "
         "positions it attends, ascending.");
+    m.def(
+        "index_scores",
+        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& q,
+           const py::array_t<float, py::array::c_style | py::array::forcecast>& wts,
+           const py::array_t<float, py::array::c_style | py::array::forcecast>& keys, const std::vector<int>& pos,
+           int kp, int budget, bool tiled, int reps) {
+            if (q.ndim() != 3) bad("index_scores: q must be [T][ni][di]");
+            const int T = static_cast<int>(q.shape(0)), ni = static_cast<int>(q.shape(1)),
+                      di = static_cast<int>(q.shape(2));
+            if (wts.ndim() != 2 || wts.shape(0) != T || wts.shape(1) != ni) bad("index_scores: wts must be [T][ni]");
+            if (keys.ndim() != 2 || keys.shape(1) != di) bad("index_scores: keys must be [pools][di]");
+            if (static_cast<int>(pos.size()) != T) bad("index_scores: one position per query");
+            const IndexScores r = translate([&] {
+                return index_scores_device(q.data(), wts.data(), keys.data(), static_cast<int64_t>(keys.shape(0)),
+                                           pos, ni, di, kp, budget, tiled, reps);
+            });
+            py::dict d;
+            d["scores"] = py::array_t<float>(static_cast<py::ssize_t>(r.scores.size()), r.scores.data());
+            d["ms"] = r.ms;
+            d["select_ms"] = r.select_ms;
+            return d;
+        },
+        py::arg("q"), py::arg("wts"), py::arg("keys"), py::arg("pos"), py::arg("kp"), py::arg("budget"),
+        py::arg("tiled"), py::arg("reps") = 0,
+        "The indexer's scoring kernel (tiled or per-row) for queries of one sequence: {'scores': each row's "
+        "(pos + 1) // kp pool scores one after the other, 'ms' and 'select_ms': median device times of reps "
+        "launches of the scoring and of the selection (0 when reps is 0)}.");
     m.def(
         "argmax",
         [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {

@@ -56,6 +56,7 @@ struct EngineOptions {
     int expert_tile = 0;        // pairs per routed-expert work item for batches: 1, 4 or 8; 0 the engine's rule
     bool pinned_logits = true;  // decode-sized logits copied straight into page-locked arrays (the bindings)
     bool gemm = true;           // several-token linear launches take the register-tiled kernel where it applies
+    bool idx_tiled = true;      // prefill-sized indexer scoring as a tiled product (k_idx_scores_tiled)
 };
 
 class Engine {
@@ -140,6 +141,17 @@ void exp64_device(const double* x, double* y, size_t n);
 // The indexer's selection kernel for one query at `pos` over given pool scores ((pos + 1) / kp of them):
 // the positions it attends, ascending (tests: against the oracle's rule on made-up scores).
 std::vector<int> index_select_device(const float* scores, int64_t n_scores, int pos, int kp, int budget);
+// indexer.scores of T queries of one sequence at positions pos (ascending) against its pool keys
+// ([n_keys][di], n_keys >= (pos[T-1] + 1) / kp): q [T][ni][di], wts [T][ni]; the rows' scores one after
+// the other. tiled: the tiled kernel (it must apply), else the per-row one. reps > 0: also the median
+// device time of `reps` launches (ms) after two untimed ones, and of the selection of those rows.
+struct IndexScores {
+    std::vector<float> scores;
+    double ms = 0, select_ms = 0;
+};
+IndexScores index_scores_device(const float* q, const float* wts, const float* keys, int64_t n_keys,
+                                const std::vector<int>& pos, int ni, int di, int kp, int budget, bool tiled,
+                                int reps);
 
 struct CensusResult {
     uint64_t inputs = 0, differ = 0, differ_bf16 = 0, differ_nonpos = 0, nonpos_inputs = 0, max_ulps = 0;

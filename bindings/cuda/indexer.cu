@@ -97,6 +97,116 @@ __global__ void __launch_bounds__(kIdxThreads) k_idx_scores(const float* __restr
     if (live && lane8() == 0) scores[off[t] + p] = score;
 }
 
+// indexer.scores for many queries at once (prefill chunks): the products of [queries x heads] rows
+// with the pools' keys as a tiled matrix product. A block takes up to 64 (query, head) rows, the heads
+// of 64 / ni (rounded down) consecutive queries of one segment (a tile of `tiles`), against 64 pools; each thread forms
+// 4 rows x 4 pools of dots, whole, in the canonical order (cdot.cuh): partial sum k (one of 64) is
+// fma(a[64c + k], b[64c + k], .) over the chunks c, and the fold (P[g] += P[g+w] for w = 4, 2, 1,
+// then the same over the lanes) is a balanced tree whose leaves, left to right, are the partials
+// k = bitrev6(j) for j = 0..63: each partial is made in that order and folded into a stack of
+// pairwise sums as j counts up (the stack's level-6 entry is the tree's root). Elements past d_i are
+// zeros in shared memory: fma(0, 0, P) = P for every partial P, which is never -0. Then
+// max(dot * d_i^-1/2, 0) goes to shared memory and groups of eight threads weigh the heads of each
+// (query, pool) as k_idx_scores does. Same bits as k_idx_scores; canonical dot only.
+constexpr int kTileRows = 64, kTilePools = 64, kTileThreads = 256;
+template <int C>  // chunks of 64 in d_i (d_i <= 64 C)
+__global__ void __launch_bounds__(kTileThreads) k_idx_scores_tiled(const float* __restrict__ q,
+                                                                   const float* __restrict__ wts, int ni, int di,
+                                                                   int kp, const int2* __restrict__ tiles,
+                                                                   const int* __restrict__ pos,
+                                                                   const int64_t* __restrict__ off,
+                                                                   const SegDev* __restrict__ segs,
+                                                                   const int* __restrict__ seg_of, float qscale,
+                                                                   float* scores) {
+    pdl_enter();
+    GLM_DYN_SMEM(float, sm);
+    float* As = sm;                            // [64 C][64]: As[k][row]
+    float* Bs = sm + 64 * C * kTileRows;       // [64 C][64]: Bs[k][pool]
+    float* S = sm;                             // [64][65] relu'd head scores (after the products)
+    const int tid = static_cast<int>(threadIdx.x);
+    const int2 tile = tiles[blockIdx.x];
+    const int t0 = tile.x, nq = tile.y, rows = nq * ni;
+    const int p0 = static_cast<int>(blockIdx.y) * kTilePools;
+    const int np_last = (pos[t0 + nq - 1] + 1) / kp;  // (positions ascend within a segment)
+    if (p0 >= np_last) return;  // uniform over the block
+    const float* pk = segs[seg_of[t0]].pk;
+    const float* qa = q + static_cast<int64_t>(t0) * ni * di;
+    const int k4n = di / 4;
+    for (int i = tid; i < 16 * C * 64; i += kTileThreads) {
+        const int m = i & 63, k4 = i >> 6;  // lanes over rows: the transposed stores hit 32 banks
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
+        if (k4 < k4n) {
+            if (m < rows) a = *reinterpret_cast<const float4*>(qa + static_cast<int64_t>(m) * di + 4 * k4);
+            if (p0 + m < np_last) b = *reinterpret_cast<const float4*>(pk + static_cast<int64_t>(p0 + m) * di + 4 * k4);
+        }
+        float* ac = As + (4 * k4) * kTileRows + m;
+        float* bc = Bs + (4 * k4) * kTilePools + m;
+        ac[0] = a.x, ac[kTileRows] = a.y, ac[2 * kTileRows] = a.z, ac[3 * kTileRows] = a.w;
+        bc[0] = b.x, bc[kTilePools] = b.y, bc[2 * kTilePools] = b.z, bc[3 * kTilePools] = b.w;
+    }
+    __syncthreads();
+    const int tm = tid >> 4, tn = tid & 15;  // rows 4 tm.., pools 4 tn..
+    float st[7][4][4];                       // the pairwise-sum stack of each of the 16 dots
+#pragma unroll
+    for (int j = 0; j < 64; ++j) {
+        const int k = ((j & 1) << 5) | ((j & 2) << 3) | ((j & 4) << 1) | ((j & 8) >> 1) | ((j & 16) >> 3) |
+                      ((j & 32) >> 5);  // bitrev6(j)
+        float v[4][4];
+        {
+            const float4 a = *reinterpret_cast<const float4*>(As + k * kTileRows + 4 * tm);
+            const float4 b = *reinterpret_cast<const float4*>(Bs + k * kTilePools + 4 * tn);
+            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) v[r][c] = fma_(bv[c], av[r], 0.0f);
+        }
+#pragma unroll
+        for (int cc = 1; cc < C; ++cc) {
+            const float4 a = *reinterpret_cast<const float4*>(As + (64 * cc + k) * kTileRows + 4 * tm);
+            const float4 b = *reinterpret_cast<const float4*>(Bs + (64 * cc + k) * kTilePools + 4 * tn);
+            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) v[r][c] = fma_(bv[c], av[r], v[r][c]);
+        }
+        int lv = 0;
+#pragma unroll
+        for (; lv < 6 && ((j >> lv) & 1); ++lv)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) v[r][c] = fadd(st[lv][r][c], v[r][c]);
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) st[lv][r][c] = v[r][c];
+    }
+    __syncthreads();  // (S overwrites As)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const float x = fmul(st[6][r][c], qscale);
+            S[(4 * tm + r) * (kTilePools + 1) + 4 * tn + c] = x > 0.0f ? x : 0.0f;
+        }
+    __syncthreads();
+    const int grp = tid >> 3;
+    for (int o = grp; o < (kTileRows / ni) * kTilePools; o += kTileThreads / 8) {  // (the same count on every lane)
+        const int qi = o / kTilePools, pp = o % kTilePools;
+        const int t = t0 + qi, p = p0 + pp;
+        const bool live = qi < nq && p < (pos[qi < nq ? t : t0] + 1) / kp;
+        const float* sr = S + (qi * ni) * (kTilePools + 1) + pp;
+        const float* wt = wts + static_cast<int64_t>(live ? t : t0) * ni;
+        const float score = group_dot<float>(live ? ni : 0, false, [&](int h, float& a, float& b) {
+            a = sr[h * (kTilePools + 1)];
+            b = wt[h];
+        });
+        if (live && lane8() == 0) scores[off[t] + p] = score;
+    }
+}
+
 // Selection per row, one block: all positions, or the best `budget` pools + the tail, in O(pools).
 // A score's key is num::select_key (order-preserving; -0 = +0; NaN lowest), so
 // "best `budget` by score, ties to the lower pool index" is: every key above the budget-th largest
@@ -132,22 +242,47 @@ __global__ void __launch_bounds__(kSelThreads) k_idx_select(const float* __restr
     // K = the budget-th largest key; need = how many pools with key K are kept
     unsigned prefix = 0u, mask = 0u;
     int need = budget;
+    const int nloop = (npools + nt - 1) / nt * nt;  // (every lane of a warp in every round: match_any)
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = tid; i < 256; i += nt) hist[i] = 0u;
         __syncthreads();
-        for (int p = tid; p < npools; p += nt) {
-            const unsigned k = select_key(sc[p]);
-            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+        // the lanes of a warp with the same bin add once (the first passes see a few bins only)
+        for (int p = tid; p < nloop; p += nt) {
+            const unsigned k = p < npools ? select_key(sc[p]) : 0u;
+            const bool in = p < npools && (k & mask) == prefix;
+            const unsigned bin = in ? (k >> shift) & 255u : 256u;
+            const unsigned peers = __match_any_sync(kFull, bin);
+            if (in && static_cast<int>(threadIdx.x & 31u) == __ffs(static_cast<int>(peers)) - 1)
+                atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
         }
         __syncthreads();
-        if (tid == 0) {
-            int above = 0, d = 255;
-            for (; d > 0; --d) {
-                if (above + static_cast<int>(hist[d]) >= need) break;
-                above += static_cast<int>(hist[d]);
+        // the bin d holding the need-th largest key: lane L of warp 0 sums bins 255-8L .. 248-8L, a
+        // scan over the lanes finds the lane whose bins reach `need`, that lane walks its eight
+        if (tid < 32) {
+            int c[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                c[j] = static_cast<int>(hist[255 - 8 * tid - j]);
+                sum += c[j];
             }
-            s_prefix = prefix | (static_cast<unsigned>(d) << shift);
-            s_need = need - above;
+            int inc = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(kFull, inc, o);
+                if (tid >= o) inc += v;
+            }
+            const unsigned reach = __ballot_sync(kFull, inc >= need);
+            const int first = reach ? __ffs(static_cast<int>(reach)) - 1 : 31;  // (reach != 0: need <= the count)
+            if (tid == first) {
+                int above = inc - sum, d = 255 - 8 * tid;
+                for (int j = 0; j < 8; ++j) {
+                    d = 255 - 8 * tid - j;
+                    if (d == 0 || above + c[j] >= need) break;
+                    above += c[j];
+                }
+                s_prefix = prefix | (static_cast<unsigned>(d) << shift);
+                s_need = need - above;
+            }
         }
         __syncthreads();
         prefix = s_prefix;
@@ -189,6 +324,45 @@ __global__ void __launch_bounds__(kSelThreads) k_idx_select(const float* __restr
     for (int tau = npools * kp + tid; tau <= ps; tau += nt) out[budget * kp + (tau - npools * kp)] = tau;
 }
 
+// The tiled scoring kernel applies: canonical dot, d_i a multiple of 4 up to 128, n_i <= 64.
+bool tiled_scores_apply(int ni, int di, const Nm& nm) {
+    return !nm.seq && di % 4 == 0 && di >= 4 && di <= 128 && ni >= 1 && ni <= 64;
+}
+
+// Tiles of 64 / ni (rounded down) consecutive rows of one segment: (first row, rows) for each segment's rows [t0, t0 + n).
+std::vector<int2> score_tiles(const std::vector<std::pair<int, int>>& seg_rows, int ni) {
+    const int qt = kTileRows / ni;
+    std::vector<int2> tiles;
+    for (const auto& [t0, n] : seg_rows)
+        for (int t = t0; t < t0 + n; t += qt) tiles.push_back(make_int2(t, std::min(qt, t0 + n - t)));
+    return tiles;
+}
+
+// indexer.scores of every row: scores[off[t] + p] for the (pos[t] + 1) / kp pools row t sees. d_tiles
+// (n_tiles of score_tiles) selects the tiled kernel, nullptr the per-row one.
+void launch_scores(const float* q, const float* wts, int ni, int di, int kp, int T, int max_np, const int* d_pos,
+                   const int64_t* d_off, const SegDev* segs, const int* d_seg, float* scores, const Nm& nm,
+                   const int2* d_tiles, int n_tiles) {
+    const float qscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(di)));
+    if (d_tiles != nullptr) {
+        const unsigned pool_tiles = static_cast<unsigned>((max_np + kTilePools - 1) / kTilePools);
+        const int C = di <= 64 ? 1 : 2;
+        const size_t smem = std::max<size_t>(2u * 64u * C * 64u, 64u * (kTilePools + 1)) * 4u;
+        auto kk = C == 1 ? k_idx_scores_tiled<1> : k_idx_scores_tiled<2>;
+        allow_smem(kk, smem);
+        GLM_LAUNCH(kk, dim3(static_cast<unsigned>(n_tiles), pool_tiles), kTileThreads, smem, q, wts, ni, di, kp,
+                   d_tiles, d_pos, d_off, segs, d_seg, qscale, scores);
+        check_launch("idx_scores_tiled");
+        return;
+    }
+    auto kk = k_idx_scores;
+    // pools per block: one while there are few (latency), eight once there are many (q reuse)
+    const int PT = static_cast<int64_t>(max_np) * T >= 1024 ? 8 : 1;
+    GLM_LAUNCH(kk, dim3(blocks(max_np, PT), T), kIdxThreads, static_cast<size_t>(PT) * ni * 4, q, wts, ni, di, kp, PT,
+               d_pos, d_off, segs, d_seg, qscale, scores, nm);
+    check_launch("idx_scores");
+}
+
 }  // namespace
 
 std::vector<int> index_select_device(const float* scores, int64_t n_scores, int pos, int kp, int budget) {
@@ -212,6 +386,74 @@ std::vector<int> index_select_device(const float* scores, int64_t n_scores, int 
     std::vector<int> out(static_cast<size_t>(n));
     check(cudaMemcpy(out.data(), dsel.p, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost), "index_select");
     return out;
+}
+
+IndexScores index_scores_device(const float* q, const float* wts, const float* keys, int64_t n_keys,
+                                const std::vector<int>& pos, int ni, int di, int kp, int budget, bool tiled,
+                                int reps) {
+    const int T = static_cast<int>(pos.size());
+    if (T < 1 || ni < 1 || di < 1 || kp < 1 || budget < 1) throw std::invalid_argument("index_scores: empty shape");
+    for (int t = 0; t < T; ++t)
+        if (pos[t] < 0 || (t > 0 && pos[t] < pos[t - 1]))
+            throw std::invalid_argument("index_scores: positions must be >= 0 and ascending");
+    const int max_np = (pos[T - 1] + 1) / kp;
+    if (n_keys < max_np)
+        throw std::invalid_argument("index_scores: a query at position " + std::to_string(pos[T - 1]) + " sees " +
+                                    std::to_string(max_np) + " pools, got " + std::to_string(n_keys) + " keys");
+    const Nm nm{};
+    if (tiled && !tiled_scores_apply(ni, di, nm))
+        throw std::invalid_argument("index_scores: the tiled kernel needs di % 4 == 0, di <= 128 and ni <= 64");
+    std::vector<int64_t> off(static_cast<size_t>(T)), sel_off(static_cast<size_t>(T));
+    int64_t total = 0, stotal = 0;
+    for (int t = 0; t < T; ++t) {
+        const int64_t np = (pos[t] + 1) / kp;
+        off[t] = total;
+        sel_off[t] = stotal;
+        total += np;
+        stotal += np <= budget ? pos[t] + 1 : static_cast<int64_t>(budget) * kp + (pos[t] + 1 - np * kp);
+    }
+    const std::vector<int2> tiles = score_tiles({{0, T}}, ni);
+    auto up = [](DBuf& b, const void* src, size_t n) {
+        if (n) check(cudaMemcpy(b.p, src, n, cudaMemcpyHostToDevice), "index_scores");
+    };
+    const size_t nq = static_cast<size_t>(T) * ni * di, nk = static_cast<size_t>(std::max<int64_t>(n_keys, 1)) * di;
+    DBuf dq(nq * 4), dw(static_cast<size_t>(T) * ni * 4), dk(nk * 4), dpos(static_cast<size_t>(T) * 4),
+        doff(static_cast<size_t>(T) * 8), dsoff(static_cast<size_t>(T) * 8), dseg(static_cast<size_t>(T) * 4),
+        dtiles(tiles.size() * sizeof(int2)), dsegs(sizeof(SegDev)),
+        dsc(static_cast<size_t>(std::max<int64_t>(total, 1)) * 4), dsel(static_cast<size_t>(std::max<int64_t>(stotal, 1)) * 4);
+    up(dq, q, nq * 4);
+    up(dw, wts, static_cast<size_t>(T) * ni * 4);
+    up(dk, keys, static_cast<size_t>(n_keys) * di * 4);
+    up(dpos, pos.data(), static_cast<size_t>(T) * 4);
+    up(doff, off.data(), static_cast<size_t>(T) * 8);
+    up(dsoff, sel_off.data(), static_cast<size_t>(T) * 8);
+    check(cudaMemset(dseg.p, 0, static_cast<size_t>(T) * 4), "index_scores");
+    up(dtiles, tiles.data(), tiles.size() * sizeof(int2));
+    SegDev sg{};
+    sg.pk = dk.as<float>();
+    up(dsegs, &sg, sizeof(SegDev));
+    check(cudaMemset(dsc.p, 0xFF, static_cast<size_t>(std::max<int64_t>(total, 1)) * 4), "index_scores");  // (NaN: unwritten shows)
+    auto once = [&] {
+        launch_scores(dq.as<float>(), dw.as<float>(), ni, di, kp, T, max_np, dpos.as<int>(), doff.as<int64_t>(),
+                      dsegs.as<SegDev>(), dseg.as<int>(), dsc.as<float>(), nm, tiled ? dtiles.as<int2>() : nullptr,
+                      static_cast<int>(tiles.size()));
+    };
+    once();
+    check(cudaDeviceSynchronize(), "index_scores");
+    IndexScores r;
+    r.scores.resize(static_cast<size_t>(total));
+    if (total) check(cudaMemcpy(r.scores.data(), dsc.p, static_cast<size_t>(total) * 4, cudaMemcpyDeviceToHost), "index_scores");
+    if (reps > 0) {
+        r.ms = median_us(reps, false, once) / 1e3;
+        r.select_ms = median_us(reps, false, [&] {
+                          auto kk = k_idx_select;
+                          GLM_LAUNCH(kk, T, kSelThreads, 0, dsc.as<float>(), doff.as<int64_t>(), dpos.as<int>(), kp,
+                                     budget, dsel.as<int>(), dsoff.as<int64_t>());
+                          check_launch("idx_select");
+                      }) /
+                      1e3;
+    }
+    return r;
 }
 
 void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const float* q_lat) {
@@ -292,13 +534,17 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
     float* scores = lean ? nullptr : s.scratch.d<float>(static_cast<size_t>(std::max<int64_t>(total, 1)));
     int64_t* d_off = lean ? nullptr : s.scratch.up(off);
     if (max_np > 0 && !lean) {
-        auto kk = k_idx_scores;
-        // pools per block: one while there are few (latency), eight once there are many (q reuse)
-        const int PT = static_cast<int64_t>(max_np) * T >= 1024 ? 8 : 1;
-        GLM_LAUNCH(kk, dim3(blocks(max_np, PT), T), kIdxThreads, static_cast<size_t>(PT) * ni * 4, q, wts, ni, di, kp,
-                   PT, s.d_pos, d_off, segs, s.d_seg, static_cast<float>(1.0 / std::sqrt(static_cast<double>(di))),
-                   scores, nm);
-        check_launch("idx_scores");
+        // the tiled kernel for prefill-sized work (its 64-row tiles are mostly empty for a few queries)
+        const bool tiled = launch_options().idx_tiled && T >= 16 && static_cast<int64_t>(max_np) * T >= 16384 &&
+                           tiled_scores_apply(ni, di, nm);
+        std::vector<int2> tiles;
+        if (tiled) {
+            std::vector<std::pair<int, int>> seg_rows;
+            for (const Segment& g : s.segs) seg_rows.emplace_back(g.t0, g.n);
+            tiles = score_tiles(seg_rows, ni);
+        }
+        launch_scores(q, wts, ni, di, kp, T, max_np, s.d_pos, d_off, segs, s.d_seg, scores, nm,
+                      tiled ? s.scratch.up(tiles) : nullptr, static_cast<int>(tiles.size()));
     }
     if (!lean) s.emit_var(layer, S_IDX_SCORES, scores, off, shapes);
 

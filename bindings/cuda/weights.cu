@@ -44,6 +44,14 @@ int parse_release(const std::string& release) {
 
 size_t Lin::bytes() const { return static_cast<size_t>(R * row_bytes(fmt, C) + scale_bytes(fmt, R, C)); }
 
+// (weights.cuh)
+void flush_l2() {
+    static void* buf = nullptr;
+    constexpr size_t n = size_t{96} << 20;  // larger than the H100/H200 L2 (50 MB)
+    if (!buf) check(cudaMalloc(&buf, n), "cudaMalloc (L2 flush)");
+    check(cudaMemsetAsync(buf, 0, n, 0), "L2 flush");
+}
+
 namespace {
 
 // Streaming multiprocessors of the current device (once).
@@ -547,39 +555,6 @@ std::string choice_name(const LinChoice& c) {
     const std::string base = lin_kernel(c.kind).label(c);
     if (c.dec < 0) return base;
     return base + (c.dec == kDecHw ? "/hw" : (c.dec == kDecInt ? "/int" : "/sw"));
-}
-
-void flush_l2() {
-    static void* buf = nullptr;
-    constexpr size_t n = size_t{96} << 20;  // larger than the H100/H200 L2 (50 MB)
-    if (!buf) check(cudaMalloc(&buf, n), "cudaMalloc (L2 flush)");
-    check(cudaMemsetAsync(buf, 0, n, 0), "L2 flush");
-}
-
-template <class F>
-// The benchmarks' timing: two untimed passes, then the median of `reps` launches (device events), each
-// after an L2 eviction when `flush` (decode streams every weight from HBM: no rep may find it in L2).
-double median_us(int reps, bool flush, F&& once) {
-    for (int i = 0; i < 2; ++i) once();  // two untimed passes
-    check(cudaDeviceSynchronize(), "bench warm-up");
-    cudaEvent_t e0, e1;
-    check(cudaEventCreate(&e0), "event");
-    check(cudaEventCreate(&e1), "event");
-    std::vector<float> ms;
-    for (int i = 0; i < reps; ++i) {
-        if (flush) flush_l2();
-        check(cudaEventRecord(e0, 0), "event");
-        once();
-        check(cudaEventRecord(e1, 0), "event");
-        check(cudaEventSynchronize(e1), "bench");
-        float t = 0;
-        check(cudaEventElapsedTime(&t, e0, e1), "event");
-        ms.push_back(t);
-    }
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    std::sort(ms.begin(), ms.end());
-    return 1e3 * static_cast<double>(ms[ms.size() / 2]);
 }
 
 // One token with kernel choice c (c.dec: another decode path); false when c does not apply to a's shape.

@@ -8,7 +8,9 @@
 // them into its eight lane accumulators for each of up to TT token rows; then group_fold.
 #pragma once
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "cdot.cuh"
 #include "expf.cuh"
@@ -158,6 +160,37 @@ GLM_DEV float decode_elem(int fmt, const void* data, const void* scale, int64_t 
             return mxfp4_w(nib, e8m0(static_cast<const uint8_t*>(scale)[ar * (C / 32) + col / 32]));
         }
     }
+}
+
+// ---- benchmark timing (weights.cu's kernel benchmarks, the indexer's) --------------------------
+
+// Evict the L2 (a 96 MB memset on the default stream).
+void flush_l2();
+
+// The benchmarks' timing: two untimed passes, then the median of `reps` launches (device events), each
+// after an L2 eviction when `flush` (decode streams every weight from HBM: no rep may find it in L2).
+template <class F>
+double median_us(int reps, bool flush, F&& once) {
+    for (int i = 0; i < 2; ++i) once();  // two untimed passes
+    check(cudaDeviceSynchronize(), "bench warm-up");
+    cudaEvent_t e0, e1;
+    check(cudaEventCreate(&e0), "event");
+    check(cudaEventCreate(&e1), "event");
+    std::vector<float> ms;
+    for (int i = 0; i < reps; ++i) {
+        if (flush) flush_l2();
+        check(cudaEventRecord(e0, 0), "event");
+        once();
+        check(cudaEventRecord(e1, 0), "event");
+        check(cudaEventSynchronize(e1), "bench");
+        float t = 0;
+        check(cudaEventElapsedTime(&t, e0, e1), "event");
+        ms.push_back(t);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::sort(ms.begin(), ms.end());
+    return 1e3 * static_cast<double>(ms[ms.size() / 2]);
 }
 
 }  // namespace glm::cuda

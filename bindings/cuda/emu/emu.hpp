@@ -36,6 +36,10 @@ struct alignas(16) uint4 {
 struct alignas(8) uint2 {
     unsigned x, y;
 };
+struct alignas(8) int2 {
+    int x, y;
+};
+inline int2 make_int2(int x, int y) { return int2{x, y}; }
 struct alignas(8) float2 {
     float x, y;
 };
@@ -106,6 +110,28 @@ inline T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
     const int s = s0 < ((l / width) + 1) * width ? s0 : l;
     return glm_emu::from_raw<T>(glm_emu::shfl_raw(glm_emu::to_raw(v), s));
 }
+
+template <class T>
+inline T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) {
+    const int l = glm_emu::lane();
+    const int s = (l % width) >= static_cast<int>(delta) ? l - static_cast<int>(delta) : l;
+    return glm_emu::from_raw<T>(glm_emu::shfl_raw(glm_emu::to_raw(v), s));
+}
+// (every lane of the warp calls these, as the shuffles: each reads all 32 lanes' values)
+inline unsigned __ballot_sync(unsigned, int pred) {
+    unsigned r = 0;
+    for (int s = 0; s < 32; ++s)
+        if (glm_emu::shfl_raw(pred ? 1u : 0u, s) != 0u) r |= 1u << s;
+    return r;
+}
+inline unsigned __match_any_sync(unsigned, unsigned v) {
+    unsigned r = 0;
+    for (int s = 0; s < 32; ++s)
+        if (static_cast<unsigned>(glm_emu::shfl_raw(v, s)) == v) r |= 1u << s;
+    return r;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
 
 // ---- arithmetic intrinsics (IEEE round-to-nearest; the host build has -ffp-contract=off) -------
 inline float __fadd_rn(float a, float b) { return a + b; }
