@@ -12,7 +12,7 @@ another fork; the median of --repeats such calls, each on a fresh fork, is repor
 time of the indexer per decode step (CUDA events around mla.indexer; one separate timed run, since
 timing adds events) and the sequence's state (Engine.sequence_memory). Then one more prefill chunk
 on a fork with the stage timers on: where a chunk's time goes at that context. Last, the indexer's
-scoring kernels alone at the longest context (`fast._cuda.index_scores`: --chunk queries of the real
+scoring kernels alone at the longest context up to --kernels-at (`fast._cuda.index_scores`: --chunk queries of the real
 widths against its pools, random values, per-row and tiled kernels and the selection, median of 5
 launches after two untimed ones, and whether the two kernels' bits agree). Nothing else here is
 compared: the engine's bits at long context are checked by the tests (CPU = CUDA), not by this script.
@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (tokens per step)")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kernels-at", type=int, default=131072,
+                   help="the scoring kernels alone at the longest context up to this (the per-row one is slow)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     from fast.core import human_bytes
@@ -49,13 +51,19 @@ def main(argv=None) -> int:
     from oracle.checkpoint import open_checkpoint
 
     contexts = sorted(int(c) for c in a.contexts.split(","))
-    eng = CudaEngine(open_checkpoint(a.checkpoint, verify=False), max_context=contexts[-1] + max(a.steps, a.chunk) + 8)
+    ck = open_checkpoint(a.checkpoint, verify=False)
+    limit = int(ck.config.max_position_embeddings)
+    # room for the decode steps and the timed extra chunk after the longest context (within the model's limit)
+    room = min(limit, contexts[-1] + max(a.steps, a.chunk) + 8)
+    if contexts[-1] + a.steps > room:
+        p.error(f"--contexts: {contexts[-1]} positions + {a.steps} decode steps exceed the model's {limit}")
+    eng = CudaEngine(ck, max_context=room)
     cfg = eng.config
     log(f"{a.checkpoint}: {eng.device_name}, {cfg.num_hidden_layers} layers, index_topk {cfg.index_topk}, "
         f"kpool {cfg.index_kpool}; state at {contexts[-1]} positions {human_bytes(eng.sequence_bytes(contexts[-1]))}")
     rng = np.random.default_rng(0)
     V = cfg.vocab_size
-    seq = eng.new_cache().reserve(contexts[-1] + max(a.steps, a.chunk) + 1)  # (forks keep the room: no growth while timed)
+    seq = eng.new_cache().reserve(room)  # (forks keep the room: no growth while timed)
     # warm the prefill path (kernels tuned, buffers made) on a throwaway sequence
     eng.prefill([int(v) for v in rng.integers(0, V, min(a.chunk, contexts[0]))], eng.new_cache())
     rows = []
@@ -89,7 +97,7 @@ def main(argv=None) -> int:
         f.close()
         # one more chunk on a fork, timed per stage
         f = seq.fork()
-        m = min(a.chunk, ctx)
+        m = min(a.chunk, ctx, room - ctx)
         eng.set_timing(True)
         eng.reset_stage_times()
         t0 = time.perf_counter()
@@ -111,9 +119,10 @@ def main(argv=None) -> int:
         top = sorted(pst.items(), key=lambda kv: -kv[1])[:6]
         log(f"           a chunk of {m} more: {chunk_s * 1e3:.1f} ms, stages " +
             ", ".join(f"{k} {v:.1f}" for k, v in top))
-    kern = indexer_kernels(cfg, contexts[-1], a.chunk)
+    kctx = max([c for c in contexts if c <= a.kernels_at] or [contexts[0]])
+    kern = indexer_kernels(cfg, kctx, min(a.chunk, kctx))
     if kern:
-        log(f"  indexer kernels alone, {a.chunk} queries at {contexts[-1] - a.chunk}..{contexts[-1] - 1}: "
+        log(f"  indexer kernels alone, {kern['queries']} queries at {kctx - kern['queries']}..{kctx - 1}: "
             f"per-row {kern['per_row_ms']:.2f} ms, tiled {kern['tiled_ms']:.2f} ms "
             f"({kern['per_row_ms'] / kern['tiled_ms']:.1f}x), selection {kern['select_ms']:.2f} ms; "
             f"same bits: {kern['same_bits']}")

@@ -7,7 +7,7 @@
 # Environment: OUT (logs and results, default /tmp/gpu_check), GLM_SLICE_DIR (slice checkpoints, default
 # /tmp/slice; made here with tools.zoo when absent), BUDGET (seconds for the whole run, default 450),
 # SLICE_LAYERS (2), SLICE_EXPERTS (288), SKIP_PEER=1 (no transformers peer), RELEASES (fp8,mxfp4),
-# TESTS=0 (skip the GPU tests: a performance iteration) or quick (skip the exhaustive expf and the slowest), LINEAR_TESTS=0 (not the linear kernels' test),
+# TESTS=0 (skip the GPU tests: a performance iteration) or quick (skip the exhaustive expf and the slowest), LINEAR_TESTS=0 (not the linear kernels' test), SLICE_TESTS=0 (not the slice phase),
 # TESTS_K (a pytest -k expression instead), PROFILE=1 (kernel timeline of decode steps, tools/profile_cuda.py,
 # after the benchmarks; PROFILE_ENV=GLM_PDL=0 times each kernel alone, since with programmatic launch a
 # kernel's time includes its wait for the previous one), LINEAR_BENCH=1 (tools/bench_linear.py at the end; LINEAR_ONLY, LINEAR_VARIANTS narrow it),
@@ -171,8 +171,8 @@ df -h /tmp | tail -1
 
 phase "slice: CUDA engine = CPU engine at real widths"
 T_SLICE=$(( $(left) - 90 )); [ "$T_SLICE" -gt 300 ] && T_SLICE=300  # (the 8K test: the CPU engine prefills 8,192 tokens)
-if [ "${TESTS:-1}" = "0" ]; then
-  echo "skipped: TESTS=0"
+if [ "${TESTS:-1}" = "0" ] || [ "${SLICE_TESTS:-1}" = "0" ]; then
+  echo "skipped: TESTS=0 or SLICE_TESTS=0"
 elif [ "${FLASH:-0}" = "1" ]; then
   echo "skipped: FLASH=1 (no slice on the disk; the flash phase compares the engines at full depth)"
 elif [ "$T_SLICE" -gt 30 ]; then
