@@ -41,13 +41,9 @@ __global__ void __launch_bounds__(256) k_mla_scores(const float* __restrict__ q_
                                                     const int* __restrict__ seg_of, float scale, float* scores, Nm nm) {
     pdl_enter();
     const int lane = static_cast<int>(threadIdx.x & 31u);
-    // grid (position blocks x head tiles, rows), the head tile fastest: the tiles of one row's positions
-    // run side by side, so the latent rows they share come from L2 once the first has read them (at long
-    // context the cache does not fit L2, and the tiles used to be a whole grid apart)
     const int t = static_cast<int>(blockIdx.y);
-    const int ntile = (nh + 7) / 8;
-    const int h = static_cast<int>(blockIdx.x % ntile) * 8 + static_cast<int>(threadIdx.x >> 5);
-    const int j0 = static_cast<int>(blockIdx.x / ntile) * JW;
+    const int h = static_cast<int>(blockIdx.z) * 8 + static_cast<int>(threadIdx.x >> 5);
+    const int j0 = static_cast<int>(blockIdx.x) * JW;
     const int ns = sel_n[t];
     if (h >= nh || j0 >= ns) return;  // uniform over the warp
     const int* st = sel + sel_off[t];
@@ -196,11 +192,9 @@ __global__ void __launch_bounds__(256) k_mla_olat(const float* __restrict__ prob
                                                   const int* __restrict__ seg_of, float* o_lat, Nm nm) {
     pdl_enter();
     const int g = lane8();
-    // grid (column blocks x head tiles, rows), the head tile fastest, as k_mla_scores
     const int t = static_cast<int>(blockIdx.y);
-    const int ntile = (nh + HT - 1) / HT;
-    const int kk = static_cast<int>(blockIdx.x / ntile) * 32 + static_cast<int>(threadIdx.x >> 3);
-    const int h0 = static_cast<int>(blockIdx.x % ntile) * HT;
+    const int kk = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x >> 3);
+    const int h0 = static_cast<int>(blockIdx.z) * HT;
     const bool live = kk < r;
     const int k = live ? kk : 0;
     const int ns = sel_n[t];
@@ -319,11 +313,11 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
         // positions per warp: one while the grid is small (latency), four once it is large (q_abs reuse)
         if (static_cast<int64_t>(max_ns) * T * ntile <= 8192) {
             auto k = k_mla_scores<1>;
-            GLM_LAUNCH(k, dim3(ntile * max_ns, T), 256, 0, q_abs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs, s.d_seg,
+            GLM_LAUNCH(k, dim3(max_ns, T, ntile), 256, 0, q_abs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs, s.d_seg,
                        scale, scores, nm);
         } else {
             auto k = k_mla_scores<4>;
-            GLM_LAUNCH(k, dim3(ntile * blocks(max_ns, 4), T), 256, 0, q_abs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n,
+            GLM_LAUNCH(k, dim3(blocks(max_ns, 4), T, ntile), 256, 0, q_abs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n,
                        segs, s.d_seg, scale, scores, nm);
         }
         check_launch("mla_scores");
@@ -351,7 +345,7 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
                        s.d_seg, o_lat, nm);
         } else {
             auto k = k_mla_olat;
-            GLM_LAUNCH(k, dim3(ntile * blocks(r, 32), T), 256, 0, probs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs,
+            GLM_LAUNCH(k, dim3(blocks(r, 32), T, ntile), 256, 0, probs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs,
                        s.d_seg, o_lat, nm);
         }
         check_launch("mla_olat");
