@@ -197,7 +197,7 @@ if [ "${SERVE:-0}" = "1" ]; then
   # issues 20 and 21 on the device (docs/serve.md, "GPU acceptance"); each step under its own limit, on
   # after a failure. Its lines "serve c16 / offline b16 = ...", the bench_speculate table and "TTFT ..."
   # go to docs/perf.md as printed.
-  cap() { local t=$(( $(left) - 10 )); [ "$t" -gt "$1" ] && t=$1; echo "$t"; }
+  cap() { local t=$(( $(left) - 10 )); [ "$t" -gt "$1" ] && t=$1; [ "$t" -lt 5 ] && t=5; echo "$t"; }  # (timeout 0: none)
   SLICE8="$SLICE/slice-fp8"
   [ -f "$SLICE8/config.json" ] || echo "no $SLICE8: the slice steps are skipped"
   NCPU=$(nproc); HALF=$(( NCPU / 2 )); CPU_THREADS=${SERVE_CPU_THREADS:-$(( HALF > 3 ? HALF - 2 : 1 ))}
@@ -219,9 +219,13 @@ if [ "${SERVE:-0}" = "1" ]; then
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|assert|Error" "$OUT/pytest_serve_gate.log" | head -20
 
   phase "serve c: server overhead, concurrency 16 vs offline generate at batch 16 (server on cores $SCPUS, clients on $CCPUS)"
-  [ -n "$SMALL_PID" ] && { wait "$SMALL_PID"; cat "$OUT/small_make.log"; }
+  SMALL_OK=1
+  if [ -n "$SMALL_PID" ]; then
+    while kill -0 "$SMALL_PID" 2> /dev/null && [ "$(left)" -gt 60 ]; do sleep 2; done
+    cat "$OUT/small_make.log"; grep -q "^exit 0" "$OUT/small_make.log" || SMALL_OK=0
+  fi
   LOAD="--concurrency 16 --requests 128 --prompt 32 --repeats 3 --server-cpus $SCPUS"
-  if [ -f "$SMALL/small-fp8/config.json" ]; then
+  if [ "$SMALL_OK" = 1 ] && [ -f "$SMALL/small-fp8/config.json" ]; then
     timeout "$(cap 150)" $PIN python3 -m tools.serve bench --checkpoint "$SMALL/small-fp8" \
       --engine "cpu:threads=$CPU_THREADS" $LOAD --new 32 > "$OUT/serve_overhead_cpu.log" 2>&1
     echo "cpu overhead exit $?"; tail -6 "$OUT/serve_overhead_cpu.log"
