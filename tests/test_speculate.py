@@ -5,7 +5,8 @@ step), for K = 1..8, greedy and seeded, with drafters forced to be all right, al
 alternating, the n-gram drafter and a model drafter, on tiny-fp8, tiny-bf16 and tiny-mxfp4; through
 the server under concurrent traffic; and the replay gate: a 4-turn conversation replayed 12 times
 through one server with the prefix cache and speculation on, filler traffic arriving at random
-times, byte-identical to a cold server with both off.
+times, byte-identical to a cold server with both off (on tiny, small, and on a GPU at real widths:
+slice). The servers run GLM_SERVE_ENGINE (tests/serving.py); the references are CPU engines.
 """
 from __future__ import annotations
 
@@ -472,7 +473,8 @@ def _slice_skip() -> str | None:
 def test_the_replay_gate_on_slice():
     """The replay gate on the CUDA engine at real widths ($GLM_SLICE_DIR/slice-fp8; tools/gpu_check.sh
     SERVE=1). The drafter is slice-mxfp4 where it was made (another release of the same master weights,
-    as on tiny and small: drafts right at times, wrong at others, both within one answer). Where only
+    as on tiny and small: drafts right at times, wrong at others, both within one answer; on a 2-layer,
+    8-expert slice its greedy token was slice-fp8's at 31 of 40 positions of an answer). Where only
     slice-fp8 exists, slice-fp8 drafts for itself: on the greedy turns every draft is right, on the
     seeded ones and the filler's temperature-1 requests most are wrong. n-gram drafts would leave the
     gate's "some accepted" to chance: a random model's answers rarely repeat the prompt. The servers'
