@@ -22,7 +22,8 @@
 # after the main build (VARIANT_PREFILL=0: decode only). SERVE=1 (after the slice test: the serving acceptance of
 # issues 20 and 21, docs/serve.md "GPU acceptance": the server tests with the server on the CUDA engine, the replay
 # gate on slice-fp8, serve c16 / offline b16 on small-fp8 (CPU, made into SMALL_DIR, default /tmp/zoo-small) and
-# slice-fp8 (CUDA), speculation timed and TTFT on a cached 4K prefix on slice-fp8; SERVE_CPU_THREADS: the CPU engine's threads).
+# slice-fp8 (CUDA), speculation timed and TTFT on a cached 4K prefix on slice-fp8; SERVE_STEPS: which of these five,
+# default abcde; SERVE_CPU_THREADS: the CPU engine's threads).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
 # Order, most important first: machine facts; build (fast._core + fast._cuda, GLM_FORCE_CUDA=ON);
@@ -86,7 +87,7 @@ fi
 
 SMALL=${SMALL_DIR:-/tmp/zoo-small}
 SMALL_PID=""
-if [ "${SERVE:-0}" = "1" ] && [ ! -f "$SMALL/small-fp8/config.json" ]; then
+if [ "${SERVE:-0}" = "1" ] && [[ "${SERVE_STEPS:-abcde}" == *c* ]] && [ ! -f "$SMALL/small-fp8/config.json" ]; then
   # small-fp8 for the serving phase's CPU figure (~1 min), made next to the slice
   ( NUMBA_NUM_THREADS=2 python3 -c "from tools.zoo import make_checkpoint; make_checkpoint('small', 'fp8', '$SMALL/small-fp8')" \
       > "$OUT/small_make.log" 2>&1; echo "exit $?" >> "$OUT/small_make.log" ) &
@@ -204,6 +205,10 @@ if [ "${SERVE:-0}" = "1" ]; then
   SCPUS="0-$(( HALF - 1 ))"; CCPUS="$HALF-$(( NCPU - 1 ))"   # the server's cores, the clients' (and offline's)
   PIN="taskset -c $CCPUS"; command -v taskset > /dev/null || { PIN=""; echo "no taskset: the clients are not pinned"; }
 
+  STEPS=${SERVE_STEPS:-abcde}
+  step() { case "$STEPS" in *"$1"*) return 0;; *) echo "(serve $1: not in SERVE_STEPS=$STEPS)"; return 1;; esac; }
+
+  if step a; then
   phase "serve a: server tests, the server on the CUDA engine (GLM_SERVE_ENGINE=cuda; references: CPU engine)"
   GLM_SERVE_ENGINE=cuda timeout "$(cap 240)" python3 -m pytest -q -rs -p no:cacheprovider --maxfail=5 --durations=8 \
     tests/test_serve.py tests/test_prefix_cache.py tests/test_prefix_disk.py tests/test_speculate.py \
@@ -211,13 +216,17 @@ if [ "${SERVE:-0}" = "1" ]; then
   echo "server tests exit $?"
   grep -E "^(FAILED|ERROR)|passed|failed|error|assert" "$OUT/pytest_serve.log" | head -30
   sed -n '/slowest/,/^$/p' "$OUT/pytest_serve.log" | head -10
+  fi
 
+  if step b; then
   phase "serve b: the replay gate on slice-fp8, CUDA engine (tests/test_speculate.py::test_the_replay_gate_on_slice)"
   GLM_SLICE_DIR="$SLICE" timeout "$(cap 200)" python3 -m pytest -v -rs -p no:cacheprovider --durations=3 \
     tests/test_speculate.py -k replay_gate_on_slice > "$OUT/pytest_serve_gate.log" 2>&1
   echo "replay gate exit $?"
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|assert|Error" "$OUT/pytest_serve_gate.log" | head -20
+  fi
 
+  if step c; then
   phase "serve c: server overhead, concurrency 16 vs offline generate at batch 16 (server on cores $SCPUS, clients on $CCPUS)"
   SMALL_OK=1
   if [ -n "$SMALL_PID" ]; then
@@ -235,14 +244,16 @@ if [ "${SERVE:-0}" = "1" ]; then
       $LOAD --new 64 > "$OUT/serve_overhead_cuda.log" 2>&1
     echo "cuda overhead exit $?"; tail -6 "$OUT/serve_overhead_cuda.log"
   fi
+  fi
 
-  if [ -f "$SLICE8/config.json" ]; then
+  if [ -f "$SLICE8/config.json" ] && step d; then
     phase "serve d: speculation on the CUDA engine, slice-fp8 (tools/bench_speculate.py)"
     DRAFT=""; [ -f "$SLICE/slice-mxfp4/config.json" ] && DRAFT="--drafter $SLICE/slice-mxfp4"
     timeout "$(cap 180)" python3 -m tools.bench_speculate --checkpoint "$SLICE8" --device cuda --k 2,4,8 --new 128 \
       --repeats 5 $DRAFT 2>&1 | tee "$OUT/bench_speculate_cuda.log" | grep -v -E "^(Warning|  warnings)"
     echo "speculation bench exit $?"
-
+  fi
+  if [ -f "$SLICE8/config.json" ] && step e; then
     phase "serve e: TTFT on a cached 4096-token prefix vs a miss, through the server (CUDA, slice-fp8; tools/bench_prefix.py)"
     timeout "$(cap 150)" python3 -m tools.bench_prefix --checkpoint "$SLICE8" --engine cuda --prefix 4096 --tail 20 \
       --repeats 5 2>&1 | tee "$OUT/bench_prefix_cuda.log"
