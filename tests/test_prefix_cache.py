@@ -23,12 +23,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from oracle.sampling import SamplingParams, sample_loop
-from tests.serving import metric, start_server, stop_server
+from tests.serving import engine_spec, metric, start_server, stop_server
 from tools.serve import add_arguments, build_server
 from tools.serve.app import _hash12
 from tools.serve.prefix import cache_bytes
 
-ENGINE = "cpu:threads=1,max-context=4096"
+ENGINE = engine_spec(4096)   # GLM_SERVE_ENGINE (tests/serving.py); the references stay CPU engines
 SHARED = [1, 7, 13, 17, 31, 33, 40]   # shared prefix lengths
 
 # every prompt of this module starts with its own token (the servers live for the whole module): a
@@ -386,7 +386,7 @@ def test_the_load_generator_with_a_shared_prefix_and_the_cache(golden_dir):
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-m", "tools.serve", "bench", "--checkpoint", str(golden_dir / "tiny-fp8"),
-                        "--engine", "cpu:threads=1", "--concurrency", "2", "--requests", "4", "--prompt", "4",
+                        "--engine", engine_spec(), "--concurrency", "2", "--requests", "4", "--prompt", "4",
                         "--new", "3", "--shared-prefix", "21", "--prefix-cache-mb", "1", "--json"],
                        cwd=root, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-2000:]

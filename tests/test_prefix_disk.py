@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.test_prefix_cache import (
+    ENGINE,
     _ask,
     _body,
     _metric,
@@ -212,6 +213,6 @@ def test_a_disk_tier_needs_the_memory_tier(golden_dir, tmp_path):
     add_arguments(p)
     for extra in (["--prefix-cache-dir", str(tmp_path)], ["--prefix-cache-mb", "1", "--prefix-cache-dir",
                                                             str(tmp_path), "--prefix-cache-disk-mb", "0"]):
-        args = p.parse_args(["--checkpoint", str(golden_dir / "tiny-fp8"), "--engine", "cpu:threads=1", *extra])
+        args = p.parse_args(["--checkpoint", str(golden_dir / "tiny-fp8"), "--engine", ENGINE, *extra])
         with pytest.raises(ValueError, match="--prefix-cache-dir"):
             build_server(args)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import threading
 import time
@@ -26,18 +25,16 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from oracle.sampling import SamplingParams, sample_loop  # noqa: E402
-from tests.serving import start_server  # noqa: E402
+from tests.serving import engine_spec, start_server  # noqa: E402
 from tools.serve.app import _hash12, plain_chat_prompt  # noqa: E402
 
 CTX = 4096
 MODEL = "tiny-fp8"
-# GLM_SERVE_ENGINE=cuda runs the server on the CUDA engine; the reference stays the CPU engine (the two
-# give the same logits bit for bit, so the same answers)
-ENGINE = os.environ.get("GLM_SERVE_ENGINE", "cpu:threads=1")
 
 
 def _start(golden_dir, *extra, ctx=CTX):
-    return start_server(golden_dir / MODEL, f"{ENGINE}{',' if ':' in ENGINE else ':'}max-context={ctx}", *extra)
+    # the server's engine: GLM_SERVE_ENGINE (tests/serving.py); the reference stays the CPU engine
+    return start_server(golden_dir / MODEL, engine_spec(ctx), *extra)
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +412,7 @@ def test_health_models_and_metrics(server):
         m = c.get("/metrics")
     assert h["status"] == "ok" and h["max_context"] == CTX
     fp = h["system_fingerprint"]
-    assert ENGINE in fp and MODEL in fp and "sampling-v1" in fp
+    assert engine_spec(CTX) in fp and MODEL in fp and "sampling-v1" in fp
     assert [x.id for x in models.data] == [MODEL]
     assert m.headers["content-type"].startswith("text/plain")
     names = {line.split()[2] for line in m.text.splitlines() if line.startswith("# TYPE")}

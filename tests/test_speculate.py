@@ -5,15 +5,18 @@ step), for K = 1..8, greedy and seeded, with drafters forced to be all right, al
 alternating, the n-gram drafter and a model drafter, on tiny-fp8, tiny-bf16 and tiny-mxfp4; through
 the server under concurrent traffic; and the replay gate: a 4-turn conversation replayed 12 times
 through one server with the prefix cache and speculation on, filler traffic arriving at random
-times, byte-identical to a cold server with both off.
+times, byte-identical to a cold server with both off (on tiny, small, and on a GPU at real widths:
+slice). The servers run GLM_SERVE_ENGINE (tests/serving.py); the references are CPU engines.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import threading
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -271,12 +274,13 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from tests.serving import metric, start_server, stop_server  # noqa: E402
+from tests.serving import SERVE_ENGINE, engine_spec, metric, start_server, stop_server  # noqa: E402
 from tools.serve import add_arguments, build_server  # noqa: E402
 
 
-def _start(golden_dir, *extra, model="tiny-fp8"):
-    return start_server(golden_dir / model, "cpu:threads=1,max-context=2048", *extra)
+def _start(root, *extra, model="tiny-fp8", engine=None):
+    """A server on root/model; its engine GLM_SERVE_ENGINE (tests/serving.py) unless `engine` is given."""
+    return start_server(root / model, engine_spec(2048, engine), *extra)
 
 
 _stop = stop_server
@@ -393,20 +397,25 @@ def _conversation(c, model, vocab, turns, rng_seed, sampled):
     return json.dumps(transcript, sort_keys=True).encode()
 
 
-def _replay_gate(root, model, drafter, vocab):
+def _replay_gate(root, model, drafter, engine=None):
     """A 4-turn conversation replayed 12 times through one server with the prefix cache and speculation
     on, with filler requests arriving at random times: every transcript byte-identical to a cold server's
-    with both off. The drafter is another release of the same master weights: its drafts are right at
-    times and wrong more often (the zoo's random models rarely repeat themselves, so n-gram drafts are
-    rarely right)."""
-    srv, uv, url = _start(root, "--max-step-tokens", "7", model=model)
+    with both off. The drafter (a checkpoint under root) is another release of the same master weights:
+    its drafts are right at times and wrong more often (the zoo's random models rarely repeat
+    themselves, so n-gram drafts are rarely right). `engine`: both servers' SPEC (default
+    GLM_SERVE_ENGINE). The vocabulary is the checkpoint's."""
+    vocab = json.loads((root / model / "config.json").read_text())["vocab_size"]
+    srv, uv, url = _start(root, "--max-step-tokens", "7", model=model, engine=engine)
+    # room for 64 snapshots of the longest transcript (~160 positions), at least 32 MB: the filler's
+    # snapshots must not evict the conversation's before it comes back (at real widths a snapshot is MBs)
+    cache_mb = max(32, -(-64 * srv.engine.sequence_bytes(160) // (1 << 20)))
     try:
         with httpx.Client(base_url=url, timeout=120) as c:
             cold = [_conversation(c, model, vocab, 4, 9, sampled) for sampled in (False, True)]
     finally:
         _stop(srv, uv)
-    srv, uv, url = _start(root, "--max-step-tokens", "7", "--prefix-cache-mb", "32", "--prefix-block", "6",
-                          "--speculate", f"model:{root / drafter}:4", model=model)
+    srv, uv, url = _start(root, "--max-step-tokens", "7", "--prefix-cache-mb", str(cache_mb), "--prefix-block", "6",
+                          "--speculate", f"model:{root / drafter}:4", model=model, engine=engine)
     stop, errors = threading.Event(), []
 
     def filler(seed):
@@ -440,9 +449,40 @@ def _replay_gate(root, model, drafter, vocab):
 
 
 def test_the_replay_gate(golden_dir):
-    _replay_gate(golden_dir, "tiny-fp8", "tiny-bf16", V)
+    _replay_gate(golden_dir, "tiny-fp8", "tiny-bf16")
 
 
 @pytest.mark.slow
 def test_the_replay_gate_on_small(small_zoo):
-    _replay_gate(small_zoo, "small-fp8", "small-bf16", 1000)
+    _replay_gate(small_zoo, "small-fp8", "small-bf16")
+
+
+def _slice_skip() -> str | None:
+    from tests.engine_checks import EMU_SLOW, NO_CUDA, cuda_state
+    ok, emu, _ = cuda_state()
+    if not ok:
+        return NO_CUDA
+    if emu:
+        return EMU_SLOW
+    if not (Path(os.environ.get("GLM_SLICE_DIR", "/nonexistent")) / "slice-fp8" / "config.json").is_file():
+        return "GLM_SLICE_DIR (a directory holding slice-fp8) not given"
+    return None
+
+
+@pytest.mark.gpu
+def test_the_replay_gate_on_slice():
+    """The replay gate on the CUDA engine at real widths ($GLM_SLICE_DIR/slice-fp8; tools/gpu_check.sh
+    SERVE=1). The drafter is slice-mxfp4 where it was made (another release of the same master weights,
+    as on tiny and small: drafts right at times, wrong at others, both within one answer; on a 2-layer,
+    8-expert slice its greedy token was slice-fp8's at 31 of 40 positions of an answer). Where only
+    slice-fp8 exists, slice-fp8 drafts for itself: on the greedy turns every draft is right, on the
+    seeded ones and the filler's temperature-1 requests most are wrong. n-gram drafts would leave the
+    gate's "some accepted" to chance: a random model's answers rarely repeat the prompt. The servers'
+    engine is GLM_SERVE_ENGINE where that names the CUDA engine (its options), else `cuda`."""
+    why = _slice_skip()
+    if why:
+        pytest.skip(why)
+    root = Path(os.environ["GLM_SLICE_DIR"])
+    drafter = "slice-mxfp4" if (root / "slice-mxfp4" / "config.json").is_file() else "slice-fp8"
+    engine = SERVE_ENGINE if SERVE_ENGINE.startswith("cuda") else "cuda"
+    _replay_gate(root, "slice-fp8", drafter, engine=engine)

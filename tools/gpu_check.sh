@@ -19,7 +19,11 @@
 # CUDA = CPU at 45 layers; with BENCH=0 since there is no slice), CONTEXT=1024,...,131072 (tools/bench_context.py on slice-fp8 after the benchmarks: decode b1 and prefill as the context grows),
 # AB="VAR=VALUE ..." (decode again with each setting, e.g. GLM_PDL=0 GLM_EXPERT_TILE=4), EP=0 (no expert-parallel
 # tests and benchmark where the host has 2+ GPUs; EP_RANKS: ranks of its benchmark, default every GPU). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
-# after the main build (VARIANT_PREFILL=0: decode only).
+# after the main build (VARIANT_PREFILL=0: decode only). SERVE=1 (after the slice test: the serving acceptance of
+# issues 20 and 21, docs/serve.md "GPU acceptance": the server tests with the server on the CUDA engine, the replay
+# gate on slice-fp8, serve c16 / offline b16 on small-fp8 (CPU, made into SMALL_DIR, default /tmp/zoo-small) and
+# slice-fp8 (CUDA), speculation timed and TTFT on a cached 4K prefix on slice-fp8; SERVE_STEPS: which of these five,
+# default abcde; SERVE_CPU_THREADS: the CPU engine's threads).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
 # Order, most important first: machine facts; build (fast._core + fast._cuda, GLM_FORCE_CUDA=ON);
@@ -81,6 +85,14 @@ else
   MAKE_PID=$!
 fi
 
+SMALL=${SMALL_DIR:-/tmp/zoo-small}
+SMALL_PID=""
+if [ "${SERVE:-0}" = "1" ] && [[ "${SERVE_STEPS:-abcde}" == *c* ]] && [ ! -f "$SMALL/small-fp8/config.json" ]; then
+  # small-fp8 for the serving phase's CPU figure (~1 min), made next to the slice
+  ( NUMBA_NUM_THREADS=2 python3 -c "from tools.zoo import make_checkpoint; make_checkpoint('small', 'fp8', '$SMALL/small-fp8')" \
+      > "$OUT/small_make.log" 2>&1; echo "exit $?" >> "$OUT/small_make.log" ) &
+  SMALL_PID=$!
+fi
 
 phase "build (fast._core + fast._cuda, sm_90)"
 # PREBUILT=1: modules built elsewhere for this Python (carried into fast/) are used when they import;
@@ -182,6 +194,73 @@ elif [ "$T_SLICE" -gt 30 ]; then
   grep -E "passed|failed|error|first divergence|assert" "$OUT/pytest_slice.log" | head -20
 else
   echo "skipped: no time left"
+fi
+
+if [ "${SERVE:-0}" = "1" ]; then
+  # issues 20 and 21 on the device (docs/serve.md, "GPU acceptance"); each step under its own limit, on
+  # after a failure. Its lines "serve c16 / offline b16 = ...", the bench_speculate table and "TTFT ..."
+  # go to docs/perf.md as printed.
+  cap() { local t=$(( $(left) - 10 )); [ "$t" -gt "$1" ] && t=$1; [ "$t" -lt 5 ] && t=5; echo "$t"; }  # (timeout 0: none)
+  SLICE8="$SLICE/slice-fp8"
+  [ -f "$SLICE8/config.json" ] || echo "no $SLICE8: the slice steps are skipped"
+  NCPU=$(nproc); HALF=$(( NCPU / 2 )); CPU_THREADS=${SERVE_CPU_THREADS:-$(( HALF > 3 ? HALF - 2 : 1 ))}
+  SCPUS="0-$(( HALF - 1 ))"; CCPUS="$HALF-$(( NCPU - 1 ))"   # the server's cores, the clients' (and offline's)
+  PIN="taskset -c $CCPUS"; command -v taskset > /dev/null || { PIN=""; echo "no taskset: the clients are not pinned"; }
+
+  STEPS=${SERVE_STEPS:-abcde}
+  step() { case "$STEPS" in *"$1"*) return 0;; *) echo "(serve $1: not in SERVE_STEPS=$STEPS)"; return 1;; esac; }
+
+  if step a; then
+  phase "serve a: server tests, the server on the CUDA engine (GLM_SERVE_ENGINE=cuda; references: CPU engine)"
+  GLM_SERVE_ENGINE=cuda timeout "$(cap 240)" python3 -m pytest -q -rs -p no:cacheprovider --maxfail=5 --durations=8 \
+    tests/test_serve.py tests/test_prefix_cache.py tests/test_prefix_disk.py tests/test_speculate.py \
+    -k "(serve or prefix or replay_gate) and not slice and not small" > "$OUT/pytest_serve.log" 2>&1
+  echo "server tests exit $?"
+  grep -E "^(FAILED|ERROR)|passed|failed|error|assert" "$OUT/pytest_serve.log" | head -30
+  sed -n '/slowest/,/^$/p' "$OUT/pytest_serve.log" | head -10
+  fi
+
+  if step b; then
+  phase "serve b: the replay gate on slice-fp8, CUDA engine (tests/test_speculate.py::test_the_replay_gate_on_slice)"
+  GLM_SLICE_DIR="$SLICE" timeout "$(cap 200)" python3 -m pytest -v -rs -p no:cacheprovider --durations=3 \
+    tests/test_speculate.py -k replay_gate_on_slice > "$OUT/pytest_serve_gate.log" 2>&1
+  echo "replay gate exit $?"
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|assert|Error" "$OUT/pytest_serve_gate.log" | head -20
+  fi
+
+  if step c; then
+  phase "serve c: server overhead, concurrency 16 vs offline generate at batch 16 (server on cores $SCPUS, clients on $CCPUS)"
+  SMALL_OK=1
+  if [ -n "$SMALL_PID" ]; then
+    while kill -0 "$SMALL_PID" 2> /dev/null && [ "$(left)" -gt 60 ]; do sleep 2; done
+    cat "$OUT/small_make.log"; grep -q "^exit 0" "$OUT/small_make.log" || SMALL_OK=0
+  fi
+  LOAD="--concurrency 16 --requests 128 --prompt 32 --repeats 3 --server-cpus $SCPUS"
+  if [ "$SMALL_OK" = 1 ] && [ -f "$SMALL/small-fp8/config.json" ]; then
+    timeout "$(cap 150)" $PIN python3 -m tools.serve bench --checkpoint "$SMALL/small-fp8" \
+      --engine "cpu:threads=$CPU_THREADS" $LOAD --new 32 > "$OUT/serve_overhead_cpu.log" 2>&1
+    echo "cpu overhead exit $?"; tail -6 "$OUT/serve_overhead_cpu.log"
+  fi
+  if [ -f "$SLICE8/config.json" ]; then
+    timeout "$(cap 180)" $PIN python3 -m tools.serve bench --checkpoint "$SLICE8" --engine cuda \
+      $LOAD --new 64 > "$OUT/serve_overhead_cuda.log" 2>&1
+    echo "cuda overhead exit $?"; tail -6 "$OUT/serve_overhead_cuda.log"
+  fi
+  fi
+
+  if [ -f "$SLICE8/config.json" ] && step d; then
+    phase "serve d: speculation on the CUDA engine, slice-fp8 (tools/bench_speculate.py)"
+    DRAFT=""; [ -f "$SLICE/slice-mxfp4/config.json" ] && DRAFT="--drafter $SLICE/slice-mxfp4"
+    timeout "$(cap 180)" python3 -m tools.bench_speculate --checkpoint "$SLICE8" --device cuda --k 2,4,8 --new 128 \
+      --repeats 5 $DRAFT 2>&1 | tee "$OUT/bench_speculate_cuda.log" | grep -v -E "^(Warning|  warnings)"
+    echo "speculation bench exit $?"
+  fi
+  if [ -f "$SLICE8/config.json" ] && step e; then
+    phase "serve e: TTFT on a cached 4096-token prefix vs a miss, through the server (CUDA, slice-fp8; tools/bench_prefix.py)"
+    timeout "$(cap 150)" python3 -m tools.bench_prefix --checkpoint "$SLICE8" --engine cuda --prefix 4096 --tail 20 \
+      --repeats 5 2>&1 | tee "$OUT/bench_prefix_cuda.log"
+    echo "prefix bench exit $?"
+  fi
 fi
 
 NGPU=$(nvidia-smi -L | wc -l)

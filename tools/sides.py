@@ -259,10 +259,11 @@ class Side:
             raise SideError(f"{name} engine not available: {e}") from None
         if name == "cuda":
             try:
-                import fast._cuda  # noqa: F401
+                from fast.cuda import cuda_module
+                cuda_module()                        # fast._cuda (fast._cuda_emu under GLM_CUDA_EMU=1)
             except ImportError as e:
                 raise SideError(f"cuda engine not available: the CUDA extension fast._cuda is not built or "
-                                f"cannot load ({e})") from None
+                                f"cannot load ({e.__cause__ or e})") from None
         kwargs = {k.replace("-", "_"): o[k] for k in ENGINE_KEYWORDS if k in o}
         if "inject" in o:
             kwargs["inject"] = str(o["inject"])

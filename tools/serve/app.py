@@ -125,8 +125,10 @@ class Server:
         return self
 
     def close(self) -> None:
-        self.scheduler.close()
-        if self.drafter is not None:
+        stopped = self.scheduler.close()
+        # a step still running past the join's timeout (a slow engine: the CUDA emulation) may be
+        # stepping the drafter: its engine is then left to the garbage collector, never freed under it
+        if self.drafter is not None and stopped:
             close_drafter(self.drafter)
 
     # -- request parsing ----------------------------------------------------------------------------

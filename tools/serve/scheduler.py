@@ -111,12 +111,14 @@ class Scheduler:
         with self._cv:
             self._cv.notify()
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the loop after its current step -> whether it has stopped within `timeout` seconds."""
         with self._cv:
             self._closing = True
             self._cv.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def load(self) -> tuple[int, int]:
