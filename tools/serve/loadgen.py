@@ -103,7 +103,7 @@ def start_server_process(checkpoint: str, engine: str, *extra: str, cpus: set[in
            "--port", str(port), "--log-level", "warning", *extra]
     root = Path(__file__).resolve().parents[2]
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    proc = subprocess.Popen(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), preexec_fn=pin)
+    proc = subprocess.Popen(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])), preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
     import httpx
     deadline = time.monotonic() + 300
