@@ -495,6 +495,29 @@ def test_slice_matches_cpu():
         del eng
 
 
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "per-warp"])
+def test_prefill_attention_kernels_equal_the_cpu_engine(golden_dir, tiled):
+    """Prefill-sized steps (16 rows or more) take the tiled mla.scores kernel (k_mla_scores_tiled: 32
+    heads x 64 selected positions a block, each dot walked leaf by leaf), the per-warp one with
+    attn_tiled=False: every stage of every position = the CPU engine's, for one sequence of 60 rows and for
+    a step of two sequences (tiny: kv_lora_rank 40, zero-padded to one chunk; 3 heads in a tile of 32;
+    selection active from position 12)."""
+    path = str(golden_dir / "tiny-fp8")
+    cpu, eng = fast.Engine(path, device="cpu"), CudaEngine(path, cuda_options={"attn_tiled": tiled})
+    V = eng.config.vocab_size
+    ids = prompt(V, 60, 7)
+    want, got = Capture(), Capture()
+    assert np.array_equal(bits(cpu.prefill(ids, capture=want)), bits(eng.prefill(ids, capture=got)))
+    assert_same_capture(eng.config, want, got, range(60))
+    a, b = prompt(V, 30, 8), prompt(V, 41, 9)
+    ca, cb = eng.new_cache(), eng.new_cache()
+    eng.prefill(a[:10], ca)
+    eng.prefill(b[:15], cb)
+    mixed = eng.step([(ca, a[10:], None, "all"), (cb, b[15:], None, "all")])
+    for ids2, lg in ((a, mixed[0]), (b, mixed[1])):
+        assert np.array_equal(bits(lg), bits(cpu.prefill(ids2)[-lg.shape[0]:]))
+
+
 def test_engine_options(tmp_path, monkeypatch):
     """The runtime knobs (EngineOptions) are options given at construction, shown with every value in
     the engine's options and repr, defaulted from the environment's A/B variables; no setting changes a
@@ -504,13 +527,13 @@ def test_engine_options(tmp_path, monkeypatch):
     make_checkpoint("tiny", "fp8", path, hidden_size=128)
     from fast.cuda import _ENV_OPTIONS
     defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0,
-                "pinned_logits": True, "gemm": True, "idx_tiled": True}
+                "pinned_logits": True, "gemm": True, "idx_tiled": True, "attn_tiled": True}
     assert sorted(name for name, _ in _ENV_OPTIONS.values()) == sorted(defaults)   # (an A/B variable each)
     for var in _ENV_OPTIONS:
         monkeypatch.delenv(var, raising=False)
     assert CudaEngine(path).options["cuda"] == defaults
     flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8,
-               "pinned_logits": False, "gemm": False, "idx_tiled": False}
+               "pinned_logits": False, "gemm": False, "idx_tiled": False, "attn_tiled": False}
     eng, ref = CudaEngine(path, cuda_options=flipped), fast.Engine(path, device="cpu")
     assert eng.options["cuda"] == flipped and "'expert_tile': 8" in repr(eng)
     V = eng.config.vocab_size

@@ -16,7 +16,7 @@
 # details and per-SASS-instruction stall samples into $OUT; NCU_SKIP, NCU_KCOUNT: which launches), BENCH=0 (no benchmarks),
 # SASS=REGEX (cuobjdump of the kernels whose mangled names match, with each one's instruction mix), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
 # FLASH=1 (make the flash zoo checkpoint instead of the slice, then tools/bench_flash.py: full-depth decode b1 and
-# CUDA = CPU at 45 layers; with BENCH=0 since there is no slice), CONTEXT=1024,...,131072 (tools/bench_context.py on slice-fp8 after the benchmarks: decode b1 and prefill as the context grows),
+# CUDA = CPU at 45 layers; with BENCH=0 since there is no slice), CONTEXT=1024,...,131072 (tools/bench_context.py on slice-fp8 after the benchmarks: decode b1 and prefill as the context grows; CONTEXT_AB="VAR=VALUE ...": again with each setting),
 # AB="VAR=VALUE ..." (decode again with each setting, e.g. GLM_PDL=0 GLM_EXPERT_TILE=4), EP=0 (no expert-parallel
 # tests and benchmark where the host has 2+ GPUs; EP_RANKS: ranks of its benchmark, default every GPU). Builds of fast._cuda carried in .variants/NAME.so are benchmarked
 # after the main build (VARIANT_PREFILL=0: decode only). SERVE=1 (after the slice test: the serving acceptance of
@@ -330,6 +330,14 @@ if [ -n "${CONTEXT:-}" ] && [ -f "$SLICE/slice-fp8/config.json" ]; then
   timeout $(( $(left) - 10 )) python3 tools/bench_context.py --checkpoint "$SLICE/slice-fp8" --contexts "$CONTEXT" \
     --json "$OUT/bench_context.json"
   echo "context bench exit $?"
+  if [ -n "${CONTEXT_AB:-}" ]; then  # the same with each engine setting, e.g. CONTEXT_AB="GLM_ATTN_TILED=0"
+    for setting in $CONTEXT_AB; do
+      phase "long context with $setting"
+      env "$setting" timeout $(( $(left) - 10 )) python3 tools/bench_context.py --checkpoint "$SLICE/slice-fp8" \
+        --contexts "$CONTEXT" --json "$OUT/bench_context_${setting//[^A-Za-z0-9]/_}.json"
+      echo "context bench ($setting) exit $?"
+    done
+  fi
 fi
 
 if [ -n "${NCU_KERNELS:-}" ] && command -v ncu > /dev/null; then

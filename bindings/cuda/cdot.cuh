@@ -155,6 +155,42 @@ GLM_DEV T block64_dot(int n, bool seq, T* red, Get get) {
     return red[0];
 }
 
+// cdot's fold as a walk over its leaves, for many dots per thread (the tiled kernels: a thread makes each
+// of its NR x NC dots whole). The fold of the 64 partial sums (P[g] += P[g+w] lane-wise for w = 4, 2, 1,
+// then the same over the lanes of P[0]) is a balanced binary tree whose leaves, left to right, are the
+// partials k = bitrev6(j), j = 0..63 (g = bitrev3(j & 7), l = bitrev3(j >> 3), k = 8g + l).
+// leaf(k, v) makes partial k of every dot into v (its fma chain over the chunks, from +0); each is
+// folded into a stack of pairwise sums as j counts up, the earlier (left) operand first, so the stack's
+// level-6 entry is each dot's cdot. Fully unrolled: k and the stack levels are constants and the stack
+// (7 x NR x NC values) stays in registers.
+GLM_DEV constexpr int bitrev6(int j) {
+    return ((j & 1) << 5) | ((j & 2) << 3) | ((j & 4) << 1) | ((j & 8) >> 1) | ((j & 16) >> 3) | ((j & 32) >> 5);
+}
+template <int NR, int NC, class Leaf>
+GLM_DEV void cdot_tree_walk(float (&out)[NR][NC], Leaf&& leaf) {
+    float st[7][NR][NC];
+#pragma unroll
+    for (int j = 0; j < 64; ++j) {
+        float v[NR][NC];
+        leaf(bitrev6(j), v);
+        int lv = 0;
+#pragma unroll
+        for (; lv < 6 && ((j >> lv) & 1); ++lv)
+#pragma unroll
+            for (int r = 0; r < NR; ++r)
+#pragma unroll
+                for (int c = 0; c < NC; ++c) v[r][c] = add(st[lv][r][c], v[r][c]);
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+            for (int c = 0; c < NC; ++c) st[lv][r][c] = v[r][c];
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) out[r][c] = st[6][r][c];
+}
+
 // cdot in one thread (any n; meant for short dots).
 template <class T, class Get>
 GLM_DEV T cdot_serial(int n, bool seq, Get get) {

@@ -98,7 +98,8 @@ constexpr FlagOption kFlagOptions[] = {{"pdl", &EngineOptions::pdl},
                                        {"hc_fuse", &EngineOptions::hc_fuse},
                                        {"pinned_logits", &EngineOptions::pinned_logits},
                                        {"gemm", &EngineOptions::gemm},
-                                       {"idx_tiled", &EngineOptions::idx_tiled}};
+                                       {"idx_tiled", &EngineOptions::idx_tiled},
+                                       {"attn_tiled", &EngineOptions::attn_tiled}};
 
 // From a dict of some of their names; unknown names and wrong types are refused.
 EngineOptions options_from_dict(const py::dict& d) {

@@ -100,12 +100,9 @@ __global__ void __launch_bounds__(kIdxThreads) k_idx_scores(const float* __restr
 // indexer.scores for many queries at once (prefill chunks): the products of [queries x heads] rows
 // with the pools' keys as a tiled matrix product. A block takes up to 64 (query, head) rows, the heads
 // of 64 / ni (rounded down) consecutive queries of one segment (a tile of `tiles`), against 64 pools; each thread forms
-// 4 rows x 4 pools of dots, whole, in the canonical order (cdot.cuh): partial sum k (one of 64) is
-// fma(a[64c + k], b[64c + k], .) over the chunks c, and the fold (P[g] += P[g+w] for w = 4, 2, 1,
-// then the same over the lanes) is a balanced tree whose leaves, left to right, are the partials
-// k = bitrev6(j) for j = 0..63: each partial is made in that order and folded into a stack of
-// pairwise sums as j counts up (the stack's level-6 entry is the tree's root). Elements past d_i are
-// zeros in shared memory: fma(0, 0, P) = P for every partial P, which is never -0. Then
+// 4 rows x 4 pools of dots, whole, in the canonical order (cdot_tree_walk, cdot.cuh: partial sum k is
+// fma(a[64c + k], b[64c + k], .) over the chunks c, the fold walked leaf by leaf). Elements past d_i
+// are zeros in shared memory: fma(0, 0, P) = P for every partial P, which is never -0. Then
 // max(dot * d_i^-1/2, 0) goes to shared memory and groups of eight threads weigh the heads of each
 // (query, pool) as k_idx_scores does. Same bits as k_idx_scores; canonical dot only.
 constexpr int kTileRows = 64, kTilePools = 64, kTileThreads = 256;
@@ -146,49 +143,25 @@ __global__ void __launch_bounds__(kTileThreads) k_idx_scores_tiled(const float* 
     }
     __syncthreads();
     const int tm = tid >> 4, tn = tid & 15;  // rows 4 tm.., pools 4 tn..
-    float st[7][4][4];                       // the pairwise-sum stack of each of the 16 dots
+    float dots[4][4];
+    cdot_tree_walk<4, 4>(dots, [&](int k, float (&v)[4][4]) {
 #pragma unroll
-    for (int j = 0; j < 64; ++j) {
-        const int k = ((j & 1) << 5) | ((j & 2) << 3) | ((j & 4) << 1) | ((j & 8) >> 1) | ((j & 16) >> 3) |
-                      ((j & 32) >> 5);  // bitrev6(j)
-        float v[4][4];
-        {
-            const float4 a = *reinterpret_cast<const float4*>(As + k * kTileRows + 4 * tm);
-            const float4 b = *reinterpret_cast<const float4*>(Bs + k * kTilePools + 4 * tn);
-            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) v[r][c] = fma_(bv[c], av[r], 0.0f);
-        }
-#pragma unroll
-        for (int cc = 1; cc < C; ++cc) {
+        for (int cc = 0; cc < C; ++cc) {
             const float4 a = *reinterpret_cast<const float4*>(As + (64 * cc + k) * kTileRows + 4 * tm);
             const float4 b = *reinterpret_cast<const float4*>(Bs + (64 * cc + k) * kTilePools + 4 * tn);
             const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
             for (int r = 0; r < 4; ++r)
 #pragma unroll
-                for (int c = 0; c < 4; ++c) v[r][c] = fma_(bv[c], av[r], v[r][c]);
+                for (int c = 0; c < 4; ++c) v[r][c] = fma_(bv[c], av[r], cc == 0 ? 0.0f : v[r][c]);
         }
-        int lv = 0;
-#pragma unroll
-        for (; lv < 6 && ((j >> lv) & 1); ++lv)
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) v[r][c] = fadd(st[lv][r][c], v[r][c]);
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) st[lv][r][c] = v[r][c];
-    }
+    });
     __syncthreads();  // (S overwrites As)
 #pragma unroll
     for (int r = 0; r < 4; ++r)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            const float x = fmul(st[6][r][c], qscale);
+            const float x = fmul(dots[r][c], qscale);
             S[(4 * tm + r) * (kTilePools + 1) + 4 * tn + c] = x > 0.0f ? x : 0.0f;
         }
     __syncthreads();

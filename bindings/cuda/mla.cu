@@ -91,6 +91,73 @@ __global__ void __launch_bounds__(256) k_mla_scores(const float* __restrict__ q_
     }
 }
 
+// mla.scores for prefill-sized steps (the same values as k_mla_scores): a block per (row t, 64 of its
+// selected positions, 32 heads), the heads' q_abs rows and the positions' latent rows whole in shared
+// memory (r <= 512: 192 KB; k-major, so one element index of 32 heads or 64 positions is contiguous),
+// each thread 2 heads x 4 positions, each dot made whole by cdot_tree_walk (partial k: the fma chain
+// over the chunks 64c + k; elements past r are zeros, which leave every partial as it is). The latent
+// rows of a row's selection are read once per 32 heads instead of once per head, from shared memory.
+constexpr int kAttnHeads = 32, kAttnPos = 64, kAttnThreads = 256;
+__global__ void __launch_bounds__(kAttnThreads) k_mla_scores_tiled(const float* __restrict__ q_abs, int nh, int r,
+                                                                   const int* __restrict__ sel,
+                                                                   const int64_t* __restrict__ sel_off,
+                                                                   const int* __restrict__ sel_n,
+                                                                   const SegDev* __restrict__ segs,
+                                                                   const int* __restrict__ seg_of, float scale,
+                                                                   float* scores) {
+    pdl_enter();
+    GLM_DYN_SMEM(float, sm);
+    const int t = static_cast<int>(blockIdx.y);
+    const int j0 = static_cast<int>(blockIdx.x) * kAttnPos, h0 = static_cast<int>(blockIdx.z) * kAttnHeads;
+    const int ns = sel_n[t];
+    if (j0 >= ns) return;  // uniform over the block
+    const int C = (r + 63) / 64, R = 64 * C;
+    float* Qs = sm;                          // [R][32]
+    float* Cs = sm + R * kAttnHeads;         // [R][64]
+    const int tid = static_cast<int>(threadIdx.x);
+    const int* st = sel + sel_off[t];
+    const float* cache = segs[seg_of[t]].c;
+    const int r4 = r / 4;
+    for (int i = tid; i < kAttnHeads * (R / 4); i += kAttnThreads) {  // lanes over heads: conflict-free stores
+        const int h = i % kAttnHeads, k4 = i / kAttnHeads;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (k4 < r4 && h0 + h < nh)
+            v = *reinterpret_cast<const float4*>(q_abs + (static_cast<int64_t>(t) * nh + h0 + h) * r + 4 * k4);
+        float* d = Qs + 4 * k4 * kAttnHeads + h;
+        d[0] = v.x, d[kAttnHeads] = v.y, d[2 * kAttnHeads] = v.z, d[3 * kAttnHeads] = v.w;
+    }
+    for (int i = tid; i < kAttnPos * (R / 4); i += kAttnThreads) {  // lanes over positions
+        const int p = i % kAttnPos, k4 = i / kAttnPos;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (k4 < r4 && j0 + p < ns)
+            v = *reinterpret_cast<const float4*>(cache + static_cast<int64_t>(st[j0 + p]) * r + 4 * k4);
+        float* d = Cs + 4 * k4 * kAttnPos + p;
+        d[0] = v.x, d[kAttnPos] = v.y, d[2 * kAttnPos] = v.z, d[3 * kAttnPos] = v.w;
+    }
+    __syncthreads();
+    const int th = tid >> 4, tp = tid & 15;  // heads 2 th.., positions 4 tp..
+    float dots[2][4];
+    cdot_tree_walk<2, 4>(dots, [&](int k, float (&v)[2][4]) {
+        for (int c = 0; c < C; ++c) {
+            const float2 a = *reinterpret_cast<const float2*>(Qs + (64 * c + k) * kAttnHeads + 2 * th);
+            const float4 b = *reinterpret_cast<const float4*>(Cs + (64 * c + k) * kAttnPos + 4 * tp);
+            const float av[2] = {a.x, a.y}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                for (int pp = 0; pp < 4; ++pp) v[hh][pp] = ffma(av[hh], bv[pp], c == 0 ? 0.0f : v[hh][pp]);
+        }
+    });
+    float* out = scores + sel_off[t] * nh;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int pp = 0; pp < 4; ++pp) {
+            const int h = h0 + 2 * th + hh, j = j0 + 4 * tp + pp;
+            if (h < nh && j < ns) out[static_cast<int64_t>(h) * ns + j] = fmul(dots[hh][pp], scale);
+        }
+}
+
 // mla.probs per (t, h), one warp: m = max (NaN semantics of a left-to-right std::max: a NaN first
 // score wins, later NaNs are ignored), e = expf(s - m), p = bf16(e / csum(e)).
 __global__ void k_mla_softmax(const float* __restrict__ scores, int T, int nh, const int64_t* __restrict__ sel_off,
@@ -310,8 +377,15 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     SegDev* segs = s.seg_table(layer);
     const unsigned ntile = static_cast<unsigned>((nh + HT - 1) / HT);
     {
-        // positions per warp: one while the grid is small (latency), four once it is large (q_abs reuse)
-        if (static_cast<int64_t>(max_ns) * T * ntile <= 8192) {
+        // prefill-sized steps: the tiled kernel; else positions per warp: one while the grid is small
+        // (latency), four once it is large (q_abs reuse)
+        if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && r <= 512) {
+            auto k = k_mla_scores_tiled;
+            const size_t smem = static_cast<size_t>((r + 63) / 64) * 64 * (kAttnHeads + kAttnPos) * 4;
+            allow_smem(k, smem);
+            GLM_LAUNCH(k, dim3(blocks(max_ns, kAttnPos), T, static_cast<unsigned>((nh + kAttnHeads - 1) / kAttnHeads)),
+                       kAttnThreads, smem, q_abs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs, s.d_seg, scale, scores);
+        } else if (static_cast<int64_t>(max_ns) * T * ntile <= 8192) {
             auto k = k_mla_scores<1>;
             GLM_LAUNCH(k, dim3(max_ns, T, ntile), 256, 0, q_abs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs, s.d_seg,
                        scale, scores, nm);
