@@ -330,7 +330,7 @@ if [ -n "${CONTEXT:-}" ] && [ -f "$SLICE/slice-fp8/config.json" ]; then
   timeout $(( $(left) - 10 )) python3 tools/bench_context.py --checkpoint "$SLICE/slice-fp8" --contexts "$CONTEXT" \
     --json "$OUT/bench_context.json"
   echo "context bench exit $?"
-  if [ -n "${CONTEXT_AB:-}" ]; then  # the same with each engine setting, e.g. CONTEXT_AB="GLM_ATTN_TILED=0"
+  if [ -n "${CONTEXT_AB:-}" ]; then  # the same with each engine setting, e.g. CONTEXT_AB="GLM_ATTN_TILED=1"
     for setting in $CONTEXT_AB; do
       phase "long context with $setting"
       env "$setting" timeout $(( $(left) - 10 )) python3 tools/bench_context.py --checkpoint "$SLICE/slice-fp8" \

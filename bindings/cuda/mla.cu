@@ -377,7 +377,7 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     SegDev* segs = s.seg_table(layer);
     const unsigned ntile = static_cast<unsigned>((nh + HT - 1) / HT);
     {
-        // prefill-sized steps: the tiled kernel; else positions per warp: one while the grid is small
+        // prefill-sized steps: the tiled kernel when the option asks (off until timed); else positions per warp: one while the grid is small
         // (latency), four once it is large (q_abs reuse)
         if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && r <= 512) {
             auto k = k_mla_scores_tiled;
