@@ -14,6 +14,13 @@ namespace {
 
 unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
+// Positions a query at `pos` attends: every one while it sees at most `budget` pools, else the `budget`
+// chosen pools' kp positions each and the tail after the last complete pool.
+int64_t selected_count(int64_t pos, int kp, int budget) {
+    const int64_t np = (pos + 1) / kp;
+    return np <= budget ? pos + 1 : static_cast<int64_t>(budget) * kp + (pos + 1 - np * kp);
+}
+
 __global__ void k_scale(float* x, int64_t n, float s) {
     pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -344,7 +351,7 @@ std::vector<int> index_select_device(const float* scores, int64_t n_scores, int 
     if (n_scores != np)
         throw std::invalid_argument("index_select: a query at position " + std::to_string(pos) + " sees " +
                                     std::to_string(np) + " pools, got " + std::to_string(n_scores) + " scores");
-    const int64_t n = np <= budget ? pos + 1 : static_cast<int64_t>(budget) * kp + (pos + 1 - np * kp);
+    const int64_t n = selected_count(pos, kp, budget);
     const int64_t zero = 0;
     DBuf ds(static_cast<size_t>(std::max<int64_t>(np, 1)) * 4), doff(8), dpos(4), dsel(static_cast<size_t>(n) * 4),
         dsoff(8);
@@ -383,7 +390,7 @@ IndexScores index_scores_device(const float* q, const float* wts, const float* k
         off[t] = total;
         sel_off[t] = stotal;
         total += np;
-        stotal += np <= budget ? pos[t] + 1 : static_cast<int64_t>(budget) * kp + (pos[t] + 1 - np * kp);
+        stotal += selected_count(pos[t], kp, budget);
     }
     const std::vector<int2> tiles = score_tiles({{0, T}}, ni);
     auto up = [](DBuf& b, const void* src, size_t n) {
@@ -527,8 +534,7 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
     int64_t stotal = 0;
     for (int t = 0; t < T; ++t) {
         const int64_t ps = s.pos[static_cast<size_t>(t)];
-        const int64_t np = (ps + 1) / kp;
-        const int64_t n = np <= budget ? ps + 1 : static_cast<int64_t>(budget) * kp + (ps + 1 - np * kp);
+        const int64_t n = selected_count(ps, kp, budget);
         s.sel_off[static_cast<size_t>(t)] = stotal;
         s.sel_n[static_cast<size_t>(t)] = n;
         stotal += n;
