@@ -305,7 +305,7 @@ class Server:
     def _submit(self, req: Request) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        req.deliver = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+        req.sink = (loop, q.put_nowait)
         try:
             self.scheduler.submit(req)
         except QueueFull as e:

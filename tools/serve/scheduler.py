@@ -48,7 +48,7 @@ class Request:
     top_logprobs: int = 0                    # alternatives per token (0: only the chosen token's)
     eos: frozenset = frozenset()             # token ids that end the sequence (finish_reason "stop")
     stop: tuple = ()                         # strings that end it (matched in the decoded text)
-    deliver: object = None                   # deliver(event): called on the scheduler thread
+    sink: object = None                      # (event loop, put(event)): where its events go (None: nowhere)
     id: int = field(default_factory=itertools.count().__next__)
     # state, owned by the scheduler thread
     tokens: list = field(default_factory=list)
@@ -88,6 +88,7 @@ class Scheduler:
         self._active: list[Request] = []
         self._closing = False
         self.steps = 0
+        self._outbox: dict = {}   # event loop -> [(put, event)], filled by _emit, emptied by _flush
         self._thread = threading.Thread(target=self._run, name="glm-serve-scheduler", daemon=True)
 
     # -- the HTTP side ------------------------------------------------------------------------------
@@ -137,9 +138,12 @@ class Scheduler:
             for r in doomed:
                 self._leave(r, "error", error=f"the scheduler stopped: {type(e).__name__}: {e}")
             raise
+        finally:
+            self._flush()
 
     def _loop(self) -> None:
         while True:
+            self._flush()   # the last step's events, before the loop may wait
             with self._cv:
                 while not self._closing and not self._waiting and not self._active:
                     self._cv.wait()
@@ -356,7 +360,23 @@ class Scheduler:
             self.metrics.finished(reason, len(r.tokens), r.prompt.size)
         self._emit(r, {"type": "done", "reason": reason, "text_end": text_end, "error": error})
 
-    @staticmethod
-    def _emit(r: Request, event: dict) -> None:
-        if r.deliver is not None:
-            r.deliver(event)
+    def _emit(self, r: Request, event: dict) -> None:
+        if r.sink is not None:
+            loop, put = r.sink
+            self._outbox.setdefault(loop, []).append((put, event))
+
+    def _flush(self) -> None:
+        """The events made since the last flush go to each event loop in one wake-up: a
+        call_soon_threadsafe per loop and step, not per token (each writes to the loop's self-pipe:
+        ~0.1 ms of the scheduler thread, 1.6 ms a step at batch 16)."""
+        box, self._outbox = self._outbox, {}
+        for loop, items in box.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop has closed: nobody is listening any more
+                pass
+
+
+def _put_all(items) -> None:
+    for put, event in items:
+        put(event)
