@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from fast import _core
+from fast import distributed as D
 from oracle.capture import Capture
 from oracle.sampling import SamplingError, SamplingParams, log_softmax
 from tests.cases import TINY
-from tests.engine_checks import NO_CUDA, cuda_state, prompt, side_param
+from tests.engine_checks import NO_CUDA, cuda_state, make_engine, prompt, side_param
 
 
 def _u32(x) -> int:
@@ -91,15 +92,24 @@ def test_hook_refuses_bad_input():
             _core.argmax_logprob(bad)
 
 
-STEP_CASES = [side_param(side, name, checkpoint=name) for side in ("cpu", "cuda") for name in TINY + ("small-fp8",)]
+STEP_CASES = ([side_param(side, name, checkpoint=name) for side in ("cpu", "cuda") for name in TINY + ("small-fp8",)]
+              + [side_param("cpu-ranks", "tiny-mxfp4", checkpoint="tiny-mxfp4", ranks=2)])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_workers():
+    yield
+    D.shutdown()
 
 
 @pytest.mark.parametrize("side,name", STEP_CASES)
-def test_step_rows_match_the_oracle(side, name, engines, cuda_engines):
+def test_step_rows_match_the_oracle(side, name, engines, cuda_engines, ckpt_path):
     """Five copies of one sequence in every step, in a rotating order: three ask for "argmax_logprob"
     (one of them with its logits captured: the host's path), one for its logits ("last"), one for its
-    token ("argmax"). Each pair is np.argmax of those logits and log_softmax's value there."""
-    eng = (engines if side == "cpu" else cuda_engines)(name)
+    token ("argmax"). Each pair is np.argmax of those logits and log_softmax's value there. On the rank
+    side every rank's tokens and log-probabilities are compared with rank 0's after each step."""
+    eng = (engines if side == "cpu" else cuda_engines if side == "cuda" else
+           lambda n: make_engine(side, ckpt_path(n), ranks=2))(name)
     p = prompt(eng.config.vocab_size, 9, 31)
     modes = ["argmax_logprob", "last", "argmax", "argmax_logprob", "argmax_logprob"]
     caps = [None, None, None, Capture(stages={"logits"}), None]
