@@ -205,8 +205,10 @@ struct CaptureRecord {
 
 struct StepOutput {
     std::vector<int64_t> head_rows;  // rows whose logits go to the caller (want_head 1), ascending
-    std::vector<int64_t> token_rows; // rows that want only their greedy token (want_head 2), ascending
+    std::vector<int64_t> token_rows; // rows that want only their greedy token (want_head 2 or 3), ascending
     std::vector<int32_t> tokens;     // those rows' argmax (num::argmax_better's rule), logits not copied
+    std::vector<float> logprobs;     // the want_head 3 rows' (ascending) log_softmax at their token
+                                     // (num::logprob_from); NaN where the row holds a NaN or an infinity
     std::vector<float> logits;       // [head_rows.size()][V] (left empty when logits_dst is given)
     float* logits_dst = nullptr;     // the caller's buffer of (rows wanting logits) x V floats, written instead
     bool logits_dst_pinned = false;  // logits_dst is page-locked host memory (the CUDA engine copies into it directly)

@@ -20,6 +20,7 @@
 #include "cpu/cdot.hpp"
 #include "cpu/expf.hpp"
 #include "cpu/formats.hpp"
+#include "cpu/greedy.hpp"
 #include "cpu/hwstate.hpp"
 #include "cpu/matvec.hpp"
 #include "cpu/threadpool.hpp"
@@ -183,6 +184,21 @@ py::object py_csum(const py::object& xo) {
         r = csum(ptr<float>(x), static_cast<size_t>(x.shape(0)));
     }
     return f32_scalar(r);
+}
+
+py::tuple py_argmax_logprob(const py::object& xo) {
+    const py::array x = checked_arg(xo, "x", kF32, 1);
+    if (x.shape(0) < 1) bad("argmax_logprob: x must not be empty");
+    require_clean_mxcsr();
+    const size_t n = static_cast<size_t>(x.shape(0));
+    int32_t t;
+    float lp;
+    {
+        py::gil_scoped_release nogil;
+        t = argmax(ptr<float>(x), n);
+        lp = argmax_logprob(ptr<float>(x), n, t);
+    }
+    return py::make_tuple(t, f32_scalar(lp));
 }
 
 py::array py_expf(const py::object& xo) {
@@ -497,6 +513,10 @@ PYBIND11_MODULE(_core, m) {
           "cdot(a: f32[n], b: f32[n]) -> numpy.float32: the canonical reduction (docs/contract.md §4.2).");
     m.def("cdot64", &py_cdot64, A("a"), A("b"), "cdot64(a: f64[n], b: f64[n]) -> float: cdot in double.");
     m.def("csum", &py_csum, A("x"), "csum(x: f32[n]) -> numpy.float32: cdot(x, 1).");
+    m.def("argmax_logprob", &py_argmax_logprob, A("x"),
+          "argmax_logprob(x: f32[n]) -> (int, numpy.float32): the greedy token (np.argmax's rule) and "
+          "oracle.sampling.log_softmax(x)[token], as a step's \"argmax_logprob\" head computes them; the "
+          "log-probability is NaN when x holds a NaN or an infinity.");
     m.def("expf", &py_expf, A("x"), "expf(x: f32 array) -> f32 array: the canonical expf (docs/contract.md §4.3).");
     m.def("expf_check_range", &py_check_range<expf_check_range>, A("lo_bits"), A("hi_bits"),
           "Compare the scalar canonical expf with the host libm expf on every f32 bit pattern in "

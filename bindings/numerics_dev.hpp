@@ -367,6 +367,42 @@ GLM_HD double exp64(double x) {
 
 GLM_HD double sigmoid64(double x) { return div_rn(1.0, add_rn(1.0, exp64(-x))); }
 
+// ---- the greedy token's log-probability (oracle/sampling.py log_softmax, docs/sampling.md) ----------
+
+// ln(s) for a double s > 0, finite: oracle/sampling.py _log_f64, the same double operations in the same
+// order. s = m * 2^e with m in [sqrt(1/2), sqrt(2)) (the split by bits: exact, as frexp), f = (m - 1) /
+// (m + 1), ln m = 2 f (1 + f^2/3 + ...) by Horner with fma over 1/(2i+1), i = 12 .. 1, then e * ln2
+// (hi + lo).
+GLM_HD double log_f64(double s) {
+    uint64_t u = f64_bits(s);
+    int e;
+    if (((u >> 52) & 0x7FFu) == 0) {  // subnormal: into the normal range first (exact)
+        u = f64_bits(mul_rn(s, 0x1p54));
+        e = static_cast<int>((u >> 52) & 0x7FFu) - 1023 - 54;
+    } else {
+        e = static_cast<int>((u >> 52) & 0x7FFu) - 1023;
+    }
+    double m = f64_from_bits((u & 0x000FFFFFFFFFFFFFull) | 0x3FF0000000000000ull);  // [1, 2)
+    if (m > 1.4142135623730951) {
+        m = mul_rn(m, 0.5);
+        e = e + 1;
+    }
+    const double f = div_rn(sub_rn(m, 1.0), add_rn(m, 1.0));
+    const double f2 = mul_rn(f, f);
+    double acc = div_rn(1.0, 25.0);
+    for (int i = 11; i >= 1; --i) acc = fma_rn(acc, f2, div_rn(1.0, static_cast<double>(2 * i + 1)));
+    acc = fma_rn(acc, f2, 1.0);
+    const double lnm = mul_rn(mul_rn(2.0, f), acc);
+    const double ed = static_cast<double>(e);
+    return fma_rn(ed, 0.6931471803691238, fma_rn(ed, 1.9082149292705877e-10, lnm));
+}
+
+// log_softmax's value at one token from its parts: d = z_t - max(z) (f32) and s = csum(expf(z - max(z)))
+// over the row: f32(f64(d) - ln(f64(s))). Every engine's "argmax_logprob" ends here.
+GLM_HD float logprob_from(float d, float s) {
+    return f32_rn(sub_rn(static_cast<double>(d), log_f64(static_cast<double>(s))));
+}
+
 // ---- expf="native" off the device -----------------------------------------------------------------
 
 // The classic Cephes-style single-precision exp (range reduction by ln2 in two parts, a degree-5

@@ -116,8 +116,11 @@ py::list stage_table(const py::dict& d) {
 // the numpy arguments checked and copied, the step run without the GIL, the logits written straight
 // into the array returned.
 // want_head per row: 0 no head, 1 logits (returned), 2 only the greedy token (returned in `tokens`, one per
-// such row in row order; the logits stay in the engine).
-// Returns (head_rows i64[n], logits f32[n, V], [(layer, stage name, row, value)], injected, tokens i32[m]).
+// such row in row order; the logits stay in the engine), 3 the greedy token (in `tokens` as 2) and its
+// log-probability (in `logprobs`, one per want_head 3 row in row order: oracle.sampling.log_softmax's
+// value at the token, bit for bit; NaN where the row holds a NaN or an infinity).
+// Returns (head_rows i64[n], logits f32[n, V], [(layer, stage name, row, value)], injected, tokens i32[m],
+// logprobs f32[k]).
 // alloc (optional): makes the [n, V] logits array and says whether its memory is page-locked.
 using LogitsAlloc = std::function<py::array_t<float>(size_t n, size_t V, bool& pinned)>;
 template <class Engine>
@@ -159,10 +162,11 @@ py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::objec
         inj.active = true;
     }
     // the logits land in the numpy array handed back (the rows wanting them, in row order)
-    size_t n_head = 0, n_tok = 0;
+    size_t n_head = 0, n_tok = 0, n_lp = 0;
     for (uint8_t w : wh) {
         n_head += w == 1 ? 1 : 0;
-        n_tok += w == 2 ? 1 : 0;
+        n_tok += w == 2 || w == 3 ? 1 : 0;
+        n_lp += w == 3 ? 1 : 0;
     }
     bool pinned = false;
     py::array_t<float> logits = alloc && n_head ? alloc(n_head, V, pinned)
@@ -174,7 +178,7 @@ py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::objec
         py::gil_scoped_release nogil;
         E.step(ids, toks, wh, cr, cm, inj, out);
     }
-    if (out.head_rows.size() != n_head || out.tokens.size() != n_tok)
+    if (out.head_rows.size() != n_head || out.tokens.size() != n_tok || out.logprobs.size() != n_lp)
         throw std::logic_error("step: head rows disagree with want_head");
     py::array_t<int64_t> rows(static_cast<py::ssize_t>(n_head));
     if (n_head) std::memcpy(rows.mutable_data(), out.head_rows.data(), n_head * 8);
@@ -192,7 +196,9 @@ py::tuple run_step(Engine& E, size_t V, const py::object& seq_o, const py::objec
     }
     py::array_t<int32_t> tokens(static_cast<py::ssize_t>(n_tok));
     if (n_tok) std::memcpy(tokens.mutable_data(), out.tokens.data(), n_tok * 4);
-    return py::make_tuple(rows, logits, caps, out.injected, tokens);
+    py::array_t<float> logprobs(static_cast<py::ssize_t>(n_lp));
+    if (n_lp) std::memcpy(logprobs.mutable_data(), out.logprobs.data(), n_lp * 4);
+    return py::make_tuple(rows, logits, caps, out.injected, tokens, logprobs);
 }
 
 }  // namespace glm::pyglue

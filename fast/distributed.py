@@ -370,11 +370,13 @@ class _DeviceExchange:
 
 
 def _digest(result) -> str:
-    """What a rank computed in one step: logits and every captured row (sorted), injected count."""
-    head_rows, logits, caps, injected, tokens = result
+    """What a rank computed in one step: logits, greedy tokens and their log-probabilities, every
+    captured row (sorted), injected count."""
+    head_rows, logits, caps, injected, tokens, logprobs = result
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(head_rows).tobytes())
     h.update(np.ascontiguousarray(tokens).tobytes())
+    h.update(np.ascontiguousarray(logprobs).tobytes())
     h.update(np.ascontiguousarray(logits).tobytes())
     for layer, stage, row, value in sorted(caps, key=lambda c: (c[0], c[1], c[2])):
         h.update(f"{layer}|{stage}|{row}|{value.dtype}|{value.shape}|".encode())

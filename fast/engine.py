@@ -31,7 +31,7 @@ import numpy as np
 
 from oracle.capture import Capture
 from oracle.checkpoint import Checkpoint, open_checkpoint
-from oracle.sampling import SamplingParams, sample
+from oracle.sampling import SamplingError, SamplingParams, log_softmax, sample
 from oracle.stages import ALL_STAGE_NAMES, HEAD
 
 from . import core as _C
@@ -45,6 +45,18 @@ _HEAD_STAGES = tuple(name for name, _ in HEAD)  # the stages at layer L, compute
 _is_int = _C.is_int
 _core = _C.core_module
 _engine_config = _C.engine_config
+
+_LOGITS_MODES = ("all", "last", "argmax", "argmax_logprob", None)   # Engine.step's logits requests
+
+
+def _argmax_logprob(row: np.ndarray) -> tuple[int, np.float32]:
+    """"argmax_logprob" of a row whose logits came to the host anyway (a capture of the head stages): the
+    engines' values, from the oracle's definition (NaN where log_softmax refuses the row)."""
+    t = int(np.argmax(row))
+    try:
+        return t, log_softmax(row)[t]
+    except SamplingError:
+        return t, np.float32(np.nan)
 
 
 class Cache:
@@ -430,8 +442,12 @@ class Engine:
         segments: list of (cache, ids, capture, logits) with logits "all" (every row's logits),
         "last" (the last row's), "argmax" (only the last row's greedy token, np.argmax's rule, chosen
         where the logits are: on the GPU for the CUDA engine, so a decode step copies one int per
-        sequence instead of a vocabulary-wide row) or None. Each cache appears at most once. Returns,
-        per segment, the logits [n, V] asked for, the token (an int) for "argmax", or None.
+        sequence instead of a vocabulary-wide row), "argmax_logprob" (that token and its
+        log-probability, oracle.sampling.log_softmax(row)[token] bit for bit, both computed where the
+        logits are; the log-probability is NaN when the row holds a NaN or an infinity, a row the
+        oracle's log_softmax refuses with SamplingError) or None. Each cache appears at most once.
+        Returns, per segment, the logits [n, V] asked for, the token (an int) for "argmax", the pair
+        (token, logprob as np.float32) for "argmax_logprob", or None.
         """
         if not segments:
             raise EngineInputError("step needs at least one segment")
@@ -446,14 +462,14 @@ class Engine:
             seen.add(cache._id)
             ids = self._check_ids(ids, cache.length)
             capture = self._check_capture(capture)
-            if want not in ("all", "last", "argmax", None):
-                raise EngineInputError(f"logits must be 'all', 'last', 'argmax' or None, got {want!r}")
+            if want not in _LOGITS_MODES:
+                raise EngineInputError(f"logits must be one of {', '.join(map(repr, _LOGITS_MODES))}, got {want!r}")
             rows.append((cache, ids, capture, want, cache.length))
         self._check_growth(rows)
         T = sum(r[1].size for r in rows)
         seq_ids = np.empty(T, np.int64)
         tokens = np.empty(T, np.int32)
-        want_head = np.zeros(T, np.uint8)   # 0 no head, 1 logits, 2 only the greedy token
+        want_head = np.zeros(T, np.uint8)   # 0 no head, 1 logits, 2 only the greedy token, 3 and its logprob
         cap_rows = np.zeros(T, np.bool_)
         L = self.config.num_hidden_layers
         mask = np.zeros((L + 1, self._n_stages), np.bool_)
@@ -470,6 +486,8 @@ class Engine:
                 want_head[t + n - 1] = 1
             elif want == "argmax":
                 want_head[t + n - 1] = 2
+            elif want == "argmax_logprob":
+                want_head[t + n - 1] = 3
             if capture is not None:
                 cap_rows[t:t + n] = True
                 for layer in range(L + 1):
@@ -478,7 +496,7 @@ class Engine:
                             mask[layer, i] = True
             spans.append((t, n))
             t += n
-        head_rows, logits, caps, injected, argmaxes = self._core.step(seq_ids, tokens, want_head, cap_rows,
+        head_rows, logits, caps, injected, argmaxes, logprobs = self._core.step(seq_ids, tokens, want_head, cap_rows,
                                                                       mask.reshape(-1), self._inject_core)
         self.injected += int(injected)
         if self._inject_core is not None and not injected:
@@ -497,7 +515,8 @@ class Engine:
         # logits per segment: views of the one array when its rows are consecutive there (no copy of
         # a 150k-wide row per step)
         where = {int(r): i for i, r in enumerate(head_rows)}
-        token_of = dict(zip(np.flatnonzero(want_head == 2).tolist(), argmaxes.tolist()))
+        token_of = dict(zip(np.flatnonzero(want_head >= 2).tolist(), argmaxes.tolist()))
+        logprob_of = dict(zip(np.flatnonzero(want_head == 3).tolist(), logprobs))
         out = []
         for (cache, ids, capture, want, start), (t0, n) in zip(rows, spans):
             if want == "all":
@@ -512,6 +531,9 @@ class Engine:
             elif want == "argmax":
                 r = t0 + n - 1
                 out.append(int(token_of[r]) if r in token_of else int(np.argmax(logits[where[r]])))
+            elif want == "argmax_logprob":
+                r = t0 + n - 1
+                out.append((int(token_of[r]), logprob_of[r]) if r in token_of else _argmax_logprob(logits[where[r]]))
             else:
                 out.append(None)
         return out

@@ -14,6 +14,7 @@ import fast
 from fast import _core
 from fast.engine import EngineInputError, _engine_config
 from oracle.capture import Capture
+from oracle.sampling import log_softmax
 
 CKPT = "tiny-bf16"
 CLEAN = (ValueError, TypeError)
@@ -272,24 +273,33 @@ def test_core_step_checks(eng):
                     ({"inj": (99, 0, 0, 0, 1)}, "injection"),
                     ({"inj": (0, 0, 10**6, 0, 1)}, "injection"),
                     ({"inj": (0, 0, 0)}, "inject"),
-                    ({"head": np.full(1, 3, np.uint8)}, "want_head must be 0, 1 or 2")):
+                    ({"head": np.full(1, 4, np.uint8)}, "want_head must be 0, 1, 2 or 3")):
         with pytest.raises(ValueError, match=msg):
             call(**kw)
     sid2 = core.new_sequence()
     with pytest.raises(ValueError, match="consecutive"):
         core.step(np.array([sid, sid2, sid], np.int64), np.array([1, 2, 3], np.int32), np.ones(3, np.bool_),
                   np.zeros(3, np.bool_), ok["mask"], None)
-    rows, logits, caps, injected, tokens = call()
+    rows, logits, caps, injected, tokens, logprobs = call()
     assert rows.tolist() == [0] and logits.shape == (1, 300) and caps == [] and injected == 0 and tokens.size == 0
+    assert logprobs.dtype == np.float32 and logprobs.size == 0
     assert core.sequence_length(sid) == 1
     # want_head 2: the row's greedy token only, the argmax of the logits the same step would return
     fork = core.fork_sequence(sid)
-    rows, logits, _, _, _ = call(tok=np.array([5], np.int32))
-    rows2, logits2, _, _, tokens = call(seq=np.array([fork], np.int64), tok=np.array([5], np.int32),
-                                        head=np.full(1, 2, np.uint8))
-    assert rows2.size == 0 and logits2.shape == (0, 300) and tokens.dtype == np.int32
+    fork3 = core.fork_sequence(sid)
+    rows, logits, _, _, _, _ = call(tok=np.array([5], np.int32))
+    rows2, logits2, _, _, tokens, logprobs = call(seq=np.array([fork], np.int64), tok=np.array([5], np.int32),
+                                                  head=np.full(1, 2, np.uint8))
+    assert rows2.size == 0 and logits2.shape == (0, 300) and tokens.dtype == np.int32 and logprobs.size == 0
     assert tokens.tolist() == [int(np.argmax(logits[0]))]
+    # want_head 3: the token and its log-probability, the oracle's log_softmax of those logits at the token
+    rows3, logits3, _, _, tokens3, logprobs3 = call(seq=np.array([fork3], np.int64), tok=np.array([5], np.int32),
+                                                    head=np.full(1, 3, np.uint8))
+    assert rows3.size == 0 and logits3.shape == (0, 300) and tokens3.tolist() == tokens.tolist()
+    assert logprobs3.dtype == np.float32 and logprobs3.view(np.uint32).tolist() == [
+        log_softmax(logits[0])[tokens[0]].view(np.uint32)]
     core.free_sequence(fork)
+    core.free_sequence(fork3)
     with pytest.raises(ValueError, match="unknown sequence"):
         core.sequence_length(10**9)
     with pytest.raises(ValueError, match="unknown sequence"):

@@ -16,6 +16,7 @@
 #include "../numerics_dev.hpp"
 #include "../tensor_roles.hpp"
 #include "formats.hpp"
+#include "greedy.hpp"
 #include "smalldot.hpp"
 
 namespace glm::cpu {
@@ -577,7 +578,7 @@ void Engine::step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t
     if (tokens.size() != T || want_head.size() != T || cap_rows.size() != T)
         throw std::invalid_argument("seq_ids, tokens, want_head and cap_rows must have one entry per row");
     for (uint8_t w : want_head)
-        if (w > 2) throw std::invalid_argument("want_head must be 0, 1 or 2");
+        if (w > 3) throw std::invalid_argument("want_head must be 0, 1, 2 or 3");
     if (cap_mask.size() != static_cast<size_t>(L + 1) * S_COUNT)
         throw std::invalid_argument("cap_mask must have (num_hidden_layers + 1) * n_stages entries");
     for (size_t t = 0; t < T; ++t)
@@ -676,11 +677,12 @@ void Engine::run_step(Step& s, const std::vector<int32_t>& tokens, const std::ve
         hc_expand(s, l, true, X.data(), u.data(), post.data(), comb.data());
     }
 
-    // head, for the rows that want logits (want_head 1) or only their greedy token (2)
+    // head, for the rows that want logits (want_head 1), only their greedy token (2) or the token and its
+    // log-probability (3)
     std::vector<size_t> hrows, trows;
     for (size_t t = 0; t < T; ++t) {
         if (want_head[t] == 1) hrows.push_back(t);
-        else if (want_head[t] == 2) trows.push_back(t);
+        else if (want_head[t] == 2 || want_head[t] == 3) trows.push_back(t);
     }
     const size_t V = static_cast<size_t>(c.vocab_size);
     out.head_rows.assign(hrows.begin(), hrows.end());
@@ -692,14 +694,8 @@ void Engine::run_step(Step& s, const std::vector<int32_t>& tokens, const std::ve
         out.tokens.resize(trows.size());
         for (size_t i = 0; i < trows.size(); ++i) {
             const float* x = lg.data() + i * V;
-            int best = -1;
-            float bv = 0.0f;
-            for (size_t j = 0; j < V; ++j)
-                if (num::argmax_better(x[j], static_cast<int>(j), bv, best)) {
-                    bv = x[j];
-                    best = static_cast<int>(j);
-                }
-            out.tokens[i] = best;
+            out.tokens[i] = argmax(x, V);
+            if (want_head[trows[i]] == 3) out.logprobs.push_back(argmax_logprob(x, V, out.tokens[i]));
         }
     }
 }

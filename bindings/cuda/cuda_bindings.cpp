@@ -405,6 +405,16 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         },
         py::arg("x"), "The greedy rule of Engine.greedy on the device (np.argmax's: NaN first, then the lowest index).");
     m.def(
+        "argmax_logprob",
+        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
+            if (x.ndim() != 1 || x.size() < 1) bad("argmax_logprob: a non-empty 1-D array");
+            const auto r = translate([&] { return argmax_logprob_device(x.data(), static_cast<int>(x.size())); });
+            return py::make_tuple(r.first, py::array_t<float>(1, &r.second)[py::int_(0)]);
+        },
+        py::arg("x"),
+        "The greedy token (np.argmax's rule) and oracle.sampling.log_softmax(x)[token] on the device, as a step's "
+        "\"argmax_logprob\" head computes them (the log-probability NaN when x holds a NaN or an infinity).");
+    m.def(
         "expf_device_bits",
         [](uint64_t lo, uint64_t n) {
             if (lo + n > (uint64_t{1} << 32)) bad("expf_device_bits: lo + n must be <= 2**32");

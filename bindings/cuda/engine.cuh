@@ -222,6 +222,10 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out);
 void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits);               // head.cu
 // head.cu: the greedy token of each of `rows` rows of n logits, on the device
 void argmax_into(const float* logits, int n, int* out, int rows = 1);
+// head.cu: as argmax_into, and where slot[row] >= 0 (every row when slot is null: slot = row) the token's
+// log-probability (oracle.sampling.log_softmax's value, bit for bit; NaN for a row with a NaN or an
+// infinity) into lp[slot[row]]
+void argmax_logprob_into(const float* logits, int n, int* out, float* lp, const int* slot, int rows);
 void embed_rows(Step& s, const Lin& embed, int* d_tok, float* e, float* X);                                        // head.cu
 
 // Small elementwise kernels shared by the modules (norm.cu).

@@ -202,6 +202,8 @@ double ffma_peak_device(int reps);
 
 // The argmax of n floats on the device (the greedy rule of Engine::greedy), for tests.
 int argmax_device(const float* host, int n);
+// The greedy token of n floats and its log-probability as a step's want_head 3 computes them, for tests.
+std::pair<int, float> argmax_logprob_device(const float* host, int n);
 
 // Page-locked host memory (cudaMallocHost / cudaFreeHost): the bindings hand decode-sized logits back
 // in it, so the device writes them straight into the returned array.

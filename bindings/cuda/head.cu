@@ -56,15 +56,15 @@ void embed_rows(Step& s, const Lin& embed, int* d_tok, float* e, float* X) {
     check_launch("streams");
 }
 
+namespace {
+
 // The greedy choice over each row of n logits (num::argmax_better: np.argmax's rule), one block per row.
 using num::argmax_better;
 constexpr int kArgmaxThreads = 1024;
-__global__ void __launch_bounds__(kArgmaxThreads) k_argmax(const float* __restrict__ x, int n, int* out) {
-    pdl_enter();
-    x += static_cast<int64_t>(blockIdx.x) * n;
-    out += blockIdx.x;
-    __shared__ float sv[kArgmaxThreads];
-    __shared__ int si[kArgmaxThreads];
+
+// The argmax of x[0..n) over a block of kArgmaxThreads threads (sv, si: that many elements of shared
+// memory each), on every thread.
+GLM_DEV int block_argmax(const float* __restrict__ x, int n, float* sv, int* si) {
     const int t = static_cast<int>(threadIdx.x);
     float v = 0.0f;
     int iv = -1;
@@ -85,13 +85,71 @@ __global__ void __launch_bounds__(kArgmaxThreads) k_argmax(const float* __restri
         }
         __syncthreads();
     }
-    if (t == 0) *out = si[0];
+    return si[0];
 }
+
+__global__ void __launch_bounds__(kArgmaxThreads) k_argmax(const float* __restrict__ x, int n, int* out) {
+    pdl_enter();
+    x += static_cast<int64_t>(blockIdx.x) * n;
+    __shared__ float sv[kArgmaxThreads];
+    __shared__ int si[kArgmaxThreads];
+    const int best = block_argmax(x, n, sv, si);
+    if (threadIdx.x == 0) out[blockIdx.x] = best;
+}
+
+// The greedy token of each row and, where slot[row] >= 0 (every row when slot is null: slot = row), its
+// log-probability into lp[slot]: oracle.sampling.log_softmax(x)[token] bit for bit. d_i = x_i - x_t
+// (x_t, the first maximum, is the oracle's max), s = csum(expf(d)) as block64_dot forms it (partial
+// k < 64 owns the elements i = k (mod 64), in order), with the expf of a tile of kArgmaxThreads elements
+// made by every thread first; then num::logprob_from. NaN where the row holds a NaN or an infinity.
+__global__ void __launch_bounds__(kArgmaxThreads) k_argmax_logprob(const float* __restrict__ x, int n, int* out,
+                                                                  float* lp, const int* __restrict__ slot) {
+    pdl_enter();
+    const int row = static_cast<int>(blockIdx.x);
+    x += static_cast<int64_t>(row) * n;
+    __shared__ float sv[kArgmaxThreads];
+    __shared__ int si[kArgmaxThreads];
+    __shared__ float e[kArgmaxThreads];
+    __shared__ int nonfinite;
+    const int t = static_cast<int>(threadIdx.x);
+    if (t == 0) nonfinite = 0;  // (block_argmax's barriers order it before the writes below)
+    const int best = block_argmax(x, n, sv, si);
+    if (t == 0) out[row] = best;
+    const int k = slot ? slot[row] : row;
+    if (k < 0) return;  // (the whole block)
+    const float m = x[best];
+    float p = 0.0f;
+    for (int base = 0; base < n; base += kArgmaxThreads) {
+        if (base + t < n) {
+            const float z = x[base + t];
+            if ((num::f32_bits(z) & 0x7F800000u) == 0x7F800000u) nonfinite = 1;
+            e[t] = expf_c(fsub(z, m));
+        }
+        __syncthreads();
+        if (t < 64)
+            for (int j = t; j < kArgmaxThreads && base + j < n; j += 64) p = fma_(e[j], 1.0f, p);
+        __syncthreads();
+    }
+    if (t < 64) sv[t] = p;
+    __syncthreads();
+    if (t < 32) {
+        const float sum = warp_fold64(sv[t], sv[t + 32]);
+        if (t == 0) lp[k] = nonfinite ? num::f32_from_bits(0x7FC00000u) : num::logprob_from(fsub(x[best], m), sum);
+    }
+}
+
+}  // namespace
 
 void argmax_into(const float* logits, int n, int* out, int rows) {
     auto k = k_argmax;
     GLM_LAUNCH(k, static_cast<unsigned>(rows), kArgmaxThreads, 0, logits, n, out);
     check_launch("argmax");
+}
+
+void argmax_logprob_into(const float* logits, int n, int* out, float* lp, const int* slot, int rows) {
+    auto k = k_argmax_logprob;
+    GLM_LAUNCH(k, static_cast<unsigned>(rows), kArgmaxThreads, 0, logits, n, out, lp, slot);
+    check_launch("argmax_logprob");
 }
 
 int argmax_device(const float* host, int n) {
@@ -102,6 +160,18 @@ int argmax_device(const float* host, int n) {
     int idx = -1;
     check(cudaMemcpy(&idx, r.p, sizeof(int), cudaMemcpyDeviceToHost), "argmax");
     return idx;
+}
+
+std::pair<int, float> argmax_logprob_device(const float* host, int n) {
+    if (n < 1) throw std::invalid_argument("argmax_logprob: needs at least one value");
+    DBuf x(static_cast<size_t>(n) * sizeof(float)), r(sizeof(int)), l(sizeof(float));
+    check(cudaMemcpy(x.p, host, static_cast<size_t>(n) * sizeof(float), cudaMemcpyHostToDevice), "argmax_logprob");
+    argmax_logprob_into(x.as<float>(), n, r.as<int>(), l.as<float>(), static_cast<const int*>(nullptr), 1);
+    int idx = -1;
+    float lp = 0.0f;
+    check(cudaMemcpy(&idx, r.p, sizeof(int), cudaMemcpyDeviceToHost), "argmax_logprob");
+    check(cudaMemcpy(&lp, l.p, sizeof(float), cudaMemcpyDeviceToHost), "argmax_logprob");
+    return {idx, lp};
 }
 
 void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits) {

@@ -576,7 +576,7 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
     if (tokens.size() != T || want_head.size() != T || cap_rows.size() != T)
         throw std::invalid_argument("seq_ids, tokens, want_head and cap_rows must have one entry per row");
     for (uint8_t w : want_head)
-        if (w > 2) throw std::invalid_argument("want_head must be 0, 1 or 2");
+        if (w > 3) throw std::invalid_argument("want_head must be 0, 1, 2 or 3");
     if (cap_mask.size() != static_cast<size_t>(L + 1) * S_COUNT)
         throw std::invalid_argument("cap_mask must have (num_hidden_layers + 1) * n_stages entries");
     for (size_t t = 0; t < T; ++t)
@@ -689,12 +689,16 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
     }
     hc_flush(s);  // (none is left pending after the last layer; kept as the rule for readers of X)
 
-    // head, for the rows that want logits (want_head 1) or only their greedy token (2: the argmax on the
-    // device, the logits not copied)
-    std::vector<int> hrows, trows;
+    // head, for the rows that want logits (want_head 1), only their greedy token (2: the argmax on the
+    // device, the logits not copied) or the token and its log-probability (3: both on the device)
+    std::vector<int> hrows, trows, lp_slot;  // lp_slot: per token row, its place among the want_head 3 rows or -1
+    int n_lp = 0;
     for (size_t t = 0; t < T; ++t) {
         if (want_head[t] == 1) hrows.push_back(static_cast<int>(t));
-        else if (want_head[t] == 2) trows.push_back(static_cast<int>(t));
+        else if (want_head[t] == 2 || want_head[t] == 3) {
+            trows.push_back(static_cast<int>(t));
+            lp_slot.push_back(want_head[t] == 3 ? n_lp++ : -1);
+        }
     }
     out.head_rows.assign(hrows.begin(), hrows.end());
     out.token_rows.assign(trows.begin(), trows.end());
@@ -710,6 +714,7 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
     }
     float* dst = out.logits_out(hrows.size() * V);  // (not in a greedy loop: no host logits there)
     int* d_next = nullptr;
+    float* d_lp = nullptr;
     if (!hrows.empty() || !trows.empty()) {
         std::vector<int> rows(hrows);  // the logits rows first: they are the block copied to the host
         rows.insert(rows.end(), trows.begin(), trows.end());
@@ -717,7 +722,13 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
         head_forward(s, X, rows, logits);
         if (!trows.empty()) {
             d_next = s.scratch.d<int>(trows.size());
-            argmax_into(logits + hrows.size() * V, static_cast<int>(V), d_next, static_cast<int>(trows.size()));
+            if (n_lp == 0) {
+                argmax_into(logits + hrows.size() * V, static_cast<int>(V), d_next, static_cast<int>(trows.size()));
+            } else {
+                d_lp = s.scratch.d<float>(static_cast<size_t>(n_lp));
+                argmax_logprob_into(logits + hrows.size() * V, static_cast<int>(V), d_next, d_lp,
+                                    s.scratch.up(lp_slot), static_cast<int>(trows.size()));
+            }
         }
         s.mark("end");
         // into the caller's buffer (the numpy array handed back): directly when it is page-locked (the
@@ -738,6 +749,11 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
         if (d_next) {
             out.tokens.resize(trows.size());
             check(cudaMemcpy(out.tokens.data(), d_next, trows.size() * sizeof(int), cudaMemcpyDeviceToHost), "tokens");
+        }
+        if (d_lp) {
+            out.logprobs.resize(static_cast<size_t>(n_lp));
+            check(cudaMemcpy(out.logprobs.data(), d_lp, static_cast<size_t>(n_lp) * sizeof(float),
+                             cudaMemcpyDeviceToHost), "logprobs");
         }
     } else {
         s.mark("end");

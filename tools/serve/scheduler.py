@@ -7,7 +7,10 @@ prompt chunks for sequences still in prefill, as many prompt tokens as `max_step
 
 Nothing a request gets depends on the others: the engine's logits of a sequence depend only on its
 own tokens (any batch, any chunking: docs/contract.md), and the token is chosen from those logits by
-oracle.sampling with u(seed, position), never the slot or the step number.
+oracle.sampling with u(seed, position), never the slot or the step number. A greedy request's decode
+row without top_logprobs or speculation asks the engine for "argmax_logprob": the token and its
+log-probability chosen where the logits are (on the GPU for the CUDA engine), the same bits as
+sample and log_softmax give on the host (fast/engine.py, docs/serve.md), without copying the row.
 
 With a prefix cache (prefix.py) a request starts from a fork of the deepest snapshot of its prompt's
 prefix, and its prompt chunks stop at block boundaries, where the sequence is snapshotted after the
@@ -175,7 +178,7 @@ class Scheduler:
         drafts = self._drafts(decoding)
         for r, d in zip(decoding, drafts):   # decodes first: one token each (with drafts: more), always
             if r.spec is None:
-                segs.append((r.cache, [r.tokens[-1]], None, "last"))
+                segs.append((r.cache, [r.tokens[-1]], None, self._decode_want(r)))
             else:
                 segs.append((r.cache, r.spec.begin(d, self._boundary(r)), None, "all"))
             rows.append(r)
@@ -227,6 +230,12 @@ class Scheduler:
                 if self.drafter is not None and not r.finished:
                     r.spec = Spec(r.cache, r.tokens[-1])
 
+    @staticmethod
+    def _decode_want(r: Request) -> str:
+        """A decode row's logits request: a greedy request needing only its token's log-probability
+        gets both from the engine, every other one its logits row (sampled, top_logprobs)."""
+        return "argmax_logprob" if r.params.greedy and not r.top_logprobs else "last"
+
     def _boundary(self, r: Request) -> int | None:
         """With the prefix cache, the most tokens r's decode row may run: up to the next block boundary."""
         if self.prefix is None or r.pnode is None:
@@ -258,16 +267,19 @@ class Scheduler:
             made = iter([[] for _ in items])
         return [before_eos(next(made), r.eos) if r.spec is not None else [] for r in decoding]
 
-    def _decoded(self, r: Request, lg: np.ndarray) -> None:
+    def _decoded(self, r: Request, lg) -> None:
         """A sequence in decode after its step: its tokens (with speculation: the accepted drafts and the
         chosen one), and a fork at a block boundary its cache reached (a cache holds only accepted
-        tokens)."""
-        if r.spec is None:
-            emitted, rows, moved = [None], [lg[-1]], True
+        tokens). lg: the step's logits, or (token, logprob) for "argmax_logprob"."""
+        if isinstance(lg, tuple):   # "argmax_logprob": the engine chose the token and its log-probability
+            emitted, rows, lps, moved = [lg[0]], [None], [lg[1]], True
+        elif r.spec is None:
+            emitted, rows, lps, moved = [None], [lg[-1]], [None], True
         else:
             base = r.prompt.size + len(r.tokens)   # the position of the first token this step chooses
             try:
                 emitted, rows, _ = r.spec.end(lg, lambda row, j: sample(row, r.params, base + j))
+                lps = [None] * len(emitted)
             except ValueError as e:
                 r.cache = r.spec.cache
                 self._finish(r, "error", error=str(e))
@@ -282,24 +294,33 @@ class Scheduler:
                 r.pending = r.cache.fork()
             except Exception:  # noqa: BLE001 - e.g. out of memory: no snapshot of this answer
                 r.pending = None
-        for t, row in zip(emitted, rows):
-            self._produce(r, row, t)
+        for t, row, lp in zip(emitted, rows, lps):
+            self._produce(r, row, t, lp)
             if r.finished:
                 return
         if r.draft is not None:
             self.drafter.settle(r.draft, np.concatenate([r.prompt, np.asarray(r.tokens, np.int32)]).tolist())
 
-    def _produce(self, r: Request, row: np.ndarray, token: int | None = None) -> None:
-        """The token for `row` (`token`: already chosen from it by the same rule) goes to the request."""
+    def _produce(self, r: Request, row: np.ndarray | None, token: int | None = None, logprob=None) -> None:
+        """The token for `row` (`token`: already chosen from it by the same rule) goes to the request.
+        row None: the engine chose `token` and gave its log-probability `logprob` (NaN: the row held a
+        NaN or an infinity, which the oracle refuses)."""
         position = r.prompt.size + len(r.tokens)   # where the chosen token will sit
+        lp = None
         try:
-            t = sample(row, r.params, position) if token is None else token
-            lp = log_softmax(row)
+            if row is None:
+                t, lp_t = token, logprob
+                if np.isnan(lp_t):   # the oracle's own SamplingError for such a row, as the host path raises
+                    log_softmax(np.full(1, np.nan, np.float32))
+            else:
+                t = sample(row, r.params, position) if token is None else token
+                lp = log_softmax(row)
+                lp_t = lp[t]
         except ValueError as e:
             self._finish(r, "error", error=str(e))
             return
         r.tokens.append(t)
-        r.logprobs.append(lp[t])
+        r.logprobs.append(lp_t)
         top = None
         if r.top_logprobs:
             order = np.argsort(-lp, kind="stable")[:r.top_logprobs]   # ties: the lower id first
