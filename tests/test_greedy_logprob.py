@@ -164,16 +164,24 @@ class _Engine:
                 (7, np.float32(np.nan)) if want == "argmax_logprob" else None for *_, want in segs]
 
 
+class _Loop:
+    """An event loop's call_soon_threadsafe, run at once (the scheduler's events reach their sinks)."""
+
+    def call_soon_threadsafe(self, fn, *args):
+        fn(*args)
+
+
 def test_scheduler_asks_greedy_rows_for_their_logprob_and_fails_a_refused_row():
     from tools.serve.scheduler import Request, Scheduler
     eng = _Engine()
     sched = Scheduler(eng, max_batch=4)
-    events = {}
-    reqs = [Request(np.array([1, 2], np.int32), 3, params, top_logprobs=top, deliver=events.setdefault(k, []).append)
+    events, loop = {}, _Loop()
+    reqs = [Request(np.array([1, 2], np.int32), 3, params, top_logprobs=top, sink=(loop, events.setdefault(k, []).append))
             for k, (params, top) in enumerate([(SamplingParams(), 0), (SamplingParams(), 2),
                                                (SamplingParams(temperature=1.0, seed=3), 0)])]
     sched._step(reqs)   # the prompts: their logits rows
     sched._step(reqs)   # decode: only the greedy request without top_logprobs asks the engine
+    sched._flush()
     assert eng.wants == [["last"] * 3, ["argmax_logprob", "last", "last"]]
     with pytest.raises(SamplingError) as refused:
         log_softmax(_f32(1.0, np.nan))
