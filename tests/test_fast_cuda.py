@@ -495,20 +495,27 @@ def test_slice_matches_cpu():
         del eng
 
 
-@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "per-warp"])
-def test_prefill_attention_kernels_equal_the_cpu_engine(golden_dir, tiled):
-    """Prefill-sized steps (16 rows or more) take the tiled mla.scores kernel (k_mla_scores_tiled: 32
-    heads x 64 selected positions a block, each dot walked leaf by leaf), the per-warp one with
-    attn_tiled=False: every stage of every position = the CPU engine's, for one sequence of 60 rows and for
-    a step of two sequences (tiny: kv_lora_rank 40, zero-padded to one chunk; 3 heads in a tile of 32;
-    selection active from position 12)."""
-    path = str(golden_dir / "tiny-fp8")
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "default"])
+@pytest.mark.parametrize("model", ["tiny", "wide-selection"])
+def test_prefill_attention_kernels_equal_the_cpu_engine(golden_dir, tmp_path, tiled, model):
+    """attn_tiled=True: prefill-sized steps (16 rows or more) take the tiled mla.scores and mla.o_lat
+    kernels (k_mla_scores_tiled: 32 heads x 64 selected positions a block; k_mla_olat_tiled: 32 heads x 64
+    latent columns, the positions staged eight partials at a time; each dot walked leaf by leaf); by
+    default the per-warp and group kernels. Every stage of every position = the CPU engine's, for one
+    sequence in one step and for a step of two sequences. tiny: kv_lora_rank 40 (zero-padded to one
+    chunk), 3 heads in a tile of 32, at most 11 selected positions (one chunk); wide-selection: tiny with
+    index_topk 256, so rows attend up to 259 positions (five chunks of the o_lat dot)."""
+    if model == "tiny":
+        path, n = str(golden_dir / "tiny-fp8"), 60
+    else:
+        from tools.zoo import make_checkpoint
+        path, n = str(make_checkpoint("tiny", "fp8", tmp_path / "wide", index_topk=256)), 300
     cpu, eng = fast.Engine(path, device="cpu"), CudaEngine(path, cuda_options={"attn_tiled": tiled})
     V = eng.config.vocab_size
-    ids = prompt(V, 60, 7)
+    ids = prompt(V, n, 7)
     want, got = Capture(), Capture()
     assert np.array_equal(bits(cpu.prefill(ids, capture=want)), bits(eng.prefill(ids, capture=got)))
-    assert_same_capture(eng.config, want, got, range(60))
+    assert_same_capture(eng.config, want, got, range(n))
     a, b = prompt(V, 30, 8), prompt(V, 41, 9)
     ca, cb = eng.new_cache(), eng.new_cache()
     eng.prefill(a[:10], ca)

@@ -252,6 +252,71 @@ __global__ void __launch_bounds__(256) k_mla_olat_short(const float* __restrict_
     o_lat[(static_cast<int64_t>(t) * nh + h) * r + k] = bf16r(v);
 }
 
+// mla.o_lat for prefill-sized steps (the same values as k_mla_olat): a block per (row t, 64 latent
+// columns, 32 heads), each thread 2 heads x 4 columns, each dot (over the row's ns selected positions)
+// made whole by cdot_tree_walk: partial m is the fma chain over the positions 64c + m. The walk takes
+// its leaves eight at a time (j = 8s .. 8s + 7: partials m = bitrev6(j), the positions 64c + m of every
+// chunk c, at most 8 x NC of them), so shared memory holds those positions' probabilities for 32 heads
+// and their latent rows' 64 columns: 8 NC x 96 floats. Positions past ns are zeros (fma(0, 0, P) = P).
+constexpr int kOlatHeads = 32, kOlatCols = 64, kOlatThreads = 256;
+__global__ void __launch_bounds__(kOlatThreads) k_mla_olat_tiled(const float* __restrict__ probs, int nh, int r,
+                                                                 const int* __restrict__ sel,
+                                                                 const int64_t* __restrict__ sel_off,
+                                                                 const int* __restrict__ sel_n,
+                                                                 const SegDev* __restrict__ segs,
+                                                                 const int* __restrict__ seg_of, float* o_lat) {
+    pdl_enter();
+    GLM_DYN_SMEM(float, sm);
+    const int t = static_cast<int>(blockIdx.y);
+    const int k0 = static_cast<int>(blockIdx.x) * kOlatCols, h0 = static_cast<int>(blockIdx.z) * kOlatHeads;
+    const int ns = sel_n[t], nc = (ns + 63) / 64, slots = 8 * nc;
+    float* Ps = sm;                          // [slots][32]: slot q = 8c + i <-> position 64c + bitrev6(8s + i)
+    float* Cs = sm + slots * kOlatHeads;     // [slots][64]
+    const int tid = static_cast<int>(threadIdx.x);
+    const int* st = sel + sel_off[t];
+    const float* cache = segs[seg_of[t]].c;
+    const float* pr = probs + sel_off[t] * nh;
+    const int th = tid >> 4, tc = tid & 15;  // heads 2 th.., columns 4 tc..
+    float dots[2][4];
+    cdot_tree_walk<2, 4>(dots, [&](int m, float (&v)[2][4]) {
+        const int j = bitrev6(m);  // (bitrev6 is its own inverse)
+        if ((j & 7) == 0) {        // a new stage: the eight partials' positions into shared memory
+            const int sg = j >> 3;
+            __syncthreads();       // (the previous stage's readers are done)
+            for (int i = tid; i < slots * (kOlatCols / 4); i += kOlatThreads) {  // latent columns, float4
+                const int q = i / (kOlatCols / 4), c4 = i % (kOlatCols / 4);
+                const int pos = 64 * (q >> 3) + bitrev6(8 * sg + (q & 7)), col = k0 + 4 * c4;
+                float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (pos < ns && col < r) x = *reinterpret_cast<const float4*>(cache + static_cast<int64_t>(st[pos]) * r + col);
+                *reinterpret_cast<float4*>(Cs + q * kOlatCols + 4 * c4) = x;
+            }
+            for (int i = tid; i < slots * kOlatHeads; i += kOlatThreads) {  // probabilities
+                const int q = i / kOlatHeads, h = i % kOlatHeads;
+                const int pos = 64 * (q >> 3) + bitrev6(8 * sg + (q & 7));
+                Ps[q * kOlatHeads + h] = pos < ns && h0 + h < nh ? pr[static_cast<int64_t>(h0 + h) * ns + pos] : 0.0f;
+            }
+            __syncthreads();
+        }
+        const int i = j & 7;
+        for (int c = 0; c < nc; ++c) {
+            const float2 a = *reinterpret_cast<const float2*>(Ps + (8 * c + i) * kOlatHeads + 2 * th);
+            const float4 b = *reinterpret_cast<const float4*>(Cs + (8 * c + i) * kOlatCols + 4 * tc);
+            const float av[2] = {a.x, a.y}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                for (int cc = 0; cc < 4; ++cc) v[hh][cc] = ffma(av[hh], bv[cc], c == 0 ? 0.0f : v[hh][cc]);
+        }
+    });
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+            const int h = h0 + 2 * th + hh, k = k0 + 4 * tc + cc;
+            if (h < nh && k < r) o_lat[(static_cast<int64_t>(t) * nh + h) * r + k] = bf16r(dots[hh][cc]);
+        }
+}
+
 // mla.o_lat[t][h][k] = bf16(cdot over rank j of (p_h[j], c[sel_j][k])). Group per (t, k, head tile).
 __global__ void __launch_bounds__(256) k_mla_olat(const float* __restrict__ probs, int nh, int r,
                                                   const int* __restrict__ sel, const int64_t* __restrict__ sel_off,
@@ -412,7 +477,14 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     s.emit_var(layer, S_MLA_PROBS, probs, off, shapes);
     float* o_lat = s.scratch.d<float>(static_cast<size_t>(T) * nh * r);
     {
-        if (max_ns <= kOlatShort) {
+        const size_t olat_smem = static_cast<size_t>(8 * ((max_ns + 63) / 64)) * (kOlatHeads + kOlatCols) * 4;
+        // (attn_tiled, off until timed: whether short selections keep k_mla_olat_short is for the timing)
+        if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && olat_smem <= 200 * 1024) {
+            auto k = k_mla_olat_tiled;
+            allow_smem(k, olat_smem);
+            GLM_LAUNCH(k, dim3(blocks(r, kOlatCols), T, static_cast<unsigned>((nh + kOlatHeads - 1) / kOlatHeads)),
+                       kOlatThreads, olat_smem, probs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs, s.d_seg, o_lat);
+        } else if (max_ns <= kOlatShort) {
             auto k = max_ns <= 32 ? k_mla_olat_short<32> : k_mla_olat_short<64>;
             const int thr = r >= 256 ? 256 : (r + 31) / 32 * 32;
             GLM_LAUNCH(k, dim3(blocks(r, thr), nh, T), thr, 0, probs, nh, r, s.d_sel, s.d_sel_off, s.d_sel_n, segs,
