@@ -12,7 +12,8 @@ For each thread count (torch.set_num_threads for the peer, threads= for fast.Eng
 prompt: prefill tokens/s (one forward over the prompt) and greedy decode tokens/s (each side feeds its
 own tokens; the peer with its own cache, use_cache=True). Runs alternate peer / engine with a pause
 between them (torch's OpenMP workers keep spinning for a while after a parallel region, which would
-take the second core from the engine), best of `reps`; the load average is recorded around every run (the VM is shared with other jobs). The report
+take the second core from the engine), after `warmup` untimed passes of the same work on each side, the
+median of `reps`; the load average is recorded around every run (the VM is shared with other jobs). The report
 gives engine / peer ratios and how many greedy tokens agree (the peer is BF16 torch, not the canonical
 numerics, so they may part).
 """
@@ -24,6 +25,8 @@ import os
 import platform
 import tempfile
 import time
+
+import numpy as np
 
 __all__ = ["run_peer_bench", "format_peer_report"]
 
@@ -85,8 +88,8 @@ def engine_run(eng, ids: list[int], new: int):
     return t1 - t0, time.perf_counter() - t1, toks
 
 
-def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, threads=(1, 2), reps: int = 3,
-                   progress=None, pause: float = 1.0) -> dict:
+def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, threads=(1, 2), reps: int = 5,
+                   progress=None, pause: float = 1.0, warmup: int = 2) -> dict:
     import torch
     import transformers
 
@@ -107,7 +110,7 @@ def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, thr
                 if line.startswith("model name"):
                     cpu = line.split(":", 1)[1].strip()
                     break
-        rep = {"checkpoint": path, "prompt": prompt, "new": new, "reps": reps,
+        rep = {"checkpoint": path, "prompt": prompt, "new": new, "reps": reps, "warmup": warmup, "statistic": "median",
                "machine": {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
                            "torch": torch.__version__, "transformers": transformers.__version__,
                            "load_1min_start": _load()},
@@ -120,8 +123,11 @@ def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, thr
             say(f"{th} thread(s)")
             torch.set_num_threads(th)
             eng = fast.Engine(path, threads=th)
-            peer_run(model, head, ids[:8], 3)  # warm up both
-            engine_run(eng, ids[:8], 3)
+            for _ in range(warmup):  # untimed passes of the timed work on both sides (a first torch pass is slow)
+                peer_run(model, head, ids, new)
+                time.sleep(pause)
+                engine_run(eng, ids, new)
+                time.sleep(pause)
             p_runs, e_runs, loads = [], [], []
             for _ in range(reps):
                 l0 = _load()
@@ -131,8 +137,8 @@ def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, thr
                 e_runs.append(engine_run(eng, ids, new))
                 time.sleep(pause)
                 loads.append((l0, l1, _load()))
-            pp, pd = min(r[0] for r in p_runs), min(r[1] for r in p_runs)
-            ep, ed = min(r[0] for r in e_runs), min(r[1] for r in e_runs)
+            med = lambda runs, k: float(np.median([r[k] for r in runs]))  # noqa: E731
+            pp, pd, ep, ed = med(p_runs, 0), med(p_runs, 1), med(e_runs, 0), med(e_runs, 1)
             ptoks, etoks = p_runs[0][2], e_runs[0][2]
             agree = next((i for i, (a, b) in enumerate(zip(ptoks, etoks)) if a != b), len(etoks))
             rep["runs"][th] = {
@@ -154,7 +160,8 @@ def format_peer_report(r: dict) -> str:
     m = r["machine"]
     lines = [f"machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}, transformers {m['transformers']}",
              f"peer: {r['peer']['model']}; checkpoint {os.path.basename(r['checkpoint'])}, prompt {r['prompt']} "
-             f"tokens, {r['new']} greedy tokens, best of {r['reps']} (peer and engine runs alternate)",
+             f"tokens, {r['new']} greedy tokens, median of {r['reps']} after {r['warmup']} untimed passes each "
+             f"(peer and engine runs alternate)",
              "",
              "| threads | peer prefill tok/s | engine prefill tok/s | x | peer decode tok/s | engine decode tok/s | x "
              "| tokens agreeing | 1-min load (per rep: before peer, before engine, after) |",
@@ -174,11 +181,12 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--threads", default="1,2")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed passes of the timed work per side first")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     r = run_peer_bench(a.ckpt, a.prompt, a.new, [int(t) for t in a.threads.split(",")], a.reps,
-                       progress=None if a.json else (lambda msg: print(f"... {msg}", flush=True)))
+                       progress=None if a.json else (lambda msg: print(f"... {msg}", flush=True)), warmup=a.warmup)
     print(json.dumps(r, indent=1, default=str) if a.json else format_peer_report(r))
 
 
