@@ -32,6 +32,7 @@ using glm::pyglue::bad;
 using glm::pyglue::checked;
 using glm::pyglue::get;
 using glm::pyglue::shape_of;
+using glm::pyglue::translate;
 
 EngineConfig config_from_dict(const py::dict& d) { return glm::pyglue::config_from_dict<EngineConfig>(d); }
 
@@ -212,13 +213,11 @@ void register_engine(py::module_& m) {
                  if (threads < 1 || threads > 1024) bad("threads: expected 1..1024");
                  if (inline_work < -1) bad("inline_work: expected >= 0 (or -1: the default)");
                  auto pe = std::make_unique<PyEngine>();
-                 try {
+                 translate([&] {
                      pe->eng = std::make_unique<Engine>(
                          config_from_dict(cfg), threads, nm,
                          inline_work < 0 ? ThreadPool::kInlineWork : static_cast<size_t>(inline_work));
-                 } catch (const std::invalid_argument& e) {
-                     bad(e.what());
-                 }
+                 });
                  return pe;
              }),
              py::arg("config"), py::arg("threads"), py::arg("dot") = "canonical", py::arg("expf") = "canonical",
@@ -232,48 +231,14 @@ void register_engine(py::module_& m) {
             },
             py::arg("role"), py::arg("layer"), py::arg("expert"), py::arg("release"), py::arg("data"),
             py::arg("scale"), py::arg("shape"))
-        .def("finalize",
-             [](PyEngine& pe) {
-                 try {
-                     pe.eng->finalize();
-                 } catch (const std::invalid_argument& e) {
-                     bad(e.what());
-                 }
-             })
+        .def("finalize", [](PyEngine& pe) { translate([&] { pe.eng->finalize(); }); })
         .def("new_sequence", [](PyEngine& pe) { return pe.eng->new_sequence(); })
-        .def("fork_sequence",
-             [](PyEngine& pe, int64_t id) {
-                 try {
-                     return pe.eng->fork_sequence(id);
-                 } catch (const std::invalid_argument& e) {
-                     bad(e.what());
-                 }
-             })
+        .def("fork_sequence", [](PyEngine& pe, int64_t id) { return translate([&] { return pe.eng->fork_sequence(id); }); })
         .def("free_sequence", [](PyEngine& pe, int64_t id) { pe.eng->free_sequence(id); })
-        .def("sequence_length",
-             [](PyEngine& pe, int64_t id) {
-                 try {
-                     return pe.eng->sequence_length(id);
-                 } catch (const std::invalid_argument& e) {
-                     bad(e.what());
-                 }
-             })
+        .def("sequence_length", [](PyEngine& pe, int64_t id) { return translate([&] { return pe.eng->sequence_length(id); }); })
         .def("reserve_sequence",
-             [](PyEngine& pe, int64_t id, int64_t positions) {
-                 try {
-                     pe.eng->reserve_sequence(id, positions);
-                 } catch (const std::invalid_argument& e) {
-                     bad(e.what());
-                 }
-             })
-        .def("sequence_bytes",
-             [](PyEngine& pe, int64_t id) {
-                 try {
-                     return pe.eng->sequence_bytes(id);
-                 } catch (const std::invalid_argument& e) {
-                     bad(e.what());
-                 }
-             })
+             [](PyEngine& pe, int64_t id, int64_t positions) { translate([&] { pe.eng->reserve_sequence(id, positions); }); })
+        .def("sequence_bytes", [](PyEngine& pe, int64_t id) { return translate([&] { return pe.eng->sequence_bytes(id); }); })
         .def(
             "export_sequence", [](PyEngine& pe, int64_t id) { return glm::pyglue::export_state(*pe.eng, id); },
             py::arg("id"), "The sequence's state -> (length, {name: f32 array}) (bindings/state_io.hpp's layout).")
@@ -353,11 +318,7 @@ void register_engine(py::module_& m) {
             "step",
             [](PyEngine& pe, const py::object& a, const py::object& b, const py::object& c, const py::object& d,
                const py::object& e, const py::object& f) {
-                try {
-                    return step(pe, a, b, c, d, e, f);
-                } catch (const std::invalid_argument& ex) {
-                    bad(ex.what());
-                }
+                return translate([&] { return step(pe, a, b, c, d, e, f); });
             },
             py::arg("seq_ids"), py::arg("tokens"), py::arg("want_head"), py::arg("cap_rows"), py::arg("cap_mask"),
             py::arg("inject"),

@@ -23,6 +23,16 @@ namespace py = pybind11;
 
 [[noreturn]] inline void bad(const std::string& msg) { throw py::value_error(msg); }
 
+// f(), with an engine's std::invalid_argument (bad input, named) turned into Python's ValueError.
+template <class F>
+auto translate(F&& f) -> decltype(f()) {
+    try {
+        return f();
+    } catch (const std::invalid_argument& e) {
+        bad(e.what());
+    }
+}
+
 template <class T>
 T get(const py::dict& d, const char* key) {
     if (!d.contains(key)) bad(std::string("engine config: missing field '") + key + "'");

@@ -31,6 +31,7 @@ namespace {
 
 using glm::pyglue::bad;
 using glm::pyglue::checked;
+using glm::pyglue::translate;
 using glm::pyglue::get;
 using glm::pyglue::shape_of;
 
@@ -164,15 +165,6 @@ py::tuple step(PyEngine& pe, const py::object& seq_o, const py::object& tok_o, c
     const bool on = pe.eng->options().pinned_logits;
     return glm::pyglue::run_step(*pe.eng, static_cast<size_t>(pe.vocab), seq_o, tok_o, head_o, caprow_o, mask_o, inj_o,
                                  [pool, on](size_t n, size_t V, bool& pinned) { return pinned_logits(pool, n, V, on, pinned); });
-}
-
-template <class F>
-auto translate(F&& f) -> decltype(f()) {
-    try {
-        return f();
-    } catch (const std::invalid_argument& e) {
-        bad(e.what());
-    }
 }
 
 }  // namespace
