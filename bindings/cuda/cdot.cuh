@@ -166,6 +166,36 @@ GLM_DEV T block64_dot(int n, bool seq, T* red, Get get) {
 GLM_DEV constexpr int bitrev6(int j) {
     return ((j & 1) << 5) | ((j & 2) << 3) | ((j & 4) << 1) | ((j & 8) >> 1) | ((j & 16) >> 3) | ((j & 32) >> 5);
 }
+// N consecutive floats of shared memory (16-byte aligned for N = 4, 8 for N = 2) in one vector load.
+template <int N>
+GLM_DEV void load_n(const float* p, float (&v)[N]) {
+    if constexpr (N == 4) {
+        const float4 x = *reinterpret_cast<const float4*>(p);
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    } else if constexpr (N == 2) {
+        const float2 x = *reinterpret_cast<const float2*>(p);
+        v[0] = x.x, v[1] = x.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) v[i] = p[i];
+    }
+}
+
+// One leaf of NR x NC tiled dots: v[r][c] = the fma chain, from +0, over the n chunks ch of a_r * b_c,
+// chunk ch's NR values of a at A(ch) and NC values of b at B(ch) (consecutive in shared memory).
+template <int NR, int NC, class PA, class PB>
+GLM_DEV void leaf_chain(float (&v)[NR][NC], int n, PA&& A, PB&& B) {
+    for (int ch = 0; ch < n; ++ch) {
+        float a[NR], b[NC];
+        load_n<NR>(A(ch), a);
+        load_n<NC>(B(ch), b);
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+            for (int c = 0; c < NC; ++c) v[r][c] = fma_(a[r], b[c], ch == 0 ? 0.0f : v[r][c]);
+    }
+}
+
 template <int NR, int NC, class Leaf>
 GLM_DEV void cdot_tree_walk(float (&out)[NR][NC], Leaf&& leaf) {
     float st[7][NR][NC];

@@ -152,16 +152,8 @@ __global__ void __launch_bounds__(kTileThreads) k_idx_scores_tiled(const float* 
     const int tm = tid >> 4, tn = tid & 15;  // rows 4 tm.., pools 4 tn..
     float dots[4][4];
     cdot_tree_walk<4, 4>(dots, [&](int k, float (&v)[4][4]) {
-#pragma unroll
-        for (int cc = 0; cc < C; ++cc) {
-            const float4 a = *reinterpret_cast<const float4*>(As + (64 * cc + k) * kTileRows + 4 * tm);
-            const float4 b = *reinterpret_cast<const float4*>(Bs + (64 * cc + k) * kTilePools + 4 * tn);
-            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) v[r][c] = fma_(bv[c], av[r], cc == 0 ? 0.0f : v[r][c]);
-        }
+        leaf_chain<4, 4>(v, C, [&](int cc) { return As + (64 * cc + k) * kTileRows + 4 * tm; },
+                         [&](int cc) { return Bs + (64 * cc + k) * kTilePools + 4 * tn; });
     });
     __syncthreads();  // (S overwrites As)
 #pragma unroll

@@ -138,15 +138,8 @@ __global__ void __launch_bounds__(kAttnThreads) k_mla_scores_tiled(const float* 
     const int th = tid >> 4, tp = tid & 15;  // heads 2 th.., positions 4 tp..
     float dots[2][4];
     cdot_tree_walk<2, 4>(dots, [&](int k, float (&v)[2][4]) {
-        for (int c = 0; c < C; ++c) {
-            const float2 a = *reinterpret_cast<const float2*>(Qs + (64 * c + k) * kAttnHeads + 2 * th);
-            const float4 b = *reinterpret_cast<const float4*>(Cs + (64 * c + k) * kAttnPos + 4 * tp);
-            const float av[2] = {a.x, a.y}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-                for (int pp = 0; pp < 4; ++pp) v[hh][pp] = ffma(av[hh], bv[pp], c == 0 ? 0.0f : v[hh][pp]);
-        }
+        leaf_chain<2, 4>(v, C, [&](int c) { return Qs + (64 * c + k) * kAttnHeads + 2 * th; },
+                         [&](int c) { return Cs + (64 * c + k) * kAttnPos + 4 * tp; });
     });
     float* out = scores + sel_off[t] * nh;
 #pragma unroll
@@ -298,15 +291,8 @@ __global__ void __launch_bounds__(kOlatThreads) k_mla_olat_tiled(const float* __
             __syncthreads();
         }
         const int i = j & 7;
-        for (int c = 0; c < nc; ++c) {
-            const float2 a = *reinterpret_cast<const float2*>(Ps + (8 * c + i) * kOlatHeads + 2 * th);
-            const float4 b = *reinterpret_cast<const float4*>(Cs + (8 * c + i) * kOlatCols + 4 * tc);
-            const float av[2] = {a.x, a.y}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-                for (int cc = 0; cc < 4; ++cc) v[hh][cc] = ffma(av[hh], bv[cc], c == 0 ? 0.0f : v[hh][cc]);
-        }
+        leaf_chain<2, 4>(v, nc, [&](int c) { return Ps + (8 * c + i) * kOlatHeads + 2 * th; },
+                         [&](int c) { return Cs + (8 * c + i) * kOlatCols + 4 * tc; });
     });
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
