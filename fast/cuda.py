@@ -77,7 +77,7 @@ _ENV_OPTIONS = {
     "GLM_PINNED_LOGITS": ("pinned_logits", lambda v: v != "0"),
     "GLM_GEMM": ("gemm", lambda v: v != "0"),
     "GLM_IDX_TILED": ("idx_tiled", lambda v: v != "0"),
-    "GLM_ATTN_TILED": ("attn_tiled", lambda v: v == "1"),
+    "GLM_ATTN_TILED": ("attn_tiled", lambda v: v != "0"),
 }
 
 

@@ -495,13 +495,13 @@ def test_slice_matches_cpu():
         del eng
 
 
-@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "default"])
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "untiled"])
 @pytest.mark.parametrize("model", ["tiny", "wide-selection"])
 def test_prefill_attention_kernels_equal_the_cpu_engine(golden_dir, tmp_path, tiled, model):
     """attn_tiled=True: prefill-sized steps (16 rows or more) take the tiled mla.scores and mla.o_lat
     kernels (k_mla_scores_tiled: 32 heads x 64 selected positions a block; k_mla_olat_tiled: 32 heads x 64
-    latent columns, the positions staged eight partials at a time; each dot walked leaf by leaf); by
-    default the per-warp and group kernels. Every stage of every position = the CPU engine's, for one
+    latent columns, the positions staged eight partials at a time; each dot walked leaf by leaf), the
+    default; attn_tiled=False: the per-warp and group kernels. Every stage of every position = the CPU engine's, for one
     sequence in one step and for a step of two sequences. tiny: kv_lora_rank 40 (zero-padded to one
     chunk), 3 heads in a tile of 32, at most 11 selected positions (one chunk); wide-selection: tiny with
     index_topk 256, so rows attend up to 259 positions (five chunks of the o_lat dot)."""
@@ -534,13 +534,13 @@ def test_engine_options(tmp_path, monkeypatch):
     make_checkpoint("tiny", "fp8", path, hidden_size=128)
     from fast.cuda import _ENV_OPTIONS
     defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0,
-                "pinned_logits": True, "gemm": True, "idx_tiled": True, "attn_tiled": False}
+                "pinned_logits": True, "gemm": True, "idx_tiled": True, "attn_tiled": True}
     assert sorted(name for name, _ in _ENV_OPTIONS.values()) == sorted(defaults)   # (an A/B variable each)
     for var in _ENV_OPTIONS:
         monkeypatch.delenv(var, raising=False)
     assert CudaEngine(path).options["cuda"] == defaults
     flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8,
-               "pinned_logits": False, "gemm": False, "idx_tiled": False, "attn_tiled": True}
+               "pinned_logits": False, "gemm": False, "idx_tiled": False, "attn_tiled": False}
     eng, ref = CudaEngine(path, cuda_options=flipped), fast.Engine(path, device="cpu")
     assert eng.options["cuda"] == flipped and "'expert_tile': 8" in repr(eng)
     V = eng.config.vocab_size

@@ -57,7 +57,7 @@ struct EngineOptions {
     bool pinned_logits = true;  // decode-sized logits copied straight into page-locked arrays (the bindings)
     bool gemm = true;           // several-token linear launches take the register-tiled kernel where it applies
     bool idx_tiled = true;      // prefill-sized indexer scoring as a tiled product (k_idx_scores_tiled)
-    bool attn_tiled = false;    // prefill-sized mla.scores as a tiled product (k_mla_scores_tiled; off until timed)
+    bool attn_tiled = true;     // prefill-sized mla.scores and mla.o_lat as tiled products (k_mla_scores_tiled, k_mla_olat_tiled)
 };
 
 class Engine {

@@ -428,7 +428,7 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     SegDev* segs = s.seg_table(layer);
     const unsigned ntile = static_cast<unsigned>((nh + HT - 1) / HT);
     {
-        // prefill-sized steps: the tiled kernel when the option asks (off until timed); else positions per warp: one while the grid is small
+        // prefill-sized steps: the tiled kernel (unless attn_tiled is off); else positions per warp: one while the grid is small
         // (latency), four once it is large (q_abs reuse)
         if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && r <= 512) {
             auto k = k_mla_scores_tiled;
@@ -464,7 +464,7 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     float* o_lat = s.scratch.d<float>(static_cast<size_t>(T) * nh * r);
     {
         const size_t olat_smem = static_cast<size_t>(8 * ((max_ns + 63) / 64)) * (kOlatHeads + kOlatCols) * 4;
-        // (attn_tiled, off until timed: whether short selections keep k_mla_olat_short is for the timing)
+        // prefill-sized steps: the tiled kernel (unless attn_tiled is off), short selections included
         if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && olat_smem <= 200 * 1024) {
             auto k = k_mla_olat_tiled;
             allow_smem(k, olat_smem);
