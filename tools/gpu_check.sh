@@ -23,7 +23,7 @@
 # issues 20 and 21, docs/serve.md "GPU acceptance": the server tests with the server on the CUDA engine, the replay
 # gate on slice-fp8, serve c16 / offline b16 on small-fp8 (CPU, made into SMALL_DIR, default /tmp/zoo-small) and
 # slice-fp8 (CUDA), speculation timed and TTFT on a cached 4K prefix on slice-fp8; SERVE_STEPS: which of these five,
-# default abcde; SERVE_CPU_THREADS: the CPU engine's threads).
+# default abcde; SERVE_CPU_THREADS: the CPU engine's threads; SERVE_AB="VAR=VAL ...": step c's CUDA figure again with each).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
 # Order, most important first: machine facts; build (fast._core + fast._cuda, GLM_FORCE_CUDA=ON);
@@ -245,6 +245,12 @@ if [ "${SERVE:-0}" = "1" ]; then
     timeout "$(cap 180)" $PIN python3 -m tools.serve bench --checkpoint "$SLICE8" --engine cuda \
       $LOAD --new 64 > "$OUT/serve_overhead_cuda.log" 2>&1
     echo "cuda overhead exit $?"; tail -6 "$OUT/serve_overhead_cuda.log"
+    for ab in ${SERVE_AB:-}; do   # the CUDA figure again with each setting, e.g. SERVE_AB="GLM_SWITCH=0.0005"
+      echo "--- with $ab"
+      env "$ab" timeout "$(cap 180)" $PIN python3 -m tools.serve bench --checkpoint "$SLICE8" --engine cuda \
+        $LOAD --new 64 > "$OUT/serve_overhead_cuda_${ab//[^A-Za-z0-9]/_}.log" 2>&1
+      echo "cuda overhead ($ab) exit $?"; tail -6 "$OUT/serve_overhead_cuda_${ab//[^A-Za-z0-9]/_}.log"
+    done
   fi
   fi
 
