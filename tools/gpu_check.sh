@@ -24,6 +24,8 @@
 # gate on slice-fp8, serve c16 / offline b16 on small-fp8 (CPU, made into SMALL_DIR, default /tmp/zoo-small) and
 # slice-fp8 (CUDA), speculation timed and TTFT on a cached 4K prefix on slice-fp8; SERVE_STEPS: which of these five,
 # default abcde; SERVE_CPU_THREADS: the CPU engine's threads; SERVE_AB="VAR=VAL ...": step c's CUDA figure again with each).
+# THROUGHPUT=1 (tools/bench_throughput.py per release: engine and warmed peer at b1..b256 and prefill 512..16384
+# against the step roofline; THROUGHPUT_ARGS passed on).
 # Wheels in .whl/ (e.g. transformers 5.23 for the peer) are installed into /tmp/site first.
 #
 # Order, most important first: machine facts; build (fast._core + fast._cuda, GLM_FORCE_CUDA=ON);
@@ -344,6 +346,18 @@ if [ -n "${CONTEXT:-}" ] && [ -f "$SLICE/slice-fp8/config.json" ]; then
       echo "context bench ($setting) exit $?"
     done
   fi
+fi
+
+if [ "${THROUGHPUT:-0}" = "1" ]; then
+  # issue 19's table: decode b1..b256 and prefill 512..16384, engine and warmed peer in one process, each
+  # against the step roofline (tools/bench_throughput.py); THROUGHPUT_ARGS e.g. "--no-peer --batches 128"
+  for rel in ${RELEASES//,/ }; do
+    [ -f "$SLICE/slice-$rel/config.json" ] || continue
+    phase "throughput on slice-$rel: engine and warmed peer (tools/bench_throughput.py)"
+    timeout $(( $(left) - 10 )) python3 tools/bench_throughput.py --checkpoint "$SLICE/slice-$rel" \
+      --json "$OUT/throughput_$rel.json" ${THROUGHPUT_ARGS:-} 2>&1 | grep -v -E "^(Warning|  warnings)"
+    echo "throughput ($rel) exit ${PIPESTATUS[0]}"
+  done
 fi
 
 if [ -n "${NCU_KERNELS:-}" ] && command -v ncu > /dev/null; then

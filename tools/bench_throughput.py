@@ -1,0 +1,270 @@
+#!/usr/bin/env python3
+"""Throughput of the CUDA engine and of the warmed transformers peer, in one process (issue 19's method).
+
+    python tools/bench_throughput.py --checkpoint /tmp/slice/slice-fp8 [--batches 1,8,32,64,128,256]
+        [--prefill 512,2048,8192,16384] [--warm 2] [--reps 5] [--no-peer] [--json OUT]
+
+Decode at batch B: B sequences, each prefilled with 8 tokens, then greedy steps of one token per
+sequence (the token chosen on the GPU on both sides). Prefill at length L: one sequence's L-token prompt
+in one step, a new cache each pass. Each side and shape: --warm untimed passes of exactly the timed
+work, then --reps timed ones; the figure is their median (a first pass of a PyTorch model can be 5-36x
+slower than its second, docs/perf.md "Peer").
+
+The step roofline is max(bytes the step reads / the copy bandwidth, FLOPs / the FFMA peak), both
+ceilings measured in this run (`fast._cuda.bench_ffma`; a device-to-device copy). Bytes: every weight
+but the embedding (a gather of B rows), the routed experts as many as B tokens with top-k routing touch
+when the router spreads them evenly (E (1 - (1 - k/E)^B) of E; the zoo's random routers are close to
+that); FLOPs: 2 x the multiply-adds of the linear layers (experts k of E per token; the MXFP4 codes two a
+byte) x tokens; attention's own products are left out (a few percent at these lengths). The peer is
+transformers' glm5_next in BF16 with random weights of the checkpoint's shapes (its speed does not
+depend on the values) and a BF16 lm_head.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import glob
+import json
+import os
+import re
+import statistics
+import struct
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def weight_census(path: str) -> dict:
+    """From the checkpoint's safetensors headers: bytes of the non-expert weights (embedding excluded),
+    bytes of all routed experts, and the linear layers' multiply-adds per token (dense; all experts)."""
+    dense_b = expert_b = 0
+    dense_mac = expert_mac = 0
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+        for key, t in header.items():
+            if key == "__metadata__" or "embed_tokens" in key:
+                continue
+            nbytes = t["data_offsets"][1] - t["data_offsets"][0]
+            shape = t["shape"]
+            expert = bool(_EXPERT.search(key))
+            linear = len(shape) == 2 and (key.endswith(".weight") and "norm" not in key or key.endswith("_fn"))
+            mac = int(np.prod(shape)) * (2 if t["dtype"] == "U8" else 1) if linear else 0
+            if expert:
+                expert_b, expert_mac = expert_b + nbytes, expert_mac + mac
+            else:
+                dense_b, dense_mac = dense_b + nbytes, dense_mac + mac
+    return {"dense_bytes": dense_b, "expert_bytes": expert_b, "dense_mac": dense_mac, "expert_mac": expert_mac}
+
+
+def roofline_s(census: dict, cfg, tokens: int, bw: float, peak: float) -> tuple[float, str]:
+    """(the step's roofline in seconds, which ceiling binds) for a step of `tokens` tokens."""
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = E * (1 - (1 - k / E) ** tokens)
+    bytes_ = census["dense_bytes"] + census["expert_bytes"] * touched / E
+    flops = 2.0 * tokens * (census["dense_mac"] + census["expert_mac"] * k / E)
+    t_mem, t_fma = bytes_ / bw, flops / peak
+    return (t_mem, "HBM") if t_mem >= t_fma else (t_fma, "FFMA")
+
+
+def median_of(fn, warm: int, reps: int, sync=lambda: None) -> float:
+    for _ in range(warm):
+        fn()
+    sync()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def bench_engine(path: str, batches, prefills, warm: int, reps: int) -> dict:
+    from fast.cuda import CudaEngine
+    eng = CudaEngine(path)
+    V = eng.config.vocab_size
+    rng = np.random.default_rng(0)
+    out = {"decode": {}, "prefill": {}}
+    for B in batches:
+        caches = [eng.new_cache() for _ in range(B)]
+        eng.step([(c, rng.integers(0, V, 8).tolist(), None, "argmax") for c in caches])
+        toks = [1] * B
+
+        def step():
+            nonlocal toks
+            toks = eng.step([(c, [t], None, "argmax") for c, t in zip(caches, toks)])
+        dt = median_of(step, warm, reps)
+        out["decode"][B] = dt
+        log(f"  engine decode b{B}: {dt * 1e3:.3f} ms a step, {B / dt:.1f} tok/s")
+        for c in caches:
+            c.close()
+    for L in prefills:
+        ids = rng.integers(0, V, L).tolist()
+
+        def prefill():
+            c = eng.new_cache()
+            eng.step([(c, ids, None, "argmax")])
+            c.close()
+        dt = median_of(prefill, warm, reps)
+        out["prefill"][L] = dt
+        log(f"  engine prefill {L}: {dt * 1e3:.1f} ms, {L / dt:.1f} tok/s")
+    del eng
+    gc.collect()
+    return out
+
+
+def build_peer(cfg_dict: dict, device: str = "cuda"):
+    """transformers' glm5_next text model and a BF16 lm_head with random weights of these shapes."""
+    import torch
+    from transformers import Glm5NextTextConfig, Glm5NextTextModel
+    kw = {k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")}
+    cfg = Glm5NextTextConfig(**dict(kw, pad_token_id=None, tie_word_embeddings=False))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = Glm5NextTextModel(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dtype.is_floating_point:
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=g)
+        for _, b in model.named_buffers():
+            if b.dtype.is_floating_point:
+                b.zero_()
+    lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=torch.bfloat16)
+    model.eval()
+    return cfg, model, lm_head
+
+
+def bench_peer(cfg_dict: dict, batches, prefills, warm: int, reps: int) -> dict:
+    import torch
+    import transformers
+    from transformers import DynamicCache
+    cfg, model, lm_head = build_peer(cfg_dict)
+    V = cfg.vocab_size
+    sync = torch.cuda.synchronize
+    out = {"transformers": transformers.__version__, "torch": torch.__version__, "decode": {}, "prefill": {},
+           "experts_implementation": getattr(model.config, "_experts_implementation", None)}
+
+    def run(ids, cache):
+        h = model(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+        return lm_head(h).argmax(-1, keepdim=True)
+
+    with torch.inference_mode():
+        for B in batches:
+            try:
+                cache = DynamicCache(config=cfg)
+                tok = run(torch.randint(0, V, (B, 8), device="cuda"), cache)
+
+                def step():
+                    nonlocal tok
+                    tok = run(tok, cache)
+                dt = median_of(step, warm, reps, sync)
+                out["decode"][B] = dt
+                log(f"  peer decode b{B}: {dt * 1e3:.3f} ms a step, {B / dt:.1f} tok/s")
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: reported, the others go on
+                out["decode"][B] = f"{type(e).__name__}: {str(e)[:200]}"
+                log(f"  peer decode b{B}: failed: {out['decode'][B]}")
+            cache = tok = None
+            torch.cuda.empty_cache()
+        for L in prefills:
+            try:
+                ids = torch.randint(0, V, (1, L), device="cuda")
+                dt = median_of(lambda: run(ids, DynamicCache(config=cfg)), warm, reps, sync)
+                out["prefill"][L] = dt
+                log(f"  peer prefill {L}: {dt * 1e3:.1f} ms, {L / dt:.1f} tok/s")
+            except Exception as e:  # noqa: BLE001
+                out["prefill"][L] = f"{type(e).__name__}: {str(e)[:200]}"
+                log(f"  peer prefill {L}: failed: {out['prefill'][L]}")
+            torch.cuda.empty_cache()
+    model = lm_head = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def copy_bandwidth() -> float:
+    from tools.bench_cuda import copy_bandwidth as bw
+    return bw()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--batches", default="1,8,32,64,128,256")
+    p.add_argument("--prefill", default="512,2048,8192,16384")
+    p.add_argument("--warm", type=int, default=2, help="untimed passes of each shape, each side")
+    p.add_argument("--reps", type=int, default=5, help="timed passes; the figure is their median")
+    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    if a.warm < 2 or a.reps < 5:
+        p.error("issue 19's method: --warm >= 2 and --reps >= 5")
+    from oracle.checkpoint import open_checkpoint
+    import fast._cuda as cu
+    batches = [int(b) for b in a.batches.split(",") if b]
+    prefills = [int(v) for v in a.prefill.split(",") if v]
+    with open_checkpoint(a.checkpoint, verify=False) as ck:
+        cfg = ck.config
+    census = weight_census(a.checkpoint)
+    bw, peak = copy_bandwidth(), cu.bench_ffma(5)
+    log(f"{a.checkpoint}: copy {bw / 1e12:.2f} TB/s (read + written), FFMA peak {peak / 1e12:.1f} TFLOP/s; "
+        f"weights {census['dense_bytes'] / 1e9:.2f} GB dense + {census['expert_bytes'] / 1e9:.2f} GB routed experts")
+    log("== CUDA engine")
+    eng = bench_engine(a.checkpoint, batches, prefills, a.warm, a.reps)
+    peer = None
+    if not a.no_peer:
+        log("== peer: transformers glm5_next, BF16, warmed the same way")
+        try:
+            peer = bench_peer(cfg.to_dict(), batches, prefills, a.warm, a.reps)
+        except Exception as e:  # noqa: BLE001 - the engine's figures stand without it
+            peer = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            log(f"  peer failed: {peer['error']}")
+    rows = []
+    for kind, shapes in (("decode", batches), ("prefill", prefills)):
+        for n in shapes:
+            tokens = n
+            dt = eng[kind][n]
+            roof, bound = roofline_s(census, cfg, tokens, bw, peak)
+            pdt = (peer or {}).get(kind, {}).get(n)
+            rows.append({"kind": kind, "n": n, "engine_s": dt, "engine_tok_s": tokens / dt, "roofline_s": roof,
+                         "bound": bound, "of_roofline": roof / dt,
+                         "peer_s": pdt if isinstance(pdt, float) else None,
+                         "peer_tok_s": tokens / pdt if isinstance(pdt, float) else None,
+                         "peer_error": pdt if isinstance(pdt, str) else None})
+    log(f"\n{'shape':>14} {'engine tok/s':>13} {'roofline':>9} {'% of it':>8} {'peer tok/s':>11} {'engine/peer':>12}")
+    for r in rows:
+        name = f"decode b{r['n']}" if r["kind"] == "decode" else f"prefill {r['n']}"
+        peer_s = f"{r['peer_tok_s']:11.1f} {r['engine_tok_s'] / r['peer_tok_s']:11.2f}x" if r["peer_tok_s"] else \
+            f"{'failed' if r['peer_error'] else '-':>11} {'':>12}"
+        log(f"{name:>14} {r['engine_tok_s']:13.1f} {r['bound']:>9} {100 * r['of_roofline']:7.1f}% {peer_s}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"checkpoint": a.checkpoint, "copy_Bps": bw, "ffma_flops": peak, "census": census,
+                       "warm": a.warm, "reps": a.reps, "rows": rows, "peer": peer and {k: v for k, v in peer.items()
+                                                                                      if k not in ("decode", "prefill")}},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
