@@ -229,20 +229,13 @@ def bench_engine(path: str, bw: float, steps: int, prefill_lens, batches) -> dic
     return res
 
 
-def bench_peer(layers: int, experts: int, steps: int, prefill_len: int, batches, device: str = "cuda") -> dict:
-    """transformers glm5_next (text model + a BF16 lm_head) in BF16 on the GPU, the same work."""
+def build_peer(cfg_dict: dict, device: str = "cuda"):
+    """transformers' glm5_next text model and a BF16 lm_head with random weights of these shapes (the
+    config.json fields our Config writes, Config.to_dict) -> (transformers config, model, lm_head)."""
     import torch
-    import transformers
     from transformers import Glm5NextTextConfig, Glm5NextTextModel
-    from tools.zoo import zoo_config
-    ocfg = zoo_config("slice", **slice_overrides(layers, experts))
-    # the config.json our Config writes for transformers (Config.to_dict), every field as it has it
-    kw = {k: v for k, v in ocfg.to_dict().items() if k not in ("architectures", "model_type")}
+    kw = {k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")}
     cfg = Glm5NextTextConfig(**dict(kw, pad_token_id=None, tie_word_embeddings=False))
-    res = {"transformers": transformers.__version__, "torch": torch.__version__,
-           "attn_implementation": getattr(cfg, "_attn_implementation", None),
-           "experts_implementation": getattr(cfg, "_experts_implementation", None)}
-    t0 = time.perf_counter()
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -259,14 +252,26 @@ def bench_peer(layers: int, experts: int, steps: int, prefill_len: int, batches,
                     p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02, generator=g)
-        for name, b in model.named_buffers():
+        for _, b in model.named_buffers():
             if b.dtype.is_floating_point:
                 b.zero_()
     lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=torch.bfloat16)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     model.eval()
+    return cfg, model, lm_head
+
+
+def bench_peer(layers: int, experts: int, steps: int, prefill_len: int, batches, device: str = "cuda") -> dict:
+    """transformers glm5_next (text model + a BF16 lm_head) in BF16 on the GPU, the same work."""
+    import torch
+    import transformers
+    from tools.zoo import zoo_config
+    t0 = time.perf_counter()
+    cfg, model, lm_head = build_peer(zoo_config("slice", **slice_overrides(layers, experts)).to_dict(), device)
+    res = {"transformers": transformers.__version__, "torch": torch.__version__,
+           "attn_implementation": getattr(cfg, "_attn_implementation", None)}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     res["setup_seconds"] = round(time.perf_counter() - t0, 1)
-    res["experts_implementation"] = getattr(model.config, "_experts_implementation", res["experts_implementation"])
+    res["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
     mem = torch.cuda.memory_allocated() / 1e9 if device == "cuda" else float("nan")
     log(f"  peer built in {res['setup_seconds']} s ({mem:.1f} GB); experts: "
         f"{res['experts_implementation']}")

@@ -125,40 +125,12 @@ def bench_engine(path: str, batches, prefills, warm: int, reps: int) -> dict:
     return out
 
 
-def build_peer(cfg_dict: dict, device: str = "cuda"):
-    """transformers' glm5_next text model and a BF16 lm_head with random weights of these shapes."""
-    import torch
-    from transformers import Glm5NextTextConfig, Glm5NextTextModel
-    kw = {k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")}
-    cfg = Glm5NextTextConfig(**dict(kw, pad_token_id=None, tie_word_embeddings=False))
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = Glm5NextTextModel(cfg)
-    finally:
-        torch.set_default_dtype(default)
-    model = model.to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dtype.is_floating_point:
-                if name.endswith("norm.weight") or "layernorm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02, generator=g)
-        for _, b in model.named_buffers():
-            if b.dtype.is_floating_point:
-                b.zero_()
-    lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=torch.bfloat16)
-    model.eval()
-    return cfg, model, lm_head
-
-
 def bench_peer(cfg_dict: dict, batches, prefills, warm: int, reps: int) -> dict:
     import torch
     import transformers
     from transformers import DynamicCache
+
+    from tools.bench_cuda import build_peer
     cfg, model, lm_head = build_peer(cfg_dict)
     V = cfg.vocab_size
     sync = torch.cuda.synchronize
@@ -202,11 +174,6 @@ def bench_peer(cfg_dict: dict, batches, prefills, warm: int, reps: int) -> dict:
     return out
 
 
-def copy_bandwidth() -> float:
-    from tools.bench_cuda import copy_bandwidth as bw
-    return bw()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True)
@@ -219,8 +186,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.warm < 2 or a.reps < 5:
         p.error("issue 19's method: --warm >= 2 and --reps >= 5")
-    from oracle.checkpoint import open_checkpoint
     import fast._cuda as cu
+    from oracle.checkpoint import open_checkpoint
+    from tools.bench_cuda import copy_bandwidth
     batches = [int(b) for b in a.batches.split(",") if b]
     prefills = [int(v) for v in a.prefill.split(",") if v]
     with open_checkpoint(a.checkpoint, verify=False) as ck:
