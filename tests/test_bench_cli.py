@@ -53,6 +53,12 @@ def test_bench_serve_reports_throughput_ttft_and_tpot_per_concurrency():
     for x in r["levels"]:
         assert x["same_tokens_as_offline"], x
         assert x["server_tok_s"] > 0 and 0 < x["ttft_p50_ms"] <= x["ttft_p99_ms"] and 0 < x["tpot_p50_ms"] <= x["tpot_p99_ms"]
+        # where each side's wall went: 3 requests of 8 prompt + 4 new tokens take at least 4 steps on
+        # either side (a prompt step, then 3 decodes), each step inside the wall
+        for side in ("server_steps", "offline_steps"):
+            b = x["runs"][0][side]
+            assert b["steps"] >= 4 and b["rows_per_step"] >= 1 and 0 < b["engine_s"] <= b["wall_s"], (side, b)
+    assert r["client_procs"] >= 1
 
 
 @pytest.mark.parametrize("args, words", [

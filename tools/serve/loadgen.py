@@ -208,7 +208,7 @@ class _StepTimer:
     """Counts an engine's step calls and the seconds inside them (the offline side's breakdown)."""
 
     def __init__(self, engine):
-        self.engine, self.step = engine, engine.step
+        self.step = engine.step
         self.counts = {"steps": 0, "rows": 0, "mixed": 0, "seconds": 0.0}
 
     def __call__(self, segs):
