@@ -166,6 +166,12 @@ GLM_DEV T block64_dot(int n, bool seq, T* red, Get get) {
 GLM_DEV constexpr int bitrev6(int j) {
     return ((j & 1) << 5) | ((j & 2) << 3) | ((j & 4) << 1) | ((j & 8) >> 1) | ((j & 16) >> 3) | ((j & 32) >> 5);
 }
+// Four consecutive elements of a row, v, stored k-major into shared memory: element k + i of the row at
+// d + i * stride (the tiled kernels stage their operands so that one element index of a tile's rows is
+// contiguous, for leaf_chain's vector loads).
+GLM_DEV void store_kmajor4(float* d, float4 v, int stride) {
+    d[0] = v.x, d[stride] = v.y, d[2 * stride] = v.z, d[3 * stride] = v.w;
+}
 // N consecutive floats of shared memory (16-byte aligned for N = 4, 8 for N = 2) in one vector load.
 template <int N>
 GLM_DEV void load_n(const float* p, float (&v)[N]) {

@@ -143,10 +143,8 @@ __global__ void __launch_bounds__(kTileThreads) k_idx_scores_tiled(const float* 
             if (m < rows) a = *reinterpret_cast<const float4*>(qa + static_cast<int64_t>(m) * di + 4 * k4);
             if (p0 + m < np_last) b = *reinterpret_cast<const float4*>(pk + static_cast<int64_t>(p0 + m) * di + 4 * k4);
         }
-        float* ac = As + (4 * k4) * kTileRows + m;
-        float* bc = Bs + (4 * k4) * kTilePools + m;
-        ac[0] = a.x, ac[kTileRows] = a.y, ac[2 * kTileRows] = a.z, ac[3 * kTileRows] = a.w;
-        bc[0] = b.x, bc[kTilePools] = b.y, bc[2 * kTilePools] = b.z, bc[3 * kTilePools] = b.w;
+        store_kmajor4(As + (4 * k4) * kTileRows + m, a, kTileRows);
+        store_kmajor4(Bs + (4 * k4) * kTilePools + m, b, kTilePools);
     }
     __syncthreads();
     const int tm = tid >> 4, tn = tid & 15;  // rows 4 tm.., pools 4 tn..

@@ -123,16 +123,14 @@ __global__ void __launch_bounds__(kAttnThreads) k_mla_scores_tiled(const float* 
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (k4 < r4 && h0 + h < nh)
             v = *reinterpret_cast<const float4*>(q_abs + (static_cast<int64_t>(t) * nh + h0 + h) * r + 4 * k4);
-        float* d = Qs + 4 * k4 * kAttnHeads + h;
-        d[0] = v.x, d[kAttnHeads] = v.y, d[2 * kAttnHeads] = v.z, d[3 * kAttnHeads] = v.w;
+        store_kmajor4(Qs + 4 * k4 * kAttnHeads + h, v, kAttnHeads);
     }
     for (int i = tid; i < kAttnPos * (R / 4); i += kAttnThreads) {  // lanes over positions
         const int p = i % kAttnPos, k4 = i / kAttnPos;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (k4 < r4 && j0 + p < ns)
             v = *reinterpret_cast<const float4*>(cache + static_cast<int64_t>(st[j0 + p]) * r + 4 * k4);
-        float* d = Cs + 4 * k4 * kAttnPos + p;
-        d[0] = v.x, d[kAttnPos] = v.y, d[2 * kAttnPos] = v.z, d[3 * kAttnPos] = v.w;
+        store_kmajor4(Cs + 4 * k4 * kAttnPos + p, v, kAttnPos);
     }
     __syncthreads();
     const int th = tid >> 4, tp = tid & 15;  // heads 2 th.., positions 4 tp..
