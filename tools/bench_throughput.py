@@ -15,7 +15,8 @@ ceilings measured in this run (`fast._cuda.bench_ffma`; a device-to-device copy)
 but the embedding (a gather of B rows), the routed experts as many as B tokens with top-k routing touch
 when the router spreads them evenly (E (1 - (1 - k/E)^B) of E; the zoo's random routers are close to
 that); FLOPs: 2 x the multiply-adds of the linear layers (experts k of E per token; the MXFP4 codes two a
-byte) x tokens; attention's own products are left out (a few percent at these lengths). The peer is
+byte) x tokens, the head's x the rows that want it (every row of a decode step, the last of a prefill:
+both sides compute no other); attention's own products are left out (a few percent at these lengths). The peer is
 transformers' glm5_next in BF16 with random weights of the checkpoint's shapes (its speed does not
 depend on the values) and a BF16 lm_head.
 """
@@ -46,15 +47,19 @@ def log(*a):
 
 def weight_census(path: str) -> dict:
     """From the checkpoint's safetensors headers: bytes of the non-expert weights (embedding excluded),
-    bytes of all routed experts, and the linear layers' multiply-adds per token (dense; all experts)."""
+    bytes of all routed experts, and the linear layers' multiply-adds per token (dense but the head; the
+    head, lm_head; all experts)."""
     dense_b = expert_b = 0
-    dense_mac = expert_mac = 0
+    dense_mac = expert_mac = head_mac = embed_mac = 0
     for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         with open(f, "rb") as fh:
             n = struct.unpack("<Q", fh.read(8))[0]
             header = json.loads(fh.read(n))
         for key, t in header.items():
-            if key == "__metadata__" or "embed_tokens" in key:
+            if key == "__metadata__":
+                continue
+            if "embed_tokens" in key:  # (a gather; the head's matrix when the embeddings are tied)
+                embed_mac = int(np.prod(t["shape"]))
                 continue
             nbytes = t["data_offsets"][1] - t["data_offsets"][0]
             shape = t["shape"]
@@ -63,17 +68,21 @@ def weight_census(path: str) -> dict:
             mac = int(np.prod(shape)) * (2 if t["dtype"] == "U8" else 1) if linear else 0
             if expert:
                 expert_b, expert_mac = expert_b + nbytes, expert_mac + mac
+            elif key.startswith("lm_head."):
+                dense_b, head_mac = dense_b + nbytes, head_mac + mac
             else:
                 dense_b, dense_mac = dense_b + nbytes, dense_mac + mac
-    return {"dense_bytes": dense_b, "expert_bytes": expert_b, "dense_mac": dense_mac, "expert_mac": expert_mac}
+    return {"dense_bytes": dense_b, "expert_bytes": expert_b, "dense_mac": dense_mac, "expert_mac": expert_mac,
+            "head_mac": head_mac or embed_mac}
 
 
-def roofline_s(census: dict, cfg, tokens: int, bw: float, peak: float) -> tuple[float, str]:
-    """(the step's roofline in seconds, which ceiling binds) for a step of `tokens` tokens."""
+def roofline_s(census: dict, cfg, tokens: int, head_rows: int, bw: float, peak: float) -> tuple[float, str]:
+    """(the step's roofline in seconds, which ceiling binds) for a step of `tokens` tokens of which
+    `head_rows` want logits (a decode step: all; a prefill: its last)."""
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     touched = E * (1 - (1 - k / E) ** tokens)
     bytes_ = census["dense_bytes"] + census["expert_bytes"] * touched / E
-    flops = 2.0 * tokens * (census["dense_mac"] + census["expert_mac"] * k / E)
+    flops = 2.0 * (tokens * (census["dense_mac"] + census["expert_mac"] * k / E) + head_rows * census["head_mac"])
     t_mem, t_fma = bytes_ / bw, flops / peak
     return (t_mem, "HBM") if t_mem >= t_fma else (t_fma, "FFMA")
 
@@ -196,7 +205,9 @@ def main(argv=None) -> int:
     census = weight_census(a.checkpoint)
     bw, peak = copy_bandwidth(), cu.bench_ffma(5)
     log(f"{a.checkpoint}: copy {bw / 1e12:.2f} TB/s (read + written), FFMA peak {peak / 1e12:.1f} TFLOP/s; "
-        f"weights {census['dense_bytes'] / 1e9:.2f} GB dense + {census['expert_bytes'] / 1e9:.2f} GB routed experts")
+        f"weights {census['dense_bytes'] / 1e9:.2f} GB dense + {census['expert_bytes'] / 1e9:.2f} GB routed experts; "
+        f"multiply-adds a token {census['dense_mac'] / 1e6:.1f} M dense + {census['expert_mac'] / 1e6:.1f} M all experts "
+        f"+ {census['head_mac'] / 1e6:.1f} M head a row that wants logits")
     log("== CUDA engine")
     eng = bench_engine(a.checkpoint, batches, prefills, a.warm, a.reps)
     peer = None
@@ -212,7 +223,7 @@ def main(argv=None) -> int:
         for n in shapes:
             tokens = n
             dt = eng[kind][n]
-            roof, bound = roofline_s(census, cfg, tokens, bw, peak)
+            roof, bound = roofline_s(census, cfg, tokens, tokens if kind == "decode" else 1, bw, peak)
             pdt = (peer or {}).get(kind, {}).get(n)
             rows.append({"kind": kind, "n": n, "engine_s": dt, "engine_tok_s": tokens / dt, "roofline_s": roof,
                          "bound": bound, "of_roofline": roof / dt,
