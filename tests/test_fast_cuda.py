@@ -335,6 +335,7 @@ LINEAR_CASES = [
     ("lm_head-part-b32", "bf16", 8200, 4096, 32, False, False, False),
     ("experts.down-b13", "fp8", 4096, 2048, 13, True, True, True),
     ("experts.gate-mxfp4-b11", "mxfp4", 2048, 4096, 11, True, True, True),
+    ("experts.down-b40", "fp8", 4096, 2048, 40, True, True, False),  # gemm: items of 16, 16 and 8 pairs
     ("kda.q_proj-b5-bigscale", "fp8", 1000, 4096, 5, False, False, True),
     ("f32-b3", "f32", 256, 1024, 3, False, False, False),
 ]
@@ -362,6 +363,10 @@ LINEAR_EMU_CASES = [
     ("emu-fp8-experts-gemm", "fp8", 130, 448, 13, True, True, False),
     ("emu-bf16-gemm-round", "bf16", 36, 256, 18, False, False, True),
     ("emu-fp8-gemm-32", "fp8", 20, 704, 45, False, False, False),  # 32-token tiles (16 rows), 11 chunks
+    # expert items of 16 pairs (32-row tiles; the engine's from 16 pairs an expert on average): two full
+    # items and a short one, 7 chunks (a last slab of 3)
+    ("emu-fp8-experts-gemm16", "fp8", 70, 448, 37, True, True, False),
+    ("emu-mxfp4-experts-gemm16", "mxfp4", 33, 256, 19, True, True, False),
 ]
 
 
@@ -421,7 +426,7 @@ def test_linear_kernels_match_cpu(case):
     stream += ["stream:1x", "stream:2x"] if T == 1 and C % 64 == 0 and C <= 4096 else []  # x staged per block
     # the wide register kernel (16 or 32 threads per row): one token, dense, FP8 or BF16 rows of whole chunks
     wide = ["register:w4", "register:w2"] if T == 1 and not expert and release in ("fp8", "bf16") and C % 64 == 0 else []
-    # the register-tiled kernel: several tokens (experts: items of 4 or 8 pairs) of rows of whole chunks
+    # the register-tiled kernel: several tokens (experts: items of 4 or 8 pairs, 16 from 16) of rows of whole chunks
     gemm = ["gemm"] if C % 64 == 0 and T > 1 else []
     kernels = ["auto", "register"] + occ + wide + stream + tiled + gemm + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data);
@@ -523,6 +528,29 @@ def test_prefill_attention_kernels_equal_the_cpu_engine(golden_dir, tmp_path, ti
     mixed = eng.step([(ca, a[10:], None, "all"), (cb, b[15:], None, "all")])
     for ids2, lg in ((a, mixed[0]), (b, mixed[1])):
         assert np.array_equal(bits(lg), bits(cpu.prefill(ids2)[-lg.shape[0]:]))
+
+
+@needs_gpu
+def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
+    """The register-tiled kernel's engine paths at widths of whole chunks (tiny at hidden 128, expert width
+    64, MLA latent, nope and value widths 64): where the routed experts average 16 pairs or more (T k >= 16 E)
+    a step's work items hold 16 pairs (32 rows x 16 pairs a block), and MLA's head-blocked W_UK^T and W_UV
+    (heads of whole 32-row blocks, each block's x its head's) take it from 16 rows. A 200-token prefill
+    (400 pairs over 8 experts) in one step: every stage of every position = the CPU engine's;
+    expert_tile=16 forces the items on a 40-token step (items of 16, 16 and fewer), expert_tile=8 the
+    tiled kernel: the same logits."""
+    from tools.zoo import make_checkpoint
+    path = str(make_checkpoint("tiny", "fp8", tmp_path / "w128", hidden_size=128, moe_intermediate_size=64,
+                               kv_lora_rank=64, qk_nope_head_dim=64, v_head_dim=64))
+    cpu, eng = fast.Engine(path, device="cpu"), CudaEngine(path)
+    ids = prompt(eng.config.vocab_size, 200, 11)
+    want, got = Capture(), Capture()
+    assert np.array_equal(bits(cpu.prefill(ids, capture=want)), bits(eng.prefill(ids, capture=got)))
+    assert_same_capture(eng.config, want, got, range(len(ids)))
+    ref = cpu.prefill(ids[:40])
+    for tile in (16, 8):
+        forced = CudaEngine(path, cuda_options={"expert_tile": tile})
+        assert np.array_equal(bits(forced.prefill(ids[:40])), bits(ref)), tile
 
 
 def test_engine_options(tmp_path, monkeypatch):

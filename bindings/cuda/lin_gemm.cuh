@@ -126,7 +126,8 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             int64_t xr;
             if constexpr (EXPERT) xr = pair_xrow(a, a.pairs[start + j]);
             else xr = static_cast<int64_t>(start) + j;
-            xrow[tid] = a.X + xr * a.ldx;
+            // (head-blocked: the block's rows lie in one head, gemm_applies; its x is that head's)
+            xrow[tid] = a.X + xr * a.ldx + (EXPERT ? 0 : static_cast<int64_t>(row_base / a.rh) * a.xhs);
         }
         __syncthreads();
         // This thread's 16-byte pieces of a whole slab (the same in every slab but for the column offset):
@@ -178,14 +179,13 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         auto load_scales = [&](int s, float (&sc)[NG]) {
 #pragma unroll
             for (int k = 0; k < NG; ++k) {
-                const int gi = tid + k * kGmThreads, u = (gi / 8) % S;
-                const int64_t col = 64 * static_cast<int64_t>(s * S + u) + 8 * (gi % 8);
+                const int gi = tid + k * kGmThreads, ch = s * S + (gi / 8) % S;  // the group's chunk
                 sc[k] = 0.0f;
-                if (s < nst && s * S + u < nchunks) {
+                if (ch < nchunks) {  // (32-bit offsets: gemm_applies; the group's 8 columns share a scale)
                     if constexpr (FMT == W_FP8) {
-                        sc[k] = __ldg(static_cast<const float*>(scale) + dscale[k] + col / 128);
+                        sc[k] = __ldg(static_cast<const float*>(scale) + (dscale[k] + (ch >> 1)));
                     } else if constexpr (FMT == W_MXFP4) {
-                        const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + dscale[k] + col / 32);
+                        const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + (dscale[k] + 2 * ch + (gi % 8) / 4));
                         sc[k] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
                     }
                 }
@@ -261,9 +261,18 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             const int nc = nchunks - c0 < S ? nchunks - c0 : S;
             const float* xs = reinterpret_cast<const float*>(sm + (s % ST) * SBYTES + BM * WRAW);
             const float* F = Fw + (s & 1) * (BM * RF);
-            // (not unrolled: with the next chunk's loads hoisted, 128 registers spill)
+            // FP8 and MXFP4 tiles of 16: a whole slab unrolled, every shared-memory address a base plus an
+            // immediate (the loop kept 11 address and loop instructions per 64 FMAs: ncu, q|k|v T = 512;
+            // dense FP8 1-2 % faster). BF16 spilled so and ran 25 % slower, 8-pair expert tiles 15 % (bench_gemm,
+            // H200): those loop, as does a short last slab.
+            constexpr bool kUnroll = (FMT == W_FP8 || FMT == W_MXFP4) && TG == 4;
+            if (kUnroll && nc == S) {
+#pragma unroll
+                for (int u = 0; u < S; ++u) chunk(xs, F, u);
+            } else {
 #pragma unroll 1
-            for (int u = 0; u < nc; ++u) chunk(xs, F, u);
+                for (int u = 0; u < nc; ++u) chunk(xs, F, u);
+            }
         }
         cp_async_wait<0>();
         // the accumulator tree across the warps of a set: P[g] += P[g + w] for w = 4, 2, 1

@@ -440,14 +440,16 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     // expert in the tables, T more pairs (rows T*k + t of the buffers) for it, in the same launches
     s.mark("moe.experts");
     const int npairs = T * k, nsh = w.shared_in_tables ? T : 0, nall = npairs + nsh;
-    // Pairs per work item. One when the pairs are few against the experts (b8: 64 pairs over 288 experts
-    // hit ~57, most experts get one, and a multi-pair item would compute its empty slots too): the
-    // one-token kernels, an expert chosen twice read twice. Else 4, or 8 where the experts average 4 pairs
-    // or more (prefill): the tiled kernel reads an expert's weights once per item and computes the slots
-    // past its pairs too. The option expert_tile=1/4/8 forces the tile of batches (a benchmark's knob;
-    // every tile gives the same bits).
-    int tile = (T == 1 || 4 * T * k <= E) ? 1 : (T * k >= 4 * E ? 8 : 4);
-    if (T > 1 && s.E.opts.expert_tile > 0) tile = s.E.opts.expert_tile;
+    float* gbuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
+    float* ubuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
+    float* ys = s.scratch.d<float>(static_cast<size_t>(nall) * D);
+    // Pairs per work item: weights.cuh's expert_tile (16 where the register-tiled kernel takes the gate,
+    // up and down tables). The option expert_tile=1/4/8/16 forces the tile of batches (a benchmark's knob;
+    // every tile gives the same bits; 16 falls back to 8 where that kernel does not apply).
+    const bool gemm16 = w.t_gate.data && experts_take_gemm(w.t_gate, x, D) && experts_take_gemm(w.t_up, x, D) &&
+                        experts_take_gemm(w.t_down, gbuf, Im);
+    int tile = expert_tile(T, k, E, gemm16);
+    if (T > 1 && s.E.opts.expert_tile > 0) tile = s.E.opts.expert_tile == 16 && !gemm16 ? 8 : s.E.opts.expert_tile;
     int* pairs = s.scratch.d<int>(static_cast<size_t>(nall));
     int* items = s.scratch.d<int>(static_cast<size_t>(nall) * 3);
     int* n_items = s.scratch.d<int>(1);
@@ -464,9 +466,6 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
         check_launch("moe_plan");
     }
     s.emit(layer, S_MOE_WEIGHTS, wts, k, {k});
-    float* gbuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
-    float* ubuf = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
-    float* ys = s.scratch.d<float>(static_cast<size_t>(nall) * D);
     if (w.t_gate.data) {  // (a rank of expert parallelism may hold no expert of the layer)
         // gate and up read the same x rows for the same work list (one launch when their tables match)
         linear_experts2(w.t_gate, w.t_up, items, n_items, nall, pairs, x, D, k, npairs, gbuf, ubuf, Im, tile, nm, s.hw8);

@@ -153,12 +153,24 @@ bool tiled_applies(const LinArgs& a, bool expert) {
     return rows_copyable(a, expert) && !(a.rh < a.R && a.xhs != 0);
 }
 
+// Expert launches: the work list's length is known on the device only, and its bound (every pair its own
+// item) gave up to ~140 empty blocks per working one at prefill (the register-tiled kernel's expert
+// launches of a 2048-token step took 164.7 ms, now 130.2; one block resident a SM). Blocks walk the items (item += gridDim.y),
+// so about 8 waves of them suffice: `per_sm_waves` blocks per SM in all (the register-tiled kernel 8,
+// one resident; the tiled kernel 32, ~4 resident). H200, slice FP8, tools/bench_throughput.py: the tiled
+// kernel's b128 3743 -> 3898 tok/s, b256 4083 -> 4193, prefill 512 6931 -> 7193 (8 a SM: 3845, 4242, 7011).
+unsigned item_grid_y(const dim3& grid, int per_sm_waves) {
+    const int64_t per = static_cast<int64_t>(per_sm_waves) * sm_count() / (static_cast<int64_t>(grid.x) * grid.z);
+    return static_cast<unsigned>(std::min<int64_t>(grid.y, std::max<int64_t>(1, per)));
+}
+
 template <int FMT, bool EXPERT, int TT, int DEC>
 void launch_mt_dec(const LinArgs& a, dim3 grid) {
     auto k = k_linear_mt<FMT, EXPERT, DEC, TT>;
     constexpr size_t smem = static_cast<size_t>(kMtStages) * mt_stage_bytes<FMT, TT>();
     allow_smem(k, smem);
     grid.x = static_cast<unsigned>((a.R + kMtRows - 1) / kMtRows);
+    if (EXPERT) grid.y = item_grid_y(grid, 32);
     GLM_LAUNCH(k, grid, kMtThreads, smem, a);
 }
 template <int FMT, bool EXPERT, int TT>
@@ -168,11 +180,16 @@ void launch_mt(const LinArgs& a, dim3 grid) {
 
 // The register-tiled kernel: what the tiled kernel takes, several tokens (or expert items of several
 // pairs). The engine takes it (option gemm) for dense launches of kGemmMinT tokens or more; fewer
-// tokens keep the tiled kernel, whose 4- and 8-token tiles waste nothing there. Expert items (8 pairs:
-// 64-row tiles) only when forced: on the H200 it was slower than the tiled kernel there (bench_gemm).
+// tokens keep the tiled kernel, whose 4- and 8-token tiles waste nothing there. Expert items of 16 pairs
+// (32-row tiles) where the experts average 16 (expert_tile); of 8 (64-row tiles) only when forced: on
+// the H200 those were slower than the tiled kernel (bench_gemm). Head-blocked launches too, when each
+// head is whole 32-row blocks (a block's x rows are then its head's).
 constexpr int kGemmMinT = 16;
 bool gemm_applies(const LinArgs& a, bool expert) {
-    if (!tiled_applies(a, expert) || !(expert ? a.tile_pairs > 1 : a.T > 1)) return false;
+    // head-blocked x (MLA's W_UK^T and W_UV by head): heads of whole 32-row blocks, x 16-byte aligned
+    const bool heads_ok = !expert && a.rh % gm_rows<4>() == 0 && a.xhs % 4 == 0;
+    if (!(tiled_applies(a, expert) || (rows_copyable(a, expert) && heads_ok))) return false;
+    if (!(expert ? a.tile_pairs > 1 : a.T > 1)) return false;
     // its scale offsets are 32-bit
     const int64_t max_ar = a.row0 + static_cast<int64_t>((a.R - 1) / a.rh) * a.hstride + a.woff + std::min(a.R, a.rh);
     return max_ar * (a.C / 32 + 1) < (int64_t{1} << 31);
@@ -187,7 +204,9 @@ void launch_gemm_tg(const LinArgs& a, dim3 grid) {
     constexpr size_t smem = static_cast<size_t>(gm_smem_bytes<FMT, TG>());
     allow_smem(k, smem);
     grid.x = static_cast<unsigned>((a.R + gm_rows<TG>() - 1) / gm_rows<TG>());
-    if (!EXPERT) {
+    if (EXPERT) {
+        grid.y = item_grid_y(grid, 8);
+    } else {
         const int64_t ty = (static_cast<int64_t>(a.T) + gm_tokens<TG>() - 1) / gm_tokens<TG>();
         if (ty > 65535) throw std::invalid_argument("linear: at most 65535 token tiles per launch");
         grid.y = static_cast<unsigned>(ty);
@@ -199,9 +218,10 @@ template <int FMT, bool EXPERT>
 void launch_gemm(const LinArgs& a, dim3 grid) {
     with_dec<FMT, true>(a.dec, [&](auto dec) {
         constexpr int DEC = decltype(dec)::value;
-        // expert items of up to 8 pairs: 64 rows x 8 pairs; dense: 32 rows x 16 tokens (32-token tiles,
+        // expert items of up to 8 pairs: 64 rows x 8 pairs, of 16: 32 x 16; dense: 32 rows x 16 tokens (32-token tiles,
         // TG 8, fewer decodes per FMA, measured slower on the H200: 14.8 against 16.9 TFLOP/s)
-        if (EXPERT) launch_gemm_tg<FMT, EXPERT, DEC, 2>(a, grid);
+        // (experts: items of 16 pairs, expert_tile, the dense tile)
+        if (EXPERT && a.tile_pairs <= 8) launch_gemm_tg<FMT, EXPERT, DEC, 2>(a, grid);
         else launch_gemm_tg<FMT, EXPERT, DEC, 4>(a, grid);
     });
 }
@@ -671,7 +691,17 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm) {
     const unsigned gy = static_cast<unsigned>(expert ? std::min(a.max_items, 65535) : (a.T + TT - 1) / TT);
     if (gy == 0) return;
     dim3 grid(gx, gy, expert && a.dtab2 ? 2 : 1);
-    if (expert) {
+    if (expert && TT == 16) {  // (expert_tile gives 16 only where the register-tiled kernel takes them)
+        bool ok = false;
+        switch (a.fmt) {
+            case W_BF16: ok = GemmLaunch<W_BF16, true>::run(a, grid, a.choice); break;
+            case W_F32: ok = GemmLaunch<W_F32, true>::run(a, grid, a.choice); break;
+            case W_FP8: ok = GemmLaunch<W_FP8, true>::run(a, grid, a.choice); break;
+            case W_MXFP4: ok = GemmLaunch<W_MXFP4, true>::run(a, grid, a.choice); break;
+            default: break;
+        }
+        if (!ok) throw std::invalid_argument("linear: expert items of 16 pairs need the gemm kernel, which does not apply");
+    } else if (expert) {
         if (TT == 1) launch_tt<1, true>(a, grid);
         else if (TT == 4) launch_tt<4, true>(a, grid);
         else launch_tt<8, true>(a, grid);
@@ -684,6 +714,7 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm) {
 }
 
 int tile_for(int T) { return T <= 1 ? 1 : (T <= 4 ? 4 : 8); }
+int gemm_tile_for(int T) { return T >= 16 ? 16 : tile_for(T); }  // (one expert's pairs: the gemm kernel's items)
 
 int dec_for(int fmt, bool int_decode, bool hw8) {
     if (fmt == W_MXFP4) return int_decode ? kDecInt : kDecSw;
@@ -779,6 +810,18 @@ void linear_experts2(const ExpertTable& W, const ExpertTable& W2, const int* ite
     run(a, true, tile, nm);
 }
 
+int expert_tile(int T, int k, int E, bool gemm16) {
+    if (T == 1 || T * k < E) return 1;
+    if (gemm16 && T * k >= 16 * E) return 16;
+    return 8;
+}
+
+bool experts_take_gemm(const ExpertTable& W, const float* X, int64_t ldx) {
+    if (!launch_options().gemm) return false;
+    const LinArgs a = expert_args(W, nullptr, nullptr, 1, nullptr, X, ldx, 1, 0, nullptr, 0, 16);
+    return gemm_applies(a, true);
+}
+
 std::vector<TunedShape> tuned_shapes() {
     std::vector<TunedShape> out;
     for (const auto& kv : tuned()) {
@@ -834,7 +877,8 @@ namespace {
 // kernel: "auto" (the engine's choice), "staged" (the engine's choice where the staged kernel applies,
 // refused elsewhere) or a variant of kLinKernels ("register", "register:occ5|6", "register:w4|2",
 // "stream:1|2|3[x]", "tiled", "tiled:1", "staged:LPT:XS[:RPB:CPS]") -> the forced choice; no_staged:
-// "register" (several tokens too); "tiled" and "gemm" give expert work items of tile_for(T) pairs, "tiled:1" of one.
+// "register" (several tokens too); "tiled" gives expert work items of tile_for(T) pairs, "gemm" of 16
+// from 16 pairs (else tile_for(T)), "tiled:1" of one.
 LinChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require_staged) {
     no_staged = kernel == "register";
     require_staged = kernel.rfind("staged", 0) == 0;
@@ -984,7 +1028,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         // one expert (the matrix), each token row its own work item of one pair
         const void* tab[2] = {dd, ds};
         check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
-        const int tile = kernel == "tiled" || kernel == "gemm" ? tile_for(T) : 1;
+        const int tile = kernel == "gemm" ? gemm_tile_for(T) : (kernel == "tiled" ? tile_for(T) : 1);
         const std::vector<int> it = expert_items(T, 1, tile);
         check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "linear: items");
         set_expert_args(a, dtab, ditems, T, 1, tile);
@@ -1122,7 +1166,10 @@ double linear_bench_tokens_device(const std::string& release, int64_t R, int64_t
     if (experts > 0) {
         // top-k routing: token t's j-th expert (h(t) + j * (E / k)) % E (k distinct experts), the pairs
         // grouped by expert in pair order, items of the engine's tile (moe.cu), or of one ('tiled:1')
-        tile = kernel == "tiled:1" ? 1 : ((4 * T * topk <= experts) ? 1 : (T * topk >= 4 * experts ? 8 : 4));
+        const bool g16 = kernel == "gemm" || (kernel == "auto" && launch_options().gemm);
+        LinArgs probe = a;
+        probe.tile_pairs = 16;
+        tile = kernel == "tiled:1" ? 1 : expert_tile(T, topk, experts, g16 && gemm_applies(probe, true));
         std::vector<std::vector<int>> by(static_cast<size_t>(experts));
         for (int t = 0; t < T; ++t) {
             const uint32_t h = (static_cast<uint32_t>(t) * 2654435761u) >> 7;

@@ -138,6 +138,19 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
                     const float* X, int64_t ldx, int xdiv, int p_split, float* Y, int64_t ldy, int tile,
                     const Nm& nm, bool hw8);
 
+// Pairs per routed-expert work item for T tokens routed to k of E experts (moe.cu and the benchmark's
+// items): 1 when the experts average less than one pair (b32: 256 pairs over 288 experts; a multi-pair
+// item would compute its empty slots too): the one-token kernels, an expert chosen twice read twice. Else
+// 8: the tiled kernel reads an expert's weights once per item and computes the slots past its pairs too
+// (measured on the H200, slice FP8: b32 3023 tok/s with 1 against 2813 with 4; b64 3314 with 8, 3240 with
+// 4; b128 3713 against 3516; b256 4030 against 3661; docs/engine_cuda.md "Expert work items"). 16 where they average 16 or more and gemm16 (the
+// register-tiled kernel takes the tables: experts_take_gemm): 32 rows x 16 pairs a block, each weight
+// decoded once for 16 pairs. Every tile gives the same bits.
+int expert_tile(int T, int k, int E, bool gemm16);
+// True when the register-tiled kernel takes items of 16 pairs of table W with x rows X (ldx floats
+// apart) and the engine option gemm is on.
+bool experts_take_gemm(const ExpertTable& W, const float* X, int64_t ldx);
+
 // Two tables over the same pairs (a layer's gate and up): W into Y, W2 into Y2, each row the same
 // operations as linear_experts; one launch when the tables share format and shape, else two.
 void linear_experts2(const ExpertTable& W, const ExpertTable& W2, const int* items, const int* n_items, int max_items,
