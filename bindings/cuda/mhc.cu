@@ -465,7 +465,48 @@ struct ManyArgs : SiteArgs {
     double* m = nullptr;  // [T][R]
 };
 
-__global__ void __launch_bounds__(kManyThreads) k_hc_mix_many(ManyArgs a, bool vec) {
+// The partial sums of many tokens at once (hc 2 and 4: R + 1 = 9 or 25 rows): thread (chain k, slot s)
+// of a block of 8 tokens owns chain k (columns 64c + k, P[k/8][k%8]) of every row for tokens s and s + 4,
+// so each x value is loaded once for all R + 1 dots and each fn value once per block (the 4 slots meet it
+// in L1). Then k_hc_mix_many's tail alone (tail_only), a block per token. The per-(group, row, token)
+// blocks staged a token's x again for every row with 8 of 256 threads at work: 6.0 ms a site at 2048
+// tokens. Taken from 256 tokens (hc_site): below, T / 8 blocks leave most SMs idle.
+constexpr int kPartTokens = 8;
+template <int R1>  // R + 1
+__global__ void __launch_bounds__(256) k_hc_part_tiled(const float* __restrict__ X, const double* __restrict__ fn,
+                                                     int n, int T, double* __restrict__ part) {
+    pdl_enter();
+    const int k = static_cast<int>(threadIdx.x) & 63, s = static_cast<int>(threadIdx.x) >> 6;
+    const int t0 = static_cast<int>(blockIdx.x) * kPartTokens + s, t1 = t0 + 4;
+    const float* x0 = X + static_cast<int64_t>(t0 < T ? t0 : T - 1) * n;
+    const float* x1 = X + static_cast<int64_t>(t1 < T ? t1 : T - 1) * n;
+    double a0[R1], a1[R1];  // rows 0..R-1: cdot64(fn_r, v); row R: cdot64(v, v)
+#pragma unroll
+    for (int r = 0; r < R1; ++r) a0[r] = a1[r] = 0.0;
+    const int nch = (n + 63) / 64;
+#pragma unroll 2
+    for (int c = 0; c < nch; ++c) {
+        const int i = 64 * c + k;
+        if (i < n) {
+            const double v0 = static_cast<double>(__ldg(x0 + i)), v1 = static_cast<double>(__ldg(x1 + i));
+#pragma unroll
+            for (int r = 0; r < R1 - 1; ++r) {
+                const double f = __ldg(fn + static_cast<int64_t>(r) * n + i);
+                a0[r] = dfma(f, v0, a0[r]);
+                a1[r] = dfma(f, v1, a1[r]);
+            }
+            a0[R1 - 1] = dfma(v0, v0, a0[R1 - 1]);
+            a1[R1 - 1] = dfma(v1, v1, a1[R1 - 1]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R1; ++r) {
+        if (t0 < T) part[(static_cast<int64_t>(t0) * R1 + r) * 64 + k] = a0[r];
+        if (t1 < T) part[(static_cast<int64_t>(t1) * R1 + r) * 64 + k] = a1[r];
+    }
+}
+
+__global__ void __launch_bounds__(kManyThreads) k_hc_mix_many(ManyArgs a, bool vec, bool tail_only) {
     pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
     const int g = static_cast<int>(blockIdx.x), r = static_cast<int>(blockIdx.y), t = static_cast<int>(blockIdx.z);
@@ -475,49 +516,51 @@ __global__ void __launch_bounds__(kManyThreads) k_hc_mix_many(ManyArgs a, bool v
     float* xs = reinterpret_cast<float*>(fs + 8 * nch);  // [nch][8]
     const float* x = a.X + static_cast<int64_t>(t) * n;
     const double* f = a.fn + static_cast<int64_t>(r) * n;
-    // stage columns 64c + 8g + l (l < 8) of x and of fn row r: 16-byte pieces when the rows allow it
-    if (vec) {
+    if (!tail_only) {  // (k_hc_part_tiled made the partial sums)
+        // stage columns 64c + 8g + l (l < 8) of x and of fn row r: 16-byte pieces when the rows allow it
+        if (vec) {
 #pragma unroll 4
-        for (int q = tid; q < 6 * nch; q += kManyThreads) {
-            const int c = q / 6, k = q % 6, col = 64 * c + 8 * g;
-            if (k < 2) {
-                *reinterpret_cast<float4*>(xs + 8 * c + 4 * k) = __ldg(reinterpret_cast<const float4*>(x + col + 4 * k));
-            } else {
-                const int h = k - 2;
-                *reinterpret_cast<double2*>(fs + 8 * c + 2 * h) = __ldg(reinterpret_cast<const double2*>(f + col + 2 * h));
+            for (int q = tid; q < 6 * nch; q += kManyThreads) {
+                const int c = q / 6, k = q % 6, col = 64 * c + 8 * g;
+                if (k < 2) {
+                    *reinterpret_cast<float4*>(xs + 8 * c + 4 * k) = __ldg(reinterpret_cast<const float4*>(x + col + 4 * k));
+                } else {
+                    const int h = k - 2;
+                    *reinterpret_cast<double2*>(fs + 8 * c + 2 * h) = __ldg(reinterpret_cast<const double2*>(f + col + 2 * h));
+                }
+            }
+        } else {
+            for (int q = tid; q < 8 * nch; q += kManyThreads) {
+                const int i = 64 * (q / 8) + 8 * g + q % 8;
+                xs[q] = i < n ? x[i] : 0.0f;
+                fs[q] = i < n ? f[i] : 0.0;
             }
         }
-    } else {
-        for (int q = tid; q < 8 * nch; q += kManyThreads) {
-            const int i = 64 * (q / 8) + 8 * g + q % 8;
-            xs[q] = i < n ? x[i] : 0.0f;
-            fs[q] = i < n ? f[i] : 0.0;
-        }
-    }
-    __syncthreads();
-    if (tid < 8) {  // partial sums P[g][tid] of cdot64(fn_r, v) and cdot64(v, v)
-        double pd = 0.0, ps = 0.0;
+        __syncthreads();
+        if (tid < 8) {  // partial sums P[g][tid] of cdot64(fn_r, v) and cdot64(v, v)
+            double pd = 0.0, ps = 0.0;
 #pragma unroll 8
-        for (int c = 0; c < nch; ++c) {
-            if (64 * c + 8 * g + tid < n) {
-                const double v = static_cast<double>(xs[8 * c + tid]);
-                ps = dfma(v, v, ps);
-                pd = dfma(fs[8 * c + tid], v, pd);
+            for (int c = 0; c < nch; ++c) {
+                if (64 * c + 8 * g + tid < n) {
+                    const double v = static_cast<double>(xs[8 * c + tid]);
+                    ps = dfma(v, v, ps);
+                    pd = dfma(fs[8 * c + tid], v, pd);
+                }
             }
+            double* pt = a.part + static_cast<int64_t>(t) * (R + 1) * 64;
+            pt[64 * r + 8 * g + tid] = pd;
+            if (r == 0) pt[64 * R + 8 * g + tid] = ps;
         }
-        double* pt = a.part + static_cast<int64_t>(t) * (R + 1) * 64;
-        pt[64 * r + 8 * g + tid] = pd;
-        if (r == 0) pt[64 * R + 8 * g + tid] = ps;
+        // the last of the token's 8R blocks goes on (the classic ticket: fence, then count)
+        __shared__ bool last;
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd(a.tickets + t, 1u) == static_cast<unsigned>(8 * R - 1);
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        if (tid == 0) a.tickets[t] = 0u;  // ready for the next launch
     }
-    // the last of the token's 8R blocks goes on (the classic ticket: fence, then count)
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(a.tickets + t, 1u) == static_cast<unsigned>(8 * R - 1);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (tid == 0) a.tickets[t] = 0u;  // ready for the next launch
     // (the tail is one block: every loop below keeps its loads independent of its stores, so they
     // stay in flight together; a loop that reloads after each store pays the L2 latency per element)
     const int hc = a.hc, D = a.D;
@@ -696,7 +739,14 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
         const bool vec = n % 64 == 0 && aligned16(X) && aligned16(w.fn);
         auto k = k_hc_mix_many;
         allow_smem(k, 96 * 1024);
-        GLM_LAUNCH(k, dim3(8, R, T), kManyThreads, smem, a, vec);
+        // (from 256 tokens: T / 8 blocks; at b32 and b64 the per-row blocks were faster, 2928 and 3277 tok/s
+        // against 2366 and 3000, b128 even, b256 4083 -> 4328, prefill 512 6931 -> 7512, 2048 7615 -> 8270)
+        auto kp = T < 256 ? nullptr : hc == 4 ? k_hc_part_tiled<25> : (hc == 2 ? k_hc_part_tiled<9> : nullptr);
+        if (kp) {  // (R = (2 + hc) hc)
+            GLM_LAUNCH(kp, static_cast<unsigned>((T + kPartTokens - 1) / kPartTokens), 256, 0, X, w.fn, n, T, sa.part);
+            check_launch("hc_part_tiled");
+        }
+        GLM_LAUNCH(k, kp ? dim3(1, 1, T) : dim3(8, R, T), kManyThreads, smem, a, vec, kp != nullptr);
         check_launch("hc_mix_many");
     } else {
         m = s.scratch.d<double>(static_cast<size_t>(T) * R);
