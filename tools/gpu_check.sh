@@ -13,7 +13,8 @@
 # kernel's time includes its wait for the previous one), LINEAR_BENCH=1 (tools/bench_linear.py at the end; LINEAR_ONLY, LINEAR_VARIANTS narrow it),
 # NCU=1 (ncu counters and warp stall reasons of the routed-expert kernels; NCU_ONLY, NCU_VARIANTS, NCU_COUNT for others),
 # NCU_KERNELS=REGEX (ncu --set full on the engine's kernels whose names match, in decode steps at batch 1:
-# details and per-SASS-instruction stall samples into $OUT; NCU_SKIP, NCU_KCOUNT: which launches), BENCH=0 (no benchmarks),
+# details and per-SASS-instruction stall samples into $OUT; NCU_SKIP, NCU_KCOUNT: which launches), NCU_GEMM=SHAPE (ncu of the
+# register-tiled kernel on a tools/bench_gemm.py shape at NCU_GEMM_T tokens, read by tools/ncu_blocks.py), BENCH=0 (no benchmarks),
 # SASS=REGEX (cuobjdump of the kernels whose mangled names match, with each one's instruction mix), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
 # FLASH=1 (make the flash zoo checkpoint instead of the slice, then tools/bench_flash.py: full-depth decode b1 and
 # CUDA = CPU at 45 layers; with BENCH=0 since there is no slice), CONTEXT=1024,...,131072 (tools/bench_context.py on slice-fp8 after the benchmarks: decode b1 and prefill as the context grows; CONTEXT_AB="VAR=VALUE ...": again with each setting),
@@ -370,6 +371,7 @@ if [ -n "${NCU_KERNELS:-}" ] && command -v ncu > /dev/null; then
   echo "ncu exit $?"; tail -3 "$OUT/ncu_engine.log"
   ncu -i "$OUT/ncu_engine.ncu-rep" --page details > "$OUT/ncu_engine_details.txt" 2>&1
   ncu -i "$OUT/ncu_engine.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_engine_sass.csv" 2>&1
+  python3 tools/ncu_blocks.py "$OUT/ncu_engine_sass.csv" --blocks 4 | head -40
   grep -E "^  [a-z_]|Duration|DRAM Throughput|Issue Slots Busy|Executed Instructions  |Achieved Occupancy|Registers Per|Eligible Warps|Block Limit|Theoretical Occ" \
     "$OUT/ncu_engine_details.txt" | head -60
   wc -c "$OUT"/ncu_engine_*
@@ -386,6 +388,19 @@ if [ "${PROFILE:-0}" = "1" ]; then
   gzip -f "$OUT"/trace-*.json 2>/dev/null
 fi
 
+if [ -n "${NCU_GEMM:-}" ] && command -v ncu > /dev/null; then
+  # the register-tiled kernel on one shape of tools/bench_gemm.py (NCU_GEMM: its --only, e.g. kda; T from
+  # NCU_GEMM_T, default 512): every section, then where its instructions and stalls go (tools/ncu_blocks.py)
+  phase "ncu: k_linear_gemm on ${NCU_GEMM} at T = ${NCU_GEMM_T:-512} (tools/bench_gemm.py)"
+  timeout 150 ncu --clock-control none --set full --import-source no -k regex:k_linear_gemm -s 2 -c 1 -f -o "$OUT/ncu_gemm" \
+    python3 tools/bench_gemm.py --only "$NCU_GEMM" --tokens "${NCU_GEMM_T:-512}" --kernels gemm --reps 1 > "$OUT/ncu_gemm.log" 2>&1
+  echo "ncu exit $?"
+  ncu -i "$OUT/ncu_gemm.ncu-rep" --page details > "$OUT/ncu_gemm_details.txt" 2>&1
+  ncu -i "$OUT/ncu_gemm.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_gemm_sass.csv" 2>&1
+  grep -E "Duration|Issue Slots Busy|Executed Ipc Active|Achieved Occupancy|Registers Per|Eligible Warps|L1/TEX Cache Throughput" \
+    "$OUT/ncu_gemm_details.txt" | head -12
+  python3 tools/ncu_blocks.py "$OUT/ncu_gemm_sass.csv" --blocks 5
+fi
 if [ "${NCU:-0}" = "1" ] && command -v ncu > /dev/null; then
   # hardware counters of the routed-expert kernels (the largest gap to the roofline in decode), with the
   # warp stall reasons per issued instruction; NCU_ONLY / NCU_VARIANTS: other shapes (tools/bench_linear.py
