@@ -692,15 +692,8 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm) {
     if (gy == 0) return;
     dim3 grid(gx, gy, expert && a.dtab2 ? 2 : 1);
     if (expert && TT == 16) {  // (expert_tile gives 16 only where the register-tiled kernel takes them)
-        bool ok = false;
-        switch (a.fmt) {
-            case W_BF16: ok = GemmLaunch<W_BF16, true>::run(a, grid, a.choice); break;
-            case W_F32: ok = GemmLaunch<W_F32, true>::run(a, grid, a.choice); break;
-            case W_FP8: ok = GemmLaunch<W_FP8, true>::run(a, grid, a.choice); break;
-            case W_MXFP4: ok = GemmLaunch<W_MXFP4, true>::run(a, grid, a.choice); break;
-            default: break;
-        }
-        if (!ok) throw std::invalid_argument("linear: expert items of 16 pairs need the gemm kernel, which does not apply");
+        if (a.fmt < W_BF16 || a.fmt > W_MXFP4 || !lin_kernel(LinKind::Gemm).launch.f[a.fmt][1](a, grid, a.choice))
+            throw std::invalid_argument("linear: expert items of 16 pairs need the gemm kernel, which does not apply");
     } else if (expert) {
         if (TT == 1) launch_tt<1, true>(a, grid);
         else if (TT == 4) launch_tt<4, true>(a, grid);
