@@ -741,8 +741,9 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
         allow_smem(k, 96 * 1024);
         // (from 256 tokens: T / 8 blocks; at b32 and b64 the per-row blocks were faster, 2928 and 3277 tok/s
         // against 2366 and 3000, b128 even, b256 4083 -> 4328, prefill 512 6931 -> 7512, 2048 7615 -> 8270)
-        auto kp = T < 256 ? nullptr : hc == 4 ? k_hc_part_tiled<25> : (hc == 2 ? k_hc_part_tiled<9> : nullptr);
-        if (kp) {  // (R = (2 + hc) hc)
+        constexpr int kR2 = (2 + 2) * 2 + 1, kR4 = (2 + 4) * 4 + 1;  // R + 1 = (2 + hc) hc + 1
+        auto kp = T < 256 ? nullptr : hc == 4 ? k_hc_part_tiled<kR4> : (hc == 2 ? k_hc_part_tiled<kR2> : nullptr);
+        if (kp) {
             GLM_LAUNCH(kp, static_cast<unsigned>((T + kPartTokens - 1) / kPartTokens), 256, 0, X, w.fn, n, T, sa.part);
             check_launch("hc_part_tiled");
         }

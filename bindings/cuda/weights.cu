@@ -194,6 +194,11 @@ bool gemm_applies(const LinArgs& a, bool expert) {
     const int64_t max_ar = a.row0 + static_cast<int64_t>((a.R - 1) / a.rh) * a.hstride + a.woff + std::min(a.R, a.rh);
     return max_ar * (a.C / 32 + 1) < (int64_t{1} << 31);
 }
+// expert launches like a (its tables, x) in items of 16 pairs (expert_tile's gemm16)
+bool gemm_takes_items16(LinArgs a) {
+    a.tile_pairs = 16;
+    return gemm_applies(a, true);
+}
 bool gemm_chosen(const LinArgs& a, bool expert) {
     return launch_options().gemm && !expert && gemm_applies(a, expert) && a.T >= kGemmMinT;
 }
@@ -810,9 +815,7 @@ int expert_tile(int T, int k, int E, bool gemm16) {
 }
 
 bool experts_take_gemm(const ExpertTable& W, const float* X, int64_t ldx) {
-    if (!launch_options().gemm) return false;
-    const LinArgs a = expert_args(W, nullptr, nullptr, 1, nullptr, X, ldx, 1, 0, nullptr, 0, 16);
-    return gemm_applies(a, true);
+    return launch_options().gemm && gemm_takes_items16(expert_args(W, nullptr, nullptr, 1, nullptr, X, ldx, 1, 0, nullptr, 0, 16));
 }
 
 std::vector<TunedShape> tuned_shapes() {
@@ -1160,9 +1163,7 @@ double linear_bench_tokens_device(const std::string& release, int64_t R, int64_t
         // top-k routing: token t's j-th expert (h(t) + j * (E / k)) % E (k distinct experts), the pairs
         // grouped by expert in pair order, items of the engine's tile (moe.cu), or of one ('tiled:1')
         const bool g16 = kernel == "gemm" || (kernel == "auto" && launch_options().gemm);
-        LinArgs probe = a;
-        probe.tile_pairs = 16;
-        tile = kernel == "tiled:1" ? 1 : expert_tile(T, topk, experts, g16 && gemm_applies(probe, true));
+        tile = kernel == "tiled:1" ? 1 : expert_tile(T, topk, experts, g16 && gemm_takes_items16(a));
         std::vector<std::vector<int>> by(static_cast<size_t>(experts));
         for (int t = 0; t < T; ++t) {
             const uint32_t h = (static_cast<uint32_t>(t) * 2654435761u) >> 7;
