@@ -367,6 +367,12 @@ LINEAR_EMU_CASES = [
     # items and a short one, 7 chunks (a last slab of 3)
     ("emu-fp8-experts-gemm16", "fp8", 70, 448, 37, True, True, False),
     ("emu-mxfp4-experts-gemm16", "mxfp4", 33, 256, 19, True, True, False),
+    # the branch-free steady-state slabs (FP8 and MXFP4 tiles of 16, while a slab's refill is whole) and
+    # the general loop after them: 25 chunks (6 whole slabs and one of 1), 20 (5 whole), 17 (4 and 1)
+    ("emu-fp8-gemm-steady", "fp8", 70, 1600, 21, False, False, False),
+    ("emu-mxfp4-gemm-steady", "mxfp4", 33, 1280, 18, False, False, False),
+    ("emu-fp8-experts-gemm16-steady", "fp8", 40, 1088, 37, True, True, False),
+    ("emu-bf16-gemm-long", "bf16", 40, 1152, 17, False, False, False),  # BF16: the general loop, 18 chunks
 ]
 
 

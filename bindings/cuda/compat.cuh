@@ -117,6 +117,22 @@ GLM_DEV void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
 #endif
 }
+// The same copy to a shared address from smem_u32 (the dynamic block's 32-bit shared-window address,
+// computed once: a generic pointer is converted at every copy, a cluster-id read and two more each).
+GLM_DEV uint32_t smem_u32(const void* p) {
+#if defined(GLM_CUDA_EMU)
+    return static_cast<uint32_t>(static_cast<const unsigned char*>(p) - static_cast<const unsigned char*>(::glm_emu::dyn_smem()));
+#else
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#endif
+}
+GLM_DEV void cp_async16_s(uint32_t sa, const void* gmem) {
+#if defined(GLM_CUDA_EMU)
+    std::memcpy(static_cast<unsigned char*>(::glm_emu::dyn_smem()) + sa, gmem, 16);
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+#endif
+}
 GLM_DEV void cp_async_commit() {
 #if !defined(GLM_CUDA_EMU)
     asm volatile("cp.async.commit_group;\n" ::: "memory");

@@ -104,9 +104,13 @@ GLM_DEV void e4m3_words(uint32_t lo, uint32_t hi, float (&w)[8]) {
 // is exact (the tensor's scales are all below 2^8, checked at load: fp8_scales_foldable), so the real
 // product v * s2 is e4m3 * s and fl(v * s2) is the one rounding the definition asks for: one multiply
 // per weight (a branch per chunk on the scale instead cost the register kernel a third of its speed).
+template <int DEC>
+GLM_DEV float fp8_mult(float s) {  // what the decoded codes are multiplied by
+    return DEC == kDecInt ? fmul(s, 0x1p120f) : s;
+}
 template <int DEC, int N>
 GLM_DEV void scale_fp8(float (&w)[N], float s) {
-    const float s2 = DEC == kDecInt ? fmul(s, 0x1p120f) : s;
+    const float s2 = fp8_mult<DEC>(s);
 #pragma unroll
     for (int l = 0; l < N; ++l) w[l] = fmul(w[l], s2);
 }
@@ -261,6 +265,44 @@ GLM_DEV void wide_decode(const WideWord<FMT, LPT>& v, float s, float (&w)[LPT]) 
     }
 }
 
+// Eight FP8 or MXFP4 weights of a chunk in two steps, the raw word's load from shared memory and its
+// decoding (what decode_smem does for eight), so that a kernel can put the load's latency under other work.
+template <int FMT>
+using Raw8 = std::conditional_t<FMT == W_BF16, uint4, std::conditional_t<FMT == W_FP8, uint2, uint32_t>>;
+template <int FMT>
+GLM_DEV Raw8<FMT> load_raw8(const unsigned char* p) {
+    static_assert(FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4, "BF16, FP8 or MXFP4");
+    return *reinterpret_cast<const Raw8<FMT>*>(p);
+}
+// The raw word with its two halves (weights 0-3 and 4-7) exchanged when `swap`.
+template <int FMT>
+GLM_DEV Raw8<FMT> swap_halves8(const Raw8<FMT>& v, int swap) {
+    if constexpr (FMT == W_BF16) return swap ? uint4{v.z, v.w, v.x, v.y} : v;
+    else if constexpr (FMT == W_FP8) return swap ? uint2{v.y, v.x} : v;
+    else return swap ? (v >> 16) | (v << 16) : v;
+}
+// m: the chunk's multiplier (FP8: fp8_mult of its scale; MXFP4: its E8M0 scale, e8m0_folded with kDecInt)
+template <int FMT, int DEC>
+GLM_DEV void decode_raw8(const Raw8<FMT>& v, float m, float (&w)[8]) {
+    if constexpr (FMT == W_BF16) {  // (m unused)
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            w[2 * k] = f32_from_bits(u[k] << 16);
+            w[2 * k + 1] = f32_from_bits(u[k] & 0xFFFF0000u);
+        }
+    } else if constexpr (FMT == W_FP8) {
+        e4m3_words<DEC>(v.x, v.y, w);
+#pragma unroll
+        for (int l = 0; l < 8; ++l) w[l] = fmul(w[l], m);
+    } else if constexpr (DEC == kDecInt) {
+        mxfp4_int8(v, m, w);
+    } else {
+#pragma unroll
+        for (int l = 0; l < 8; ++l) w[l] = mxfp4_w((v >> (4 * l)) & 15u, m);
+    }
+}
+
 // LPT consecutive weights of a row from shared memory (p: their first byte), decoded exactly as
 // decode_raw does for eight: BF16 bits, F32, E4M3 * scale (one f32 multiply), E2M1 * E8M0 scale.
 template <int FMT, int DEC, int LPT>
@@ -272,13 +314,7 @@ GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
         else v = *reinterpret_cast<const uint16_t*>(p);
         wide_decode<FMT, DEC, LPT>(v, s, w);
     } else if constexpr (FMT == W_BF16) {
-        const uint4 v = *reinterpret_cast<const uint4*>(p);
-        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            w[2 * k] = f32_from_bits(u[k] << 16);
-            w[2 * k + 1] = f32_from_bits(u[k] & 0xFFFF0000u);
-        }
+        decode_raw8<FMT, DEC>(load_raw8<FMT>(p), s, w);
     } else if constexpr (FMT == W_F32) {
 #pragma unroll
         for (int k = 0; k < LPT; k += 2) {
@@ -286,16 +322,11 @@ GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
             w[k] = v.x;
             w[k + 1] = v.y;
         }
-    } else if constexpr (FMT == W_FP8) {  // (eight lanes)
-        const uint2 v = *reinterpret_cast<const uint2*>(p);
-        e4m3_words<DEC>(v.x, v.y, w);
-        scale_fp8<DEC>(w, s);
-    } else if constexpr (LPT == 8 && DEC == kDecInt) {  // s: the folded scale (e8m0_folded)
-        mxfp4_int8(*reinterpret_cast<const uint32_t*>(p), s, w);
-    } else {
+    } else if constexpr (LPT == 8) {  // FP8, MXFP4
+        decode_raw8<FMT, DEC>(load_raw8<FMT>(p), FMT == W_FP8 ? fp8_mult<DEC>(s) : s, w);
+    } else {  // MXFP4, fewer than eight
         uint32_t v;
-        if constexpr (LPT == 8) v = *reinterpret_cast<const uint32_t*>(p);
-        else if constexpr (LPT == 4) v = *reinterpret_cast<const uint16_t*>(p);
+        if constexpr (LPT == 4) v = *reinterpret_cast<const uint16_t*>(p);
         else v = *p;
 #pragma unroll
         for (int l = 0; l < LPT; ++l) w[l] = mxfp4_w((v >> (4 * l)) & 15u, s);

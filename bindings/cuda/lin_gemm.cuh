@@ -132,16 +132,18 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         __syncthreads();
         // This thread's 16-byte pieces of a whole slab (the same in every slab but for the column offset):
         // weight piece p (< BM * PPR) is row p / PPR, bytes 16 (p % PPR); x piece p is token p / (16 S),
-        // floats 4 (p % (16 S)). A last slab of fewer chunks takes the general loop.
+        // floats 4 (p % (16 S)). Destinations are 32-bit shared addresses within a stage. A last slab of
+        // fewer chunks takes the general loop.
         constexpr int PPR = S * CB / 16, NWP = (BM * PPR + kGmThreads - 1) / kGmThreads;
         constexpr int NXP = (BN * S * 16 + kGmThreads - 1) / kGmThreads;
+        constexpr bool kWAll = BM * PPR % kGmThreads == 0, kXAll = BN * S * 16 % kGmThreads == 0;
         const unsigned char* wsrc[NWP];
         int wdst[NWP];
 #pragma unroll
         for (int k = 0; k < NWP; ++k) {
             const int p = tid + k * kGmThreads, i = p / PPR < BM ? p / PPR : BM - 1;
             wsrc[k] = rowp[i] + 16 * (p % PPR);
-            wdst[k] = p < BM * PPR ? i * WRAW + 16 * (p % PPR) : -1;
+            wdst[k] = kWAll || p < BM * PPR ? i * WRAW + 16 * (p % PPR) : -1;
         }
         const float* xsrc[NXP];
         int xdst[NXP];
@@ -149,64 +151,76 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         for (int k = 0; k < NXP; ++k) {
             const int p = tid + k * kGmThreads, j = p / (16 * S) < BN ? p / (16 * S) : BN - 1;
             xsrc[k] = xrow[j] + 4 * (p % (16 * S));
-            xdst[k] = p < BN * S * 16 ? BM * WRAW + 4 * (j * RF + 4 * (p % (16 * S))) : -1;
+            xdst[k] = kXAll || p < BN * S * 16 ? BM * WRAW + 4 * (j * RF + 4 * (p % (16 * S))) : -1;
         }
-        auto issue = [&](int s) {
+        const uint32_t sm_s = smem_u32(sm);
+        // slab s's copies; FULL: it has S chunks (no test)
+        auto issue = [&](int s, bool full) {
             const int c0 = s * S;
-            const int nc = nchunks - c0 < S ? nchunks - c0 : S;
-            unsigned char* buf = sm + (s % ST) * SBYTES;
-            if (nc == S) {
+            const int nc = full ? S : (nchunks - c0 < S ? nchunks - c0 : S);
+            const uint32_t buf = sm_s + static_cast<uint32_t>((s % ST) * SBYTES);
+            if (full || nc == S) {
 #pragma unroll
                 for (int k = 0; k < NWP; ++k)
-                    if (wdst[k] >= 0) cp_async16(buf + wdst[k], wsrc[k] + static_cast<int64_t>(c0) * CB);
+                    if (kWAll || wdst[k] >= 0) cp_async16_s(buf + wdst[k], wsrc[k] + static_cast<int64_t>(c0) * CB);
 #pragma unroll
                 for (int k = 0; k < NXP; ++k)
-                    if (xdst[k] >= 0) cp_async16(buf + xdst[k], xsrc[k] + 64 * static_cast<int64_t>(c0));
+                    if (kXAll || xdst[k] >= 0) cp_async16_s(buf + xdst[k], xsrc[k] + 64 * static_cast<int64_t>(c0));
                 return;
             }
-            float* xs = reinterpret_cast<float*>(buf + BM * WRAW);
             const int ppr = nc * CB / 16;
             for (int p = tid; p < BM * ppr; p += kGmThreads) {
                 const int i = p / ppr, k = p - i * ppr;
-                cp_async16(buf + i * WRAW + 16 * k, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * k);
+                cp_async16_s(buf + i * WRAW + 16 * k, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * k);
             }
             for (int p = tid; p < BN * nc * 16; p += kGmThreads) {
                 const int j = p / (nc * 16), k = p - j * (nc * 16);
-                cp_async16(xs + j * RF + 4 * k, xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * k);
+                cp_async16_s(buf + BM * WRAW + 4 * (j * RF + 4 * k), xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * k);
             }
         };
-        // the scales of slab s's groups (loaded a slab ahead of their decode)
-        auto load_scales = [&](int s, float (&sc)[NG]) {
+        // the multipliers of slab s's groups (decode_raw8; loaded a slab ahead of their decode; chunks past
+        // the last read the last chunk's, never used; FULL: none is)
+        auto load_scales = [&](int s, float (&sc)[NG], bool full) {
 #pragma unroll
             for (int k = 0; k < NG; ++k) {
-                const int gi = tid + k * kGmThreads, ch = s * S + (gi / 8) % S;  // the group's chunk
+                const int gi = tid + k * kGmThreads;
+                int ch = s * S + (gi / 8) % S;  // the group's chunk
+                if (!full) ch = ch < nchunks ? ch : nchunks - 1;
                 sc[k] = 0.0f;
-                if (ch < nchunks) {  // (32-bit offsets: gemm_applies; the group's 8 columns share a scale)
-                    if constexpr (FMT == W_FP8) {
-                        sc[k] = __ldg(static_cast<const float*>(scale) + (dscale[k] + (ch >> 1)));
-                    } else if constexpr (FMT == W_MXFP4) {
-                        const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + (dscale[k] + 2 * ch + (gi % 8) / 4));
-                        sc[k] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
-                    }
+                // (32-bit offsets: gemm_applies; the group's 8 columns share a scale)
+                if constexpr (FMT == W_FP8) {
+                    sc[k] = fp8_mult<DEC>(__ldg(static_cast<const float*>(scale) + (dscale[k] + (ch >> 1))));
+                } else if constexpr (FMT == W_MXFP4) {
+                    const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + (dscale[k] + 2 * ch + (gi % 8) / 4));
+                    sc[k] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
                 }
             }
         };
-        // raw slab s -> decoded slab s & 1 (each weight once, as decode_smem decodes it everywhere)
-        auto decode = [&](int s, const float (&sc)[NG]) {
+        // raw slab s -> decoded slab s & 1 (each weight once, as the other kernels decode it); FULL: every
+        // chunk of the slab is there (no test)
+        auto decode = [&](int s, const float (&sc)[NG], bool full) {
             const int c0 = s * S;
-            const int nc = nchunks - c0 < S ? nchunks - c0 : S;
+            const int nc = full ? S : (nchunks - c0 < S ? nchunks - c0 : S);
             const unsigned char* buf = sm + (s % ST) * SBYTES;
             float* F = Fw + (s & 1) * (BM * RF);
 #pragma unroll
             for (int k = 0; k < NG; ++k) {
                 const int gi = tid + k * kGmThreads;
                 const int i = gi / (S * 8), u = (gi / 8) % S, g8 = gi % 8;
-                if (u < nc) {
+                if (full || u < nc) {
+                    // Threads g8 = 4..7 store their second four weights first: each 16-byte store of a
+                    // quarter warp then takes eight distinct four-bank groups (in order, g8 and g8 + 4 shared
+                    // banks: ncu counted 34 M bank conflicts in 16 M stores, q|k|v FP8 T = 512)
+                    const int hf = (g8 >> 2) & 1;
                     float w[8];
-                    decode_smem<FMT, DEC, 8>(buf + i * WRAW + u * CB + g8 * (CB / 8), sc[k], w);
+                    const unsigned char* p = buf + i * WRAW + u * CB + g8 * (CB / 8);
+                    constexpr bool kRaw8 = FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4;
+                    if constexpr (kRaw8) decode_raw8<FMT, DEC>(swap_halves8<FMT>(load_raw8<FMT>(p), hf), sc[k], w);
+                    else decode_smem<FMT, DEC, 8>(p, sc[k], w);  // (F32: not swapped, h4 below is 0)
+                    const int h4 = kRaw8 ? 4 * hf : 0;
                     float* d = F + i * RF + 64 * u + 8 * g8;
-                    *reinterpret_cast<float4*>(d) = make_float4(w[0], w[1], w[2], w[3]);
-                    *reinterpret_cast<float4*>(d + 4) = make_float4(w[4], w[5], w[6], w[7]);
+                    *reinterpret_cast<float4*>(d + h4) = make_float4(w[0], w[1], w[2], w[3]);
+                    *reinterpret_cast<float4*>(d + 4 - h4) = make_float4(w[4], w[5], w[6], w[7]);
                 }
             }
         };
@@ -234,39 +248,58 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
                 }
             }
         };
+        auto slab_x = [&](int s) { return reinterpret_cast<const float*>(sm + (s % ST) * SBYTES + BM * WRAW); };
+        auto slab_w = [&](int s) { return static_cast<const float*>(Fw + (s & 1) * (BM * RF)); };
         // One barrier per slab. Iteration s: slab s + 1 is in (cp.async) and slab s decoded (the
         // iteration before); the barrier also ends every thread's use of slab s - 1 (its stage, which
         // slab s + ST - 1 then refills, and its decoded buffer, which slab s + 1 then takes); then
-        // decode slab s + 1 and compute slab s, whose x is read in its stage.
+        // compute slab s, whose x is read in its stage, and decode slab s + 1.
         float sc[NG];
         for (int s = 0; s < ST - 1; ++s) {
-            if (s < nst) issue(s);
+            if (s < nst) issue(s, false);
             cp_async_commit();
         }
-        load_scales(0, sc);
+        load_scales(0, sc, false);
         cp_async_wait<ST - 2>();
         __syncthreads();
-        decode(0, sc);
-        load_scales(1, sc);
-        for (int s = 0; s < nst; ++s) {
+        decode(0, sc, false);
+        load_scales(1, sc, false);
+        // FP8 and MXFP4 tiles of 16 (kSteady): while slab s, the slab it decodes (s + 1) and the one it
+        // refills (s + ST - 1) are whole, the iteration is one branch-free block (copies, the slab's
+        // chunks unrolled, the next slab's decode; 447 instructions for 256 FMAs where the general loop
+        // took 522: ptxas, FP8 dense). BF16 spilled when its slab was unrolled and ran 25 % slower (its
+        // steady block measured +0-2 %, within the noise of a decode step: not taken), 8-pair expert
+        // tiles 15 % (bench_gemm, H200): those take the general loop, as do the last slabs.
+        constexpr bool kSteady = (FMT == W_FP8 || FMT == W_MXFP4) && TG == 4;
+        const int nfull = nchunks / S;
+        int s = 0;
+        if constexpr (kSteady) {
+            for (; s + ST - 1 < nfull; ++s) {
+                cp_async_wait<ST - 3>();
+                __syncthreads();
+                issue(s + ST - 1, true);
+                cp_async_commit();
+                const float* xs = slab_x(s);
+                const float* F = slab_w(s);
+#pragma unroll
+                for (int u = 0; u < S; ++u) chunk(xs, F, u);
+                decode(s + 1, sc, true);
+                load_scales(s + 2, sc, true);  // (s + 2 < s + ST - 1: whole)
+            }
+        }
+        for (; s < nst; ++s) {
             cp_async_wait<ST - 3>();
             __syncthreads();
-            if (s + ST - 1 < nst) issue(s + ST - 1);
+            if (s + ST - 1 < nst) issue(s + ST - 1, false);
             cp_async_commit();
             if (s + 1 < nst) {
-                decode(s + 1, sc);
-                load_scales(s + 2, sc);
+                decode(s + 1, sc, false);
+                load_scales(s + 2, sc, false);
             }
-            const int c0 = s * S;
-            const int nc = nchunks - c0 < S ? nchunks - c0 : S;
-            const float* xs = reinterpret_cast<const float*>(sm + (s % ST) * SBYTES + BM * WRAW);
-            const float* F = Fw + (s & 1) * (BM * RF);
-            // FP8 and MXFP4 tiles of 16: a whole slab unrolled, every shared-memory address a base plus an
-            // immediate (the loop kept 11 address and loop instructions per 64 FMAs: ncu, q|k|v T = 512;
-            // dense FP8 1-2 % faster). BF16 spilled so and ran 25 % slower, 8-pair expert tiles 15 % (bench_gemm,
-            // H200): those loop, as does a short last slab.
-            constexpr bool kUnroll = (FMT == W_FP8 || FMT == W_MXFP4) && TG == 4;
-            if (kUnroll && nc == S) {
+            const int nc = nchunks - s * S < S ? nchunks - s * S : S;
+            const float* xs = slab_x(s);
+            const float* F = slab_w(s);
+            if (kSteady && nc == S) {
 #pragma unroll
                 for (int u = 0; u < S; ++u) chunk(xs, F, u);
             } else {

@@ -114,6 +114,7 @@ struct LinArgs {
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
     LinChoice choice;                          // a kernel forced by a test or benchmark
     int dec = 0;                               // fp8 / mxfp4 decode path (weights.cu: Dec)
+    bool hw8 = false;                          // the hardware E4M3 conversion may replace the integer decode
     bool early = false;                        // streaming kernel, dense: first weights before the PDL wait
 };
 
