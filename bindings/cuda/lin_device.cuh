@@ -265,8 +265,8 @@ GLM_DEV void wide_decode(const WideWord<FMT, LPT>& v, float s, float (&w)[LPT]) 
     }
 }
 
-// Eight FP8 or MXFP4 weights of a chunk in two steps, the raw word's load from shared memory and its
-// decoding (what decode_smem does for eight), so that a kernel can put the load's latency under other work.
+// Eight BF16, FP8 or MXFP4 weights of a chunk in two steps, the raw word's load from shared memory and its
+// decoding (decode_smem's eight-lane path), so that a kernel can change the word between them (swap_halves8).
 template <int FMT>
 using Raw8 = std::conditional_t<FMT == W_BF16, uint4, std::conditional_t<FMT == W_FP8, uint2, uint32_t>>;
 template <int FMT>
