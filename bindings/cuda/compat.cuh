@@ -109,16 +109,8 @@ void allow_smem(K kernel, size_t bytes) {
 }
 
 // ---- cp.async: 16-byte copies global -> shared in commit groups (the emulation copies at issue) ----
-GLM_DEV void cp_async16(void* smem, const void* gmem) {
-#if defined(GLM_CUDA_EMU)
-    std::memcpy(smem, gmem, 16);
-#else
-    const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
-#endif
-}
-// The same copy to a shared address from smem_u32 (the dynamic block's 32-bit shared-window address,
-// computed once: a generic pointer is converted at every copy, a cluster-id read and two more each).
+// The copy to a shared address from smem_u32 (the dynamic block's 32-bit shared-window address, computed
+// once: a generic pointer is converted at every copy, a cluster-id read and two more each).
 GLM_DEV uint32_t smem_u32(const void* p) {
 #if defined(GLM_CUDA_EMU)
     return static_cast<uint32_t>(static_cast<const unsigned char*>(p) - static_cast<const unsigned char*>(::glm_emu::dyn_smem()));
@@ -131,6 +123,14 @@ GLM_DEV void cp_async16_s(uint32_t sa, const void* gmem) {
     std::memcpy(static_cast<unsigned char*>(::glm_emu::dyn_smem()) + sa, gmem, 16);
 #else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+#endif
+}
+// ... from a generic pointer into any shared memory (the emulation copies to the pointer itself)
+GLM_DEV void cp_async16(void* smem, const void* gmem) {
+#if defined(GLM_CUDA_EMU)
+    std::memcpy(smem, gmem, 16);
+#else
+    cp_async16_s(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem);
 #endif
 }
 GLM_DEV void cp_async_commit() {

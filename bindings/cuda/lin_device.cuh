@@ -313,8 +313,6 @@ GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
         else if constexpr (FMT == W_BF16 || LPT == 4) v = *reinterpret_cast<const uint32_t*>(p);
         else v = *reinterpret_cast<const uint16_t*>(p);
         wide_decode<FMT, DEC, LPT>(v, s, w);
-    } else if constexpr (FMT == W_BF16) {
-        decode_raw8<FMT, DEC>(load_raw8<FMT>(p), s, w);
     } else if constexpr (FMT == W_F32) {
 #pragma unroll
         for (int k = 0; k < LPT; k += 2) {
@@ -322,7 +320,7 @@ GLM_DEV void decode_smem(const unsigned char* p, float s, float (&w)[LPT]) {
             w[k] = v.x;
             w[k + 1] = v.y;
         }
-    } else if constexpr (LPT == 8) {  // FP8, MXFP4
+    } else if constexpr (LPT == 8) {  // BF16, FP8, MXFP4
         decode_raw8<FMT, DEC>(load_raw8<FMT>(p), FMT == W_FP8 ? fp8_mult<DEC>(s) : s, w);
     } else {  // MXFP4, fewer than eight
         uint32_t v;

@@ -154,10 +154,11 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             xdst[k] = kXAll || p < BN * S * 16 ? BM * WRAW + 4 * (j * RF + 4 * (p % (16 * S))) : -1;
         }
         const uint32_t sm_s = smem_u32(sm);
+        auto chunks_of = [&](int s) { return nchunks - s * S < S ? nchunks - s * S : S; };  // chunks of slab s
         // slab s's copies; FULL: it has S chunks (no test)
         auto issue = [&](int s, bool full) {
             const int c0 = s * S;
-            const int nc = full ? S : (nchunks - c0 < S ? nchunks - c0 : S);
+            const int nc = full ? S : chunks_of(s);
             const uint32_t buf = sm_s + static_cast<uint32_t>((s % ST) * SBYTES);
             if (full || nc == S) {
 #pragma unroll
@@ -199,8 +200,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         // raw slab s -> decoded slab s & 1 (each weight once, as the other kernels decode it); FULL: every
         // chunk of the slab is there (no test)
         auto decode = [&](int s, const float (&sc)[NG], bool full) {
-            const int c0 = s * S;
-            const int nc = full ? S : (nchunks - c0 < S ? nchunks - c0 : S);
+            const int nc = full ? S : chunks_of(s);
             const unsigned char* buf = sm + (s % ST) * SBYTES;
             float* F = Fw + (s & 1) * (BM * RF);
 #pragma unroll
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
                 decode(s + 1, sc, false);
                 load_scales(s + 2, sc, false);
             }
-            const int nc = nchunks - s * S < S ? nchunks - s * S : S;
+            const int nc = chunks_of(s);
             const float* xs = slab_x(s);
             const float* F = slab_w(s);
             if (kSteady && nc == S) {
