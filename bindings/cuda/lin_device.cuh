@@ -266,20 +266,13 @@ GLM_DEV void wide_decode(const WideWord<FMT, LPT>& v, float s, float (&w)[LPT]) 
 }
 
 // Eight BF16, FP8 or MXFP4 weights of a chunk in two steps, the raw word's load from shared memory and its
-// decoding (decode_smem's eight-lane path), so that a kernel can change the word between them (swap_halves8).
+// decoding (decode_smem's eight-lane path; the register-tiled kernel decodes two words of one 16-byte load).
 template <int FMT>
 using Raw8 = std::conditional_t<FMT == W_BF16, uint4, std::conditional_t<FMT == W_FP8, uint2, uint32_t>>;
 template <int FMT>
 GLM_DEV Raw8<FMT> load_raw8(const unsigned char* p) {
     static_assert(FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4, "BF16, FP8 or MXFP4");
     return *reinterpret_cast<const Raw8<FMT>*>(p);
-}
-// The raw word with its two halves (weights 0-3 and 4-7) exchanged when `swap`.
-template <int FMT>
-GLM_DEV Raw8<FMT> swap_halves8(const Raw8<FMT>& v, int swap) {
-    if constexpr (FMT == W_BF16) return swap ? uint4{v.z, v.w, v.x, v.y} : v;
-    else if constexpr (FMT == W_FP8) return swap ? uint2{v.y, v.x} : v;
-    else return swap ? (v >> 16) | (v << 16) : v;
 }
 // m: the chunk's multiplier (FP8: fp8_mult of its scale; MXFP4: its E8M0 scale, e8m0_folded with kDecInt)
 template <int FMT, int DEC>

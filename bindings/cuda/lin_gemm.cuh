@@ -11,97 +11,158 @@ namespace {
 // Y[t][r] = cdot(W[r], X[t]) for a tile of rows x tokens (or an expert work item's pairs). Each output
 // is 64 FMA chains P[g][l] (chain k = 8g + l takes the columns 64c + k, c in order); chains, rows and
 // tokens are independent, so this is 64 small GEMMs of depth C/64 side by side, one per chain, whose
-// results are folded by the canonical trees once at the end. A thread owns 4 consecutive chains
-// (q = 2g + h: chains 8g + 4h .. + 3) of 4 rows x 4 tokens (kGmTG = 4; 8 x 2 for expert items of eight
-// pairs): 64 accumulators fed per chunk by 4 + 4 vector loads from shared memory (16 FMAs per loaded
-// float4, every one a step of its own chain in chunk order). Warp w holds g = w % 8 (both halves h) of
-// a 16-row set: within a warp the 4 x 16-byte words of a load are 8 distinct ones (one wavefront).
+// results are folded by the canonical trees once at the end. A thread owns ONE chain k of 8 rows x 8
+// tokens (64 accumulators), SGEMM-style: per chunk two 16-byte loads of its rows' weights and two of its
+// tokens' x, 64 FMAs. For that the block keeps both transposed in shared memory, chain-major: W^T
+// [column][row] and X^T [column][token] (a column 64u + k of the slab is one row of each). The 512
+// threads are 64 chains x 8 (BM / 8 row groups x BN / 8 token groups): BM = 32 rows x BN = 16 tokens
+// (kGmTG = 4), 64 x 8 for expert items of eight pairs (TG = 2).
 //
 // Per slab of S chunks (gm_slab): the block's weight rows (raw bytes) and its tokens' x rows (f32)
-// arrive by cp.async (gm_stages: up to two slabs in flight); each weight of a slab is decoded ONCE
-// into an f32 slab in shared memory (every token of the tile reads that one value), exactly as the
-// other kernels decode it in registers (decode_smem), one slab ahead of its use (two decoded buffers,
-// one barrier per slab); the x rows are read where they were copied. Rows of both are padded by 8
-// floats so that the 4 rows or tokens of a load fall on distinct banks.
+// arrive by cp.async (gm_stages: up to two slabs in flight); a slab ahead of its use, each weight is
+// decoded ONCE (every token of the tile reads that value), exactly as the other kernels decode it
+// (decode_raw8), and stored transposed, and the x rows are transposed; two buffers of each, one barrier
+// per slab. Paddings: raw rows by 16 bytes and x rows by 4 floats (the transposing threads' 16-byte
+// loads, eight rows apart, fall on distinct banks), W^T rows by 4 floats (a warp's four chains'
+// 16-byte loads spread over the banks), X^T rows by 4.
 //
-// The fold (after the last chunk): P[g] += P[g + w] for w = 4, 2, 1 across the warps through shared
-// memory (the warps of g in [w, 2w) write, those of g < w add), then in the g = 0 warps the lane tree:
-// lanes l and l + 4 sit in threads h = 0 and h = 1 (a shuffle), l + 2 and l + 1 in registers.
+// Earlier (sessions 5-13) a thread held 4 chains x 4 rows x 4 tokens fed by 8 loads per 64 FMAs from
+// row-major slabs; ncu found shared memory the limit (LDS.128 at two or more wavefronts each, 59 % of
+// the wavefront peak at 31 % of the FMA pipe): this layout halves the loads per FMA.
+//
+// The fold (after the last chunk): every thread writes its 64 sums to shared memory ([chain][token][row]),
+// then thread o folds output o (token o / BM, row o % BM): its 64 chains in the canonical trees (P[g] +=
+// P[g + w] for w = 4, 2, 1, then the lanes of P[0] likewise).
 constexpr int kGmThreads = 512;
-constexpr int kGmPad = 8;  // floats of padding per staged row
 template <int TG>
-constexpr int gm_rows() {  // rows per block: two sets of 4 * (16 / TG)
-    return 2 * 4 * (16 / TG);
+constexpr int gm_rows() {  // rows per block
+    return TG == 4 ? 32 : 64;
 }
 template <int TG>
 constexpr int gm_tokens() {  // tokens (or pairs) per block
     return 4 * TG;
 }
-// Chunks per slab and cp.async stages (slabs in flight: stages - 2 while one is decoded and one used):
-// as many as fit beside the two decoded slabs in 227 KB.
+template <int FMT, int TG, int S>
+constexpr int gm_stage_bytes_s() {  // raw weight rows (+16 bytes), then x rows (+4 floats)
+    return gm_rows<TG>() * (S * chunk_bytes<FMT>() + 16) + gm_tokens<TG>() * (S * 64 + 4) * 4;
+}
+template <int TG, int S>
+constexpr int gm_t_bytes_s() {  // the two transposed buffers of W and X
+    return 2 * S * 64 * ((gm_rows<TG>() + 4) + (gm_tokens<TG>() + 4)) * 4;
+}
+template <int FMT, int TG, int S, int ST>
+constexpr bool gm_fits() {
+    return ST * gm_stage_bytes_s<FMT, TG, S>() + gm_t_bytes_s<TG, S>() <= 227 * 1024;
+}
+// Chunks per slab (4 where three stages fit, else 2) and cp.async stages (4 where they fit, else 3).
 template <int FMT, int TG>
 constexpr int gm_slab() {
-    return TG == 2 && (FMT == W_BF16 || FMT == W_F32) ? 2 : 4;
-}
-template <int FMT, int TG>
-constexpr int gm_rowf() {  // floats per staged x row and per decoded weight row
-    return gm_slab<FMT, TG>() * 64 + kGmPad;
-}
-template <int FMT, int TG>
-constexpr int gm_stage_bytes() {  // raw weight bytes, then x
-    return gm_rows<TG>() * gm_slab<FMT, TG>() * chunk_bytes<FMT>() + gm_tokens<TG>() * gm_rowf<FMT, TG>() * 4;
-}
-template <int FMT, int TG>
-constexpr int gm_fw_bytes() {  // the two decoded slabs
-    return 2 * gm_rows<TG>() * gm_rowf<FMT, TG>() * 4;
+    return gm_fits<FMT, TG, 4, 3>() ? 4 : 2;
 }
 template <int FMT, int TG>
 constexpr int gm_stages() {
-    return gm_fw_bytes<FMT, TG>() + 4 * gm_stage_bytes<FMT, TG>() <= 227 * 1024 ? 4 : 3;
+    return gm_fits<FMT, TG, gm_slab<FMT, TG>(), 4>() ? 4 : 3;
 }
 template <int FMT, int TG>
 constexpr int gm_smem_bytes() {
-    const int pipe = gm_stages<FMT, TG>() * gm_stage_bytes<FMT, TG>() + gm_fw_bytes<FMT, TG>();
-    const int fold = 2 * 4 * 64 * 32 * 4;  // [set][slot 0..3][element][lane]
+    constexpr int S = gm_slab<FMT, TG>();
+    const int pipe = gm_stages<FMT, TG>() * gm_stage_bytes_s<FMT, TG, S>() + gm_t_bytes_s<TG, S>();
+    const int fold = 64 * gm_rows<TG>() * gm_tokens<TG>() * 4;  // [chain][token][row]
     return pipe > fold ? pipe : fold;
+}
+
+// Sixteen consecutive weights of a row from shared memory (p: their first byte), decoded as decode_raw8
+// does (m: the chunk's multiplier, as there), eight at a time: put(e0, w) takes weights e0 .. e0 + 7.
+template <int FMT, int DEC, class Put>
+GLM_DEV void decode16(const unsigned char* p, float m, Put&& put) {
+    float w[8];
+    if constexpr (FMT == W_FP8) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        decode_raw8<FMT, DEC>(uint2{v.x, v.y}, m, w);
+        put(0, w);
+        decode_raw8<FMT, DEC>(uint2{v.z, v.w}, m, w);
+        put(8, w);
+    } else if constexpr (FMT == W_MXFP4) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        decode_raw8<FMT, DEC>(v.x, m, w);
+        put(0, w);
+        decode_raw8<FMT, DEC>(v.y, m, w);
+        put(8, w);
+    } else {  // BF16 (16 bytes per eight), F32 (32)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if constexpr (FMT == W_BF16) decode_raw8<FMT, DEC>(load_raw8<FMT>(p + 16 * h), m, w);
+            else decode_smem<FMT, DEC, 8>(p + 32 * h, m, w);
+            put(8 * h, w);
+        }
+    }
+}
+
+// The canonical fold of one output's 64 chains v[k * stride] (k = 8g + l): P[g] += P[g + w] lane-wise
+// for w = 4, 2, 1, then P[0][l] += P[0][l + w] for w = 4, 2, 1 (cdot.cuh).
+GLM_DEV float fold64(const float* v, int stride) {
+    float G[8];
+#pragma unroll
+    for (int l = 0; l < 8; ++l) {
+        float P[8];
+#pragma unroll
+        for (int g = 0; g < 8; ++g) P[g] = v[(8 * g + l) * stride];
+#pragma unroll
+        for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+            for (int g = 0; g < w; ++g) P[g] = add(P[g], P[g + w]);
+        G[l] = P[0];
+    }
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+        for (int l = 0; l < w; ++l) G[l] = add(G[l], G[l + w]);
+    return G[0];
 }
 
 template <int FMT, bool EXPERT, int DEC, int TG>
 __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
-    constexpr int CB = chunk_bytes<FMT>(), RG = 16 / TG, BM = gm_rows<TG>(), BN = gm_tokens<TG>();
-    constexpr int S = gm_slab<FMT, TG>(), ST = gm_stages<FMT, TG>(), RF = gm_rowf<FMT, TG>();
-    constexpr int WRAW = S * CB;                      // raw bytes of one row in a slab
-    constexpr int SBYTES = gm_stage_bytes<FMT, TG>();
-    constexpr int GROUPS = BM * S * 8;                // groups of eight weights to decode per slab
-    constexpr int NG = (GROUPS + kGmThreads - 1) / kGmThreads;
-    static_assert(GROUPS % kGmThreads == 0, "every thread decodes the same number of groups");
+    constexpr int CB = chunk_bytes<FMT>(), BM = gm_rows<TG>(), BN = gm_tokens<TG>(), RGN = BM / 8;
+    constexpr int S = gm_slab<FMT, TG>(), ST = gm_stages<FMT, TG>();
+    constexpr int WRAW = S * CB + 16;                 // bytes per staged raw row
+    constexpr int XROW = S * 64 + 4;                  // floats per staged x row
+    constexpr int WS = BM + 4, XS = BN + 4;           // floats per row of W^T, X^T
+    constexpr int SBYTES = gm_stage_bytes_s<FMT, TG, S>();
+    constexpr int TASKS = BM * S * 4;                 // decode tasks per slab: 16 weights of one row
+    constexpr int NT = (TASKS + kGmThreads - 1) / kGmThreads;
+    constexpr int XTASKS = BN * S * 16;               // transposition tasks: 4 x floats of one token
+    constexpr int NXT = (XTASKS + kGmThreads - 1) / kGmThreads;
+    static_assert(BM * BN == kGmThreads, "the fold: one output per thread");
+    static_assert(BM >= 32, "a warp's decode tasks are 32 rows of one column group");
     static_assert(gm_smem_bytes<FMT, TG>() <= 227 * 1024, "shared memory");
     __shared__ const unsigned char* rowp[BM];
     __shared__ const float* xrow[BN];
-    float* const Fw = reinterpret_cast<float*>(sm + ST * SBYTES);  // two decoded slabs
+    float* const Wt = reinterpret_cast<float*>(sm + ST * SBYTES);  // [2][S * 64][WS]
+    float* const Xt = Wt + 2 * S * 64 * WS;                         // [2][S * 64][XS]
     const int64_t C = a.C;
     const int nchunks = static_cast<int>(C / 64);
     const int nst = (nchunks + S - 1) / S;
-    const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-    const int set = warp >> 3, g = warp & 7, h = lane >> 4, rg = (lane & 15) / TG, tg = (lane & 15) % TG;
-    const int q4 = 4 * (2 * g + h);  // the first of this thread's four chains (8g + 4h)
-    const int my_r0 = set * (BM / 2) + rg;  // rows my_r0 + RG i, tokens tg + TG j of the tile
+    const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
+    const int k = 4 * (tid >> 5) + (lane >> 3);                      // this thread's chain
+    const int rg = (lane & 7) % RGN, tg = (lane & 7) / RGN;          // its rows 8 rg .. + 7, tokens 8 tg .. + 7
     const int row_base = static_cast<int>(blockIdx.x) * BM;
     const int64_t rb = row_bytes(FMT, C);
     auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
         r = r < a.R ? r : a.R - 1;
         return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
     };
-    // this thread's decode groups (the same in every slab): group tid + k * threads is row gi / (8S),
-    // chunk (gi / 8) % S of the slab, lanes 8 (gi % 8) .. + 7; their scales' offsets (32-bit: gemm_applies)
-    int dscale[NG];
+    // this thread's decode tasks (the same in every slab): task tid + n * threads is row gi % BM, column
+    // group (16 weights) (gi / BM) % 4 of chunk gi / (4 BM) of the slab: a warp's 32 tasks are 32 rows of
+    // one group, so that its transposed stores fill consecutive words. Their scales' offsets (32-bit:
+    // gemm_applies).
+    int dscale[NT];
 #pragma unroll
-    for (int k = 0; k < NG; ++k) {
-        const int gi = tid + k * kGmThreads;
-        const int64_t ar = abs_row(row_base + gi / (S * 8));
-        dscale[k] = static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) : 0));
+    for (int n = 0; n < NT; ++n) {
+        const int gi = tid + n * kGmThreads;
+        const int64_t ar = abs_row(row_base + gi % BM);
+        dscale[n] = static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) : 0));
     }
     const int n_items = EXPERT ? *a.n_items : 1;
     for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
@@ -140,18 +201,18 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         const unsigned char* wsrc[NWP];
         int wdst[NWP];
 #pragma unroll
-        for (int k = 0; k < NWP; ++k) {
-            const int p = tid + k * kGmThreads, i = p / PPR < BM ? p / PPR : BM - 1;
-            wsrc[k] = rowp[i] + 16 * (p % PPR);
-            wdst[k] = kWAll || p < BM * PPR ? i * WRAW + 16 * (p % PPR) : -1;
+        for (int n = 0; n < NWP; ++n) {
+            const int p = tid + n * kGmThreads, i = p / PPR < BM ? p / PPR : BM - 1;
+            wsrc[n] = rowp[i] + 16 * (p % PPR);
+            wdst[n] = kWAll || p < BM * PPR ? i * WRAW + 16 * (p % PPR) : -1;
         }
         const float* xsrc[NXP];
         int xdst[NXP];
 #pragma unroll
-        for (int k = 0; k < NXP; ++k) {
-            const int p = tid + k * kGmThreads, j = p / (16 * S) < BN ? p / (16 * S) : BN - 1;
-            xsrc[k] = xrow[j] + 4 * (p % (16 * S));
-            xdst[k] = kXAll || p < BN * S * 16 ? BM * WRAW + 4 * (j * RF + 4 * (p % (16 * S))) : -1;
+        for (int n = 0; n < NXP; ++n) {
+            const int p = tid + n * kGmThreads, j = p / (16 * S) < BN ? p / (16 * S) : BN - 1;
+            xsrc[n] = xrow[j] + 4 * (p % (16 * S));
+            xdst[n] = kXAll || p < BN * S * 16 ? BM * WRAW + 4 * (j * XROW + 4 * (p % (16 * S))) : -1;
         }
         const uint32_t sm_s = smem_u32(sm);
         auto chunks_of = [&](int s) { return nchunks - s * S < S ? nchunks - s * S : S; };  // chunks of slab s
@@ -162,99 +223,99 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             const uint32_t buf = sm_s + static_cast<uint32_t>((s % ST) * SBYTES);
             if (full || nc == S) {
 #pragma unroll
-                for (int k = 0; k < NWP; ++k)
-                    if (kWAll || wdst[k] >= 0) cp_async16_s(buf + wdst[k], wsrc[k] + static_cast<int64_t>(c0) * CB);
+                for (int n = 0; n < NWP; ++n)
+                    if (kWAll || wdst[n] >= 0) cp_async16_s(buf + wdst[n], wsrc[n] + static_cast<int64_t>(c0) * CB);
 #pragma unroll
-                for (int k = 0; k < NXP; ++k)
-                    if (kXAll || xdst[k] >= 0) cp_async16_s(buf + xdst[k], xsrc[k] + 64 * static_cast<int64_t>(c0));
+                for (int n = 0; n < NXP; ++n)
+                    if (kXAll || xdst[n] >= 0) cp_async16_s(buf + xdst[n], xsrc[n] + 64 * static_cast<int64_t>(c0));
                 return;
             }
             const int ppr = nc * CB / 16;
             for (int p = tid; p < BM * ppr; p += kGmThreads) {
-                const int i = p / ppr, k = p - i * ppr;
-                cp_async16_s(buf + i * WRAW + 16 * k, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * k);
+                const int i = p / ppr, q = p - i * ppr;
+                cp_async16_s(buf + i * WRAW + 16 * q, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * q);
             }
             for (int p = tid; p < BN * nc * 16; p += kGmThreads) {
-                const int j = p / (nc * 16), k = p - j * (nc * 16);
-                cp_async16_s(buf + BM * WRAW + 4 * (j * RF + 4 * k), xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * k);
+                const int j = p / (nc * 16), q = p - j * (nc * 16);
+                cp_async16_s(buf + BM * WRAW + 4 * (j * XROW + 4 * q), xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * q);
             }
         };
-        // the multipliers of slab s's groups (decode_raw8; loaded a slab ahead of their decode; chunks past
+        // the multipliers of slab s's tasks (decode_raw8; loaded a slab ahead of their decode; chunks past
         // the last read the last chunk's, never used; FULL: none is)
-        auto load_scales = [&](int s, float (&sc)[NG], bool full) {
+        auto load_scales = [&](int s, float (&sc)[NT], bool full) {
 #pragma unroll
-            for (int k = 0; k < NG; ++k) {
-                const int gi = tid + k * kGmThreads;
-                int ch = s * S + (gi / 8) % S;  // the group's chunk
+            for (int n = 0; n < NT; ++n) {
+                const int gi = tid + n * kGmThreads;
+                int ch = s * S + gi / (4 * BM);  // the task's chunk
                 if (!full) ch = ch < nchunks ? ch : nchunks - 1;
-                sc[k] = 0.0f;
-                // (32-bit offsets: gemm_applies; the group's 8 columns share a scale)
+                sc[n] = 0.0f;
+                // (32-bit offsets: gemm_applies; a task's 16 columns share a scale)
                 if constexpr (FMT == W_FP8) {
-                    sc[k] = fp8_mult<DEC>(__ldg(static_cast<const float*>(scale) + (dscale[k] + (ch >> 1))));
+                    sc[n] = fp8_mult<DEC>(__ldg(static_cast<const float*>(scale) + (dscale[n] + (ch >> 1))));
                 } else if constexpr (FMT == W_MXFP4) {
-                    const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + (dscale[k] + 2 * ch + (gi % 8) / 4));
-                    sc[k] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
+                    const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + (dscale[n] + 2 * ch + ((gi / BM) % 4) / 2));
+                    sc[n] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
                 }
             }
         };
-        // raw slab s -> decoded slab s & 1 (each weight once, as the other kernels decode it); FULL: every
-        // chunk of the slab is there (no test)
-        auto decode = [&](int s, const float (&sc)[NG], bool full) {
+        // raw slab s -> W^T and X^T buffers s & 1 (each weight decoded once, as the other kernels decode
+        // it); FULL: every chunk of the slab is there (no test)
+        auto decode = [&](int s, const float (&sc)[NT], bool full) {
             const int nc = full ? S : chunks_of(s);
             const unsigned char* buf = sm + (s % ST) * SBYTES;
-            float* F = Fw + (s & 1) * (BM * RF);
+            float* const W = Wt + (s & 1) * (S * 64 * WS);
+            float* const X = Xt + (s & 1) * (S * 64 * XS);
 #pragma unroll
-            for (int k = 0; k < NG; ++k) {
-                const int gi = tid + k * kGmThreads;
-                const int i = gi / (S * 8), u = (gi / 8) % S, g8 = gi % 8;
-                if (full || u < nc) {
-                    // Threads g8 = 4..7 store their second four weights first: each 16-byte store of a
-                    // quarter warp then takes eight distinct four-bank groups (in order, g8 and g8 + 4 shared
-                    // banks: ncu counted 34 M bank conflicts in 16 M stores, q|k|v FP8 T = 512)
-                    const int hf = (g8 >> 2) & 1;
-                    float w[8];
-                    const unsigned char* p = buf + i * WRAW + u * CB + g8 * (CB / 8);
-                    constexpr bool kRaw8 = FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4;
-                    if constexpr (kRaw8) decode_raw8<FMT, DEC>(swap_halves8<FMT>(load_raw8<FMT>(p), hf), sc[k], w);
-                    else decode_smem<FMT, DEC, 8>(p, sc[k], w);  // (F32: not swapped, h4 below is 0)
-                    const int h4 = kRaw8 ? 4 * hf : 0;
-                    float* d = F + i * RF + 64 * u + 8 * g8;
-                    *reinterpret_cast<float4*>(d + h4) = make_float4(w[0], w[1], w[2], w[3]);
-                    *reinterpret_cast<float4*>(d + 4 - h4) = make_float4(w[4], w[5], w[6], w[7]);
+            for (int n = 0; n < NT; ++n) {
+                const int gi = tid + n * kGmThreads;
+                const int i = gi % BM, cg = (gi / BM) % 4, u = gi / (4 * BM);
+                if ((TASKS % kGmThreads == 0 || gi < TASKS) && (full || u < nc)) {
+                    float* d = W + (64 * u + 16 * cg) * WS + i;
+                    decode16<FMT, DEC>(buf + i * WRAW + u * CB + cg * (CB / 4), sc[n], [&](int e0, const float (&w)[8]) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) d[(e0 + e) * WS] = w[e];
+                    });
+                }
+            }
+            const float* xs = reinterpret_cast<const float*>(buf + BM * WRAW);
+#pragma unroll
+            for (int n = 0; n < NXT; ++n) {
+                const int xi = tid + n * kGmThreads;
+                const int j = xi % BN, q = xi / BN;  // token j, floats 4q .. + 3 of the slab
+                if ((XTASKS % kGmThreads == 0 || xi < XTASKS) && (full || q < 16 * nc)) {
+                    const float4 v = *reinterpret_cast<const float4*>(xs + j * XROW + 4 * q);
+                    float* d = X + 4 * q * XS + j;
+                    d[0] = v.x;
+                    d[XS] = v.y;
+                    d[2 * XS] = v.z;
+                    d[3 * XS] = v.w;
                 }
             }
         };
-        float acc[4][4][4];  // [row i][token j][chain m]
+        float acc[8][8];  // [row i][token j] of chain k
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < 8; ++i)
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
+            for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+        auto chunk = [&](const float* W, const float* X, int u) {
+            const float* wp = W + (64 * u + k) * WS + 8 * rg;
+            const float* xp = X + (64 * u + k) * XS + 8 * tg;
+            const float4 w0 = *reinterpret_cast<const float4*>(wp), w1 = *reinterpret_cast<const float4*>(wp + 4);
+            const float4 x0 = *reinterpret_cast<const float4*>(xp), x1 = *reinterpret_cast<const float4*>(xp + 4);
+            const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+            const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
-                for (int m = 0; m < 4; ++m) acc[i][j][m] = 0.0f;
-        auto chunk = [&](const float* xs, const float* F, int u) {
-            const int off = 64 * u + q4;
-            float4 xv[4];
+            for (int i = 0; i < 8; ++i)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) xv[j] = *reinterpret_cast<const float4*>(xs + (tg + TG * j) * RF + off);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float4 wv = *reinterpret_cast<const float4*>(F + (my_r0 + RG * i) * RF + off);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    acc[i][j][0] = ffma(wv.x, xv[j].x, acc[i][j][0]);
-                    acc[i][j][1] = ffma(wv.y, xv[j].y, acc[i][j][1]);
-                    acc[i][j][2] = ffma(wv.z, xv[j].z, acc[i][j][2]);
-                    acc[i][j][3] = ffma(wv.w, xv[j].w, acc[i][j][3]);
-                }
-            }
+                for (int j = 0; j < 8; ++j) acc[i][j] = ffma(wv[i], xv[j], acc[i][j]);
         };
-        auto slab_x = [&](int s) { return reinterpret_cast<const float*>(sm + (s % ST) * SBYTES + BM * WRAW); };
-        auto slab_w = [&](int s) { return static_cast<const float*>(Fw + (s & 1) * (BM * RF)); };
-        // One barrier per slab. Iteration s: slab s + 1 is in (cp.async) and slab s decoded (the
-        // iteration before); the barrier also ends every thread's use of slab s - 1 (its stage, which
-        // slab s + ST - 1 then refills, and its decoded buffer, which slab s + 1 then takes); then
-        // compute slab s, whose x is read in its stage, and decode slab s + 1.
-        float sc[NG];
+        auto slab_w = [&](int s) { return static_cast<const float*>(Wt + (s & 1) * (S * 64 * WS)); };
+        auto slab_x = [&](int s) { return static_cast<const float*>(Xt + (s & 1) * (S * 64 * XS)); };
+        // One barrier per slab. Iteration s: slab s + 1 is in (cp.async) and slab s decoded and transposed
+        // (the iteration before); the barrier also ends every thread's use of slab s - 1 (its stage, which
+        // slab s + ST - 1 then refills, and its transposed buffers, which slab s + 1 then takes); then
+        // compute slab s and decode slab s + 1.
+        float sc[NT];
         for (int s = 0; s < ST - 1; ++s) {
             if (s < nst) issue(s, false);
             cp_async_commit();
@@ -264,28 +325,21 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         __syncthreads();
         decode(0, sc, false);
         load_scales(1, sc, false);
-        // FP8 and MXFP4 tiles of 16 (kSteady): while slab s, the slab it decodes (s + 1) and the one it
-        // refills (s + ST - 1) are whole, the iteration is one branch-free block (copies, the slab's
-        // chunks unrolled, the next slab's decode; 447 instructions for 256 FMAs where the general loop
-        // took 522: ptxas, FP8 dense). BF16 spilled when its slab was unrolled and ran 25 % slower (its
-        // steady block measured +0-2 %, within the noise of a decode step: not taken), 8-pair expert
-        // tiles 15 % (bench_gemm, H200): those take the general loop, as do the last slabs.
-        constexpr bool kSteady = (FMT == W_FP8 || FMT == W_MXFP4) && TG == 4;
+        // While slab s, the slab it decodes (s + 1) and the one it refills (s + ST - 1) are whole, the
+        // iteration is one branch-free block; the last slabs take the general loop.
         const int nfull = nchunks / S;
         int s = 0;
-        if constexpr (kSteady) {
-            for (; s + ST - 1 < nfull; ++s) {
-                cp_async_wait<ST - 3>();
-                __syncthreads();
-                issue(s + ST - 1, true);
-                cp_async_commit();
-                const float* xs = slab_x(s);
-                const float* F = slab_w(s);
+        for (; s + ST - 1 < nfull; ++s) {
+            cp_async_wait<ST - 3>();
+            __syncthreads();
+            issue(s + ST - 1, true);
+            cp_async_commit();
+            const float* W = slab_w(s);
+            const float* X = slab_x(s);
 #pragma unroll
-                for (int u = 0; u < S; ++u) chunk(xs, F, u);
-                decode(s + 1, sc, true);
-                load_scales(s + 2, sc, true);  // (s + 2 < s + ST - 1: whole)
-            }
+            for (int u = 0; u < S; ++u) chunk(W, X, u);
+            decode(s + 1, sc, true);
+            load_scales(s + 2, sc, true);  // (s + 2 < s + ST - 1: whole)
         }
         for (; s < nst; ++s) {
             cp_async_wait<ST - 3>();
@@ -297,60 +351,31 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
                 load_scales(s + 2, sc, false);
             }
             const int nc = chunks_of(s);
-            const float* xs = slab_x(s);
-            const float* F = slab_w(s);
-            if (kSteady && nc == S) {
-#pragma unroll
-                for (int u = 0; u < S; ++u) chunk(xs, F, u);
-            } else {
+            const float* W = slab_w(s);
+            const float* X = slab_x(s);
 #pragma unroll 1
-                for (int u = 0; u < nc; ++u) chunk(xs, F, u);
-            }
+            for (int u = 0; u < nc; ++u) chunk(W, X, u);
         }
         cp_async_wait<0>();
-        // the accumulator tree across the warps of a set: P[g] += P[g + w] for w = 4, 2, 1
-        float* const red = reinterpret_cast<float*>(sm) + set * (4 * 64 * 32);
+        // the fold: every chain's sums to red[chain][token][row], then one output a thread
+        float* const red = reinterpret_cast<float*>(sm);
+        __syncthreads();  // every thread is done with the last slab
 #pragma unroll
-        for (int w = 4; w >= 1; w >>= 1) {
-            __syncthreads();  // (w = 4: every warp is done with the last slab)
-            if (g >= w && g < 2 * w) {
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 64; ++e) red[((g - w) * 64 + e) * 32 + lane] = acc[e >> 4][(e >> 2) & 3][e & 3];
+            for (int i = 0; i < 8; i += 4) {
+                float* d = red + k * (BM * BN) + (8 * tg + j) * BM + 8 * rg + i;
+                *reinterpret_cast<float4*>(d) = make_float4(acc[i][j], acc[i + 1][j], acc[i + 2][j], acc[i + 3][j]);
             }
-            __syncthreads();
-            if (g < w) {
-#pragma unroll
-                for (int e = 0; e < 64; ++e)
-                    acc[e >> 4][(e >> 2) & 3][e & 3] = add(acc[e >> 4][(e >> 2) & 3][e & 3], red[(g * 64 + e) * 32 + lane]);
-            }
-        }
-        // the lane tree of P[0] in the warps g = 0 (a warp-uniform branch): l += l + 4 (thread h = 1 to h = 0),
-        // then l + 2, l + 1
-        float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
-        if (g == 0) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = row_base + my_r0 + RG * i;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    float (&p)[4] = acc[i][j];
-#pragma unroll
-                    for (int m = 0; m < 4; ++m) {
-                        const float o = __shfl_down_sync(kFull, p[m], 16);
-                        p[m] = add(p[m], o);  // (meaningful on h = 0)
-                    }
-                    p[0] = add(p[0], p[2]);
-                    p[1] = add(p[1], p[3]);
-                    p[0] = add(p[0], p[1]);
-                    const int slot = tg + TG * j;
-                    if (h == 0 && r < a.R && slot < cnt) {
-                        int64_t yrow;
-                        if constexpr (EXPERT) yrow = a.pairs[start + slot];
-                        else yrow = static_cast<int64_t>(start) + slot;
-                        Y[yrow * a.ldy + r] = a.round ? bf16r(p[0]) : p[0];
-                    }
-                }
-            }
+        __syncthreads();
+        const int o = tid, slot = o / BM, r = row_base + o % BM;
+        const float y = fold64(red + o, BM * BN);
+        if (r < a.R && slot < cnt) {
+            float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
+            int64_t yrow;
+            if constexpr (EXPERT) yrow = a.pairs[start + slot];
+            else yrow = static_cast<int64_t>(start) + slot;
+            Y[yrow * a.ldy + r] = a.round ? bf16r(y) : y;
         }
     }
 }
