@@ -373,6 +373,10 @@ LINEAR_EMU_CASES = [
     ("emu-mxfp4-gemm-steady", "mxfp4", 33, 1280, 18, False, False, False),
     ("emu-fp8-experts-gemm16-steady", "fp8", 40, 1088, 37, True, True, False),
     ("emu-bf16-gemm-long", "bf16", 40, 1152, 17, False, False, False),  # BF16: the general loop, 18 chunks
+    # expert items of 4 and 3 pairs (64-row tiles of 8 slots): three row blocks, the last partial; FP8 17
+    # chunks (slabs of 2: 6 steady, then the general loop)
+    ("emu-fp8-experts-gemm4", "fp8", 130, 1088, 4, True, True, False),
+    ("emu-bf16-experts-gemm3", "bf16", 40, 320, 3, True, True, False),
 ]
 
 
@@ -543,8 +547,8 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
     a step's work items hold 16 pairs (32 rows x 16 pairs a block), and MLA's head-blocked W_UK^T and W_UV
     (heads of whole 32-row blocks, each block's x its head's) take it from 16 rows. A 200-token prefill
     (400 pairs over 8 experts) in one step: every stage of every position = the CPU engine's;
-    expert_tile=16 forces the items on a 40-token step (items of 16, 16 and fewer), expert_tile=8 the
-    tiled kernel: the same logits."""
+    expert_tile=16 forces the items on a 40-token step (items of 16, 16 and fewer), expert_tile=8 items of
+    8 (64 rows x 8 pairs), and with the option gemm off the tiled kernel's: the same logits."""
     from tools.zoo import make_checkpoint
     path = str(make_checkpoint("tiny", "fp8", tmp_path / "w128", hidden_size=128, moe_intermediate_size=64,
                                kv_lora_rank=64, qk_nope_head_dim=64, v_head_dim=64))
@@ -554,9 +558,9 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
     assert np.array_equal(bits(cpu.prefill(ids, capture=want)), bits(eng.prefill(ids, capture=got)))
     assert_same_capture(eng.config, want, got, range(len(ids)))
     ref = cpu.prefill(ids[:40])
-    for tile in (16, 8):
-        forced = CudaEngine(path, cuda_options={"expert_tile": tile})
-        assert np.array_equal(bits(forced.prefill(ids[:40])), bits(ref)), tile
+    for opts in ({"expert_tile": 16}, {"expert_tile": 8}, {"expert_tile": 8, "gemm": False}):
+        forced = CudaEngine(path, cuda_options=opts)
+        assert np.array_equal(bits(forced.prefill(ids[:40])), bits(ref)), opts
 
 
 def test_engine_options(tmp_path, monkeypatch):

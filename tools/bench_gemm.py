@@ -9,8 +9,8 @@ then --reps timed launches, L2 evicted before each) of one launch through each k
 k_linear_mt, 'gemm': k_linear_gemm, 'auto': the engine's choice), its FMA rate (2 R C T FLOP, experts
 2 R C T k) and that as a share of the FFMA peak (fast._cuda.bench_ffma: independent FMA chains, same
 process). Every kernel computes the same bits (tests/test_fast_cuda.py::test_linear_kernels_match_cpu).
-Expert launches take the engine's work items (moe.cu's tile rule: 8 pairs where experts average 4 or
-more, else 4 or 1); 'tiled' forces k_linear_mt on them.
+Expert launches take the engine's work items (weights.cuh's expert_tile: 16 pairs through the register-tiled
+kernel where experts average 16 or more, else 8 (the same kernel), or 1 below one); 'tiled' forces k_linear_mt on them.
 """
 from __future__ import annotations
 

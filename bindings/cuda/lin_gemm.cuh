@@ -15,8 +15,11 @@ namespace {
 // tokens (64 accumulators), SGEMM-style: per chunk two 16-byte loads of its rows' weights and two of its
 // tokens' x, 64 FMAs. For that the block keeps both transposed in shared memory, chain-major: W^T
 // [column][row] and X^T [column][token] (a column 64u + k of the slab is one row of each). The 512
-// threads are 64 chains x 8 (BM / 8 row groups x BN / 8 token groups): BM = 32 rows x BN = 16 tokens
-// (kGmTG = 4), 64 x 8 for expert items of eight pairs (TG = 2).
+// threads are 64 chains x 8 (row groups x token groups): BM = 32 rows x BN = 16 tokens (TG = 4: dense
+// launches, expert items of 16 pairs), 64 x 8 for expert items of up to eight pairs (TG = 2: decode
+// batches, whose experts hold a few pairs each). A tile of 128 rows x 4 pairs (a thread 16 x 4) for items
+// of four was slower than items of 8 in every decode batch (H200, slice FP8: b128 3811-3937 against
+// 4633-4685 tok/s), its decode per FMA twice theirs: not kept.
 //
 // Per slab of S chunks (gm_slab): the block's weight rows (raw bytes) and its tokens' x rows (f32)
 // arrive by cp.async (gm_stages: up to two slabs in flight); a slab ahead of its use, each weight is
@@ -54,10 +57,10 @@ template <int FMT, int TG, int S, int ST>
 constexpr bool gm_fits() {
     return ST * gm_stage_bytes_s<FMT, TG, S>() + gm_t_bytes_s<TG, S>() <= 227 * 1024;
 }
-// Chunks per slab (4 where three stages fit, else 2) and cp.async stages (4 where they fit, else 3).
+// Chunks per slab (4 where three stages fit, else 2, else 1) and cp.async stages (4 where they fit, else 3).
 template <int FMT, int TG>
 constexpr int gm_slab() {
-    return gm_fits<FMT, TG, 4, 3>() ? 4 : 2;
+    return gm_fits<FMT, TG, 4, 3>() ? 4 : (gm_fits<FMT, TG, 2, 3>() ? 2 : 1);
 }
 template <int FMT, int TG>
 constexpr int gm_stages() {
@@ -124,7 +127,8 @@ template <int FMT, bool EXPERT, int DEC, int TG>
 __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
-    constexpr int CB = chunk_bytes<FMT>(), BM = gm_rows<TG>(), BN = gm_tokens<TG>(), RGN = BM / 8;
+    constexpr int CB = chunk_bytes<FMT>(), BM = gm_rows<TG>(), BN = gm_tokens<TG>();
+    constexpr int RT = 8, TT = 8, RGN = BM / RT;  // a thread: RT rows x TT tokens
     constexpr int S = gm_slab<FMT, TG>(), ST = gm_stages<FMT, TG>();
     constexpr int WRAW = S * CB + 16;                 // bytes per staged raw row
     constexpr int XROW = S * 64 + 4;                  // floats per staged x row
@@ -146,7 +150,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     const int nst = (nchunks + S - 1) / S;
     const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
     const int k = 4 * (tid >> 5) + (lane >> 3);                      // this thread's chain
-    const int rg = (lane & 7) % RGN, tg = (lane & 7) / RGN;          // its rows 8 rg .. + 7, tokens 8 tg .. + 7
+    const int rg = (lane & 7) % RGN, tg = (lane & 7) / RGN;          // its rows RT rg .., tokens TT tg ..
     const int row_base = static_cast<int>(blockIdx.x) * BM;
     const int64_t rb = row_bytes(FMT, C);
     auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
@@ -292,22 +296,29 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
                 }
             }
         };
-        float acc[8][8];  // [row i][token j] of chain k
+        float acc[RT][TT];  // [row i][token j] of chain k
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < RT; ++i)
 #pragma unroll
-            for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+            for (int j = 0; j < TT; ++j) acc[i][j] = 0.0f;
         auto chunk = [&](const float* W, const float* X, int u) {
-            const float* wp = W + (64 * u + k) * WS + 8 * rg;
-            const float* xp = X + (64 * u + k) * XS + 8 * tg;
-            const float4 w0 = *reinterpret_cast<const float4*>(wp), w1 = *reinterpret_cast<const float4*>(wp + 4);
-            const float4 x0 = *reinterpret_cast<const float4*>(xp), x1 = *reinterpret_cast<const float4*>(xp + 4);
-            const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-            const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+            const float* wp = W + (64 * u + k) * WS + RT * rg;
+            const float* xp = X + (64 * u + k) * XS + TT * tg;
+            float wv[RT], xv[TT];
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
+            for (int i = 0; i < RT; i += 4) {
+                const float4 v = *reinterpret_cast<const float4*>(wp + i);
+                wv[i] = v.x; wv[i + 1] = v.y; wv[i + 2] = v.z; wv[i + 3] = v.w;
+            }
 #pragma unroll
-                for (int j = 0; j < 8; ++j) acc[i][j] = ffma(wv[i], xv[j], acc[i][j]);
+            for (int j = 0; j < TT; j += 4) {
+                const float4 v = *reinterpret_cast<const float4*>(xp + j);
+                xv[j] = v.x; xv[j + 1] = v.y; xv[j + 2] = v.z; xv[j + 3] = v.w;
+            }
+#pragma unroll
+            for (int i = 0; i < RT; ++i)
+#pragma unroll
+                for (int j = 0; j < TT; ++j) acc[i][j] = ffma(wv[i], xv[j], acc[i][j]);
         };
         auto slab_w = [&](int s) { return static_cast<const float*>(Wt + (s & 1) * (S * 64 * WS)); };
         auto slab_x = [&](int s) { return static_cast<const float*>(Xt + (s & 1) * (S * 64 * XS)); };
@@ -361,10 +372,10 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         float* const red = reinterpret_cast<float*>(sm);
         __syncthreads();  // every thread is done with the last slab
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < TT; ++j)
 #pragma unroll
-            for (int i = 0; i < 8; i += 4) {
-                float* d = red + k * (BM * BN) + (8 * tg + j) * BM + 8 * rg + i;
+            for (int i = 0; i < RT; i += 4) {
+                float* d = red + k * (BM * BN) + (TT * tg + j) * BM + RT * rg + i;
                 *reinterpret_cast<float4*>(d) = make_float4(acc[i][j], acc[i + 1][j], acc[i + 2][j], acc[i + 3][j]);
             }
         __syncthreads();

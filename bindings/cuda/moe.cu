@@ -447,7 +447,7 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     // up and down tables). The option expert_tile=1/4/8/16 forces the tile of batches (a benchmark's knob;
     // every tile gives the same bits; 16 falls back to 8 where that kernel does not apply).
     // (asked only where 16 can be the tile: not in decode steps)
-    const bool may16 = T > 1 && (T * k >= 16 * E || s.E.opts.expert_tile == 16);
+    const bool may16 = experts_may_take16(T, k, E) || (T > 1 && s.E.opts.expert_tile == 16);
     const bool gemm16 = may16 && w.t_gate.data && experts_take_gemm(w.t_gate, x, D) && experts_take_gemm(w.t_up, x, D) &&
                         experts_take_gemm(w.t_down, gbuf, Im);
     int tile = expert_tile(T, k, E, gemm16);

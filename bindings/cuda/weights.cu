@@ -181,8 +181,8 @@ void launch_mt(const LinArgs& a, dim3 grid) {
 // The register-tiled kernel: what the tiled kernel takes, several tokens (or expert items of several
 // pairs). The engine takes it (option gemm) for dense launches of kGemmMinT tokens or more; fewer
 // tokens keep the tiled kernel, whose 4- and 8-token tiles waste nothing there. Expert items of 16 pairs
-// (32-row tiles) where the experts average 16 (expert_tile); of 8 (64-row tiles) only when forced: on
-// the H200 those were slower than the tiled kernel (bench_gemm). Head-blocked launches too, when each
+// (32-row tiles) where the experts average 16 (experts_may_take16), of up to 8 (64-row tiles) elsewhere
+// (gemm_chosen). Head-blocked launches too, when each
 // head is whole 32-row blocks (a block's x rows are then its head's).
 constexpr int kGemmMinT = 16;
 bool gemm_applies(const LinArgs& a, bool expert) {
@@ -199,8 +199,12 @@ bool gemm_takes_items16(LinArgs a) {
     a.tile_pairs = 16;
     return gemm_applies(a, true);
 }
+// Experts: items of several pairs (8 or 16, expert_tile) wherever it applies. Items of 8 through it
+// (64 rows x 8 pairs) against the tiled kernel, H200, slice FP8, one session, twice: b64 4034-4062 against
+// 3648 tok/s, b128 4633-4685 against 4187-4197 (against 4199-4200 in items of 16), b256 5023-5066 against
+// 4842-4845 (4831-4944), prefill 512 9490-9523 against 9380-9394 (9381-9425).
 bool gemm_chosen(const LinArgs& a, bool expert) {
-    return launch_options().gemm && !expert && gemm_applies(a, expert) && a.T >= kGemmMinT;
+    return launch_options().gemm && gemm_applies(a, expert) && (expert || a.T >= kGemmMinT);
 }
 // TG: 4 TG tokens (pairs) and 8 (16 / TG) rows per block.
 template <int FMT, bool EXPERT, int DEC, int TG>
@@ -819,9 +823,10 @@ void linear_experts2(const ExpertTable& W, const ExpertTable& W2, const int* ite
 
 int expert_tile(int T, int k, int E, bool gemm16) {
     if (T == 1 || T * k < E) return 1;
-    if (gemm16 && T * k >= 16 * E) return 16;
+    if (gemm16 && experts_may_take16(T, k, E)) return 16;
     return 8;
 }
+bool experts_may_take16(int T, int k, int E) { return T > 1 && T * k >= 16 * E; }
 
 bool experts_take_gemm(const ExpertTable& W, const float* X, int64_t ldx) {
     return launch_options().gemm && gemm_takes_items16(expert_args(W, nullptr, nullptr, 1, nullptr, X, ldx, 1, 0, nullptr, 0, 16));
