@@ -182,8 +182,8 @@ void launch_mt(const LinArgs& a, dim3 grid) {
 // pairs). The engine takes it (option gemm) for dense launches of kGemmMinT tokens or more; fewer
 // tokens keep the tiled kernel, whose 4- and 8-token tiles waste nothing there. Expert items of 16 pairs
 // (32-row tiles) where the experts average 16 (experts_may_take16), of up to 8 (64-row tiles) elsewhere
-// (gemm_chosen). Head-blocked launches too, when each
-// head is whole 32-row blocks (a block's x rows are then its head's).
+// (gemm_chosen). Head-blocked launches too, when each head is whole 32-row blocks (a block's x rows are
+// then its head's).
 constexpr int kGemmMinT = 16;
 bool gemm_applies(const LinArgs& a, bool expert) {
     // head-blocked x (MLA's W_UK^T and W_UV by head): heads of whole 32-row blocks, x 16-byte aligned
@@ -199,10 +199,8 @@ bool gemm_takes_items16(LinArgs a) {
     a.tile_pairs = 16;
     return gemm_applies(a, true);
 }
-// Experts: items of several pairs (8 or 16, expert_tile) wherever it applies. Items of 8 through it
-// (64 rows x 8 pairs) against the tiled kernel, H200, slice FP8, one session, twice: b64 4034-4062 against
-// 3648 tok/s, b128 4633-4685 against 4187-4197 (against 4199-4200 in items of 16), b256 5023-5066 against
-// 4842-4845 (4831-4944), prefill 512 9490-9523 against 9380-9394 (9381-9425).
+// Experts: items of several pairs (8 or 16, expert_tile) wherever it applies; items of 8 through it beat
+// the tiled kernel at every batch that takes them (docs/perf.md, "Session 14").
 bool gemm_chosen(const LinArgs& a, bool expert) {
     return launch_options().gemm && gemm_applies(a, expert) && (expert || a.T >= kGemmMinT);
 }

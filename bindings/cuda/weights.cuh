@@ -142,16 +142,15 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
 // Pairs per routed-expert work item for T tokens routed to k of E experts (moe.cu and the benchmark's
 // items): 1 when the experts average less than one pair (b32: 256 pairs over 288 experts; a multi-pair
 // item would compute its empty slots too): the one-token kernels, an expert chosen twice read twice. Else
-// 8: the tiled kernel reads an expert's weights once per item and computes the slots past its pairs too
-// (measured on the H200, slice FP8: b32 3023 tok/s with 1 against 2813 with 4; b64 3314 with 8, 3240 with
+// 8: an item's weights are read once for its pairs and the slots past them are computed too (the
+// register-tiled kernel's 64 x 8 tiles, the tiled kernel where that does not apply; measured on the H200,
+// slice FP8, with the tiled kernel: b32 3023 tok/s with 1 against 2813 with 4; b64 3314 with 8, 3240 with
 // 4; b128 3713 against 3516; b256 4030 against 3661; docs/engine_cuda.md "Expert work items"). 16 where
 // experts_may_take16 and gemm16 (the register-tiled kernel takes the tables: experts_take_gemm): 32 rows x
 // 16 pairs a block, each weight decoded once for 16 pairs. Every tile gives the same bits.
 int expert_tile(int T, int k, int E, bool gemm16);
 // Items of 16 pairs where the experts average 16 pairs or more (T * k >= 16 E); below, items of 8 through
-// the same kernel were as fast or faster (H200, slice FP8, session 14, tiles forced by turns: b128 4633-4685
-// tok/s against 4199-4200 with 16, b256 5023-5066 against 4831-4944, prefill 512 9490-9523 against
-// 9381-9425).
+// the same kernel were as fast or faster (docs/perf.md, "Session 14").
 bool experts_may_take16(int T, int k, int E);
 // True when the register-tiled kernel takes items of 16 pairs of table W with x rows X (ldx floats
 // apart) and the engine option gemm is on.
