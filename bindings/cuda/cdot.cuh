@@ -172,12 +172,16 @@ GLM_DEV constexpr int bitrev6(int j) {
 GLM_DEV void store_kmajor4(float* d, float4 v, int stride) {
     d[0] = v.x, d[stride] = v.y, d[2 * stride] = v.z, d[3 * stride] = v.w;
 }
-// N consecutive floats of shared memory (16-byte aligned for N = 4, 8 for N = 2) in one vector load.
+// N consecutive floats of shared memory (16-byte aligned for N a multiple of 4, 8 for N = 2) in vector
+// loads.
 template <int N>
 GLM_DEV void load_n(const float* p, float (&v)[N]) {
-    if constexpr (N == 4) {
-        const float4 x = *reinterpret_cast<const float4*>(p);
-        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 4) {
+            const float4 x = *reinterpret_cast<const float4*>(p + i);
+            v[i] = x.x, v[i + 1] = x.y, v[i + 2] = x.z, v[i + 3] = x.w;
+        }
     } else if constexpr (N == 2) {
         const float2 x = *reinterpret_cast<const float2*>(p);
         v[0] = x.x, v[1] = x.y;
@@ -227,6 +231,29 @@ GLM_DEV void cdot_tree_walk(float (&out)[NR][NC], Leaf&& leaf) {
         for (int c = 0; c < NC; ++c) out[r][c] = st[6][r][c];
 }
 
+// The canonical fold of one dot's 64 partial sums v[k * stride] (k = 8g + l): P[g] += P[g + w] lane-wise
+// for w = 4, 2, 1, then P[0][l] += P[0][l + w] for w = 4, 2, 1. v is read, not changed.
+template <class T>
+GLM_DEV T fold64(const T* v, int stride) {
+    T G[8];
+#pragma unroll
+    for (int l = 0; l < 8; ++l) {
+        T P[8];
+#pragma unroll
+        for (int g = 0; g < 8; ++g) P[g] = v[(8 * g + l) * stride];
+#pragma unroll
+        for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+            for (int g = 0; g < w; ++g) P[g] = add(P[g], P[g + w]);
+        G[l] = P[0];
+    }
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1)
+#pragma unroll
+        for (int l = 0; l < w; ++l) G[l] = add(G[l], G[l + w]);
+    return G[0];
+}
+
 // cdot in one thread (any n; meant for short dots).
 template <class T, class Get>
 GLM_DEV T cdot_serial(int n, bool seq, Get get) {
@@ -269,12 +296,7 @@ GLM_DEV T cdot_serial(int n, bool seq, Get get) {
         get(i, a, b);
         P[i & 63] = fma_(a, b, P[i & 63]);
     }
-    for (int w = 4; w >= 1; w >>= 1)
-        for (int g = 0; g < w; ++g)
-            for (int l = 0; l < 8; ++l) P[8 * g + l] = add(P[8 * g + l], P[8 * (g + w) + l]);
-    for (int w = 4; w >= 1; w >>= 1)
-        for (int l = 0; l < w; ++l) P[l] = add(P[l], P[l + w]);
-    return P[0];
+    return fold64(P, 1);
 }
 
 // Shorthands over plain arrays (b with a stride).

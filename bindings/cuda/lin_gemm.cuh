@@ -79,48 +79,25 @@ constexpr int gm_smem_bytes() {
 template <int FMT, int DEC, class Put>
 GLM_DEV void decode16(const unsigned char* p, float m, Put&& put) {
     float w[8];
-    if constexpr (FMT == W_FP8) {
-        const uint4 v = *reinterpret_cast<const uint4*>(p);
-        decode_raw8<FMT, DEC>(uint2{v.x, v.y}, m, w);
-        put(0, w);
-        decode_raw8<FMT, DEC>(uint2{v.z, v.w}, m, w);
-        put(8, w);
-    } else if constexpr (FMT == W_MXFP4) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p);
-        decode_raw8<FMT, DEC>(v.x, m, w);
-        put(0, w);
-        decode_raw8<FMT, DEC>(v.y, m, w);
-        put(8, w);
-    } else {  // BF16 (16 bytes per eight), F32 (32)
+    if constexpr (FMT == W_F32) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            if constexpr (FMT == W_BF16) decode_raw8<FMT, DEC>(load_raw8<FMT>(p + 16 * h), m, w);
-            else decode_smem<FMT, DEC, 8>(p + 32 * h, m, w);
+            decode_smem<FMT, DEC, 8>(p + 32 * h, m, w);
+            put(8 * h, w);
+        }
+    } else {
+        // the two raw words in one load where they fit in 16 bytes (FP8 16, MXFP4 8; BF16 two of 16)
+        constexpr size_t kTwo = 2 * sizeof(Raw8<FMT>);
+        struct alignas(kTwo < 16 ? kTwo : 16) Two {
+            Raw8<FMT> h[2];
+        };
+        const Two v = *reinterpret_cast<const Two*>(p);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            decode_raw8<FMT, DEC>(v.h[h], m, w);
             put(8 * h, w);
         }
     }
-}
-
-// The canonical fold of one output's 64 chains v[k * stride] (k = 8g + l): P[g] += P[g + w] lane-wise
-// for w = 4, 2, 1, then P[0][l] += P[0][l + w] for w = 4, 2, 1 (cdot.cuh).
-GLM_DEV float fold64(const float* v, int stride) {
-    float G[8];
-#pragma unroll
-    for (int l = 0; l < 8; ++l) {
-        float P[8];
-#pragma unroll
-        for (int g = 0; g < 8; ++g) P[g] = v[(8 * g + l) * stride];
-#pragma unroll
-        for (int w = 4; w >= 1; w >>= 1)
-#pragma unroll
-            for (int g = 0; g < w; ++g) P[g] = add(P[g], P[g + w]);
-        G[l] = P[0];
-    }
-#pragma unroll
-    for (int w = 4; w >= 1; w >>= 1)
-#pragma unroll
-        for (int l = 0; l < w; ++l) G[l] = add(G[l], G[l + w]);
-    return G[0];
 }
 
 template <int FMT, bool EXPERT, int DEC, int TG>
@@ -287,12 +264,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
                 const int xi = tid + n * kGmThreads;
                 const int j = xi % BN, q = xi / BN;  // token j, floats 4q .. + 3 of the slab
                 if ((XTASKS % kGmThreads == 0 || xi < XTASKS) && (full || q < 16 * nc)) {
-                    const float4 v = *reinterpret_cast<const float4*>(xs + j * XROW + 4 * q);
-                    float* d = X + 4 * q * XS + j;
-                    d[0] = v.x;
-                    d[XS] = v.y;
-                    d[2 * XS] = v.z;
-                    d[3 * XS] = v.w;
+                    store_kmajor4(X + 4 * q * XS + j, *reinterpret_cast<const float4*>(xs + j * XROW + 4 * q), XS);
                 }
             }
         };
@@ -305,16 +277,8 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             const float* wp = W + (64 * u + k) * WS + RT * rg;
             const float* xp = X + (64 * u + k) * XS + TT * tg;
             float wv[RT], xv[TT];
-#pragma unroll
-            for (int i = 0; i < RT; i += 4) {
-                const float4 v = *reinterpret_cast<const float4*>(wp + i);
-                wv[i] = v.x; wv[i + 1] = v.y; wv[i + 2] = v.z; wv[i + 3] = v.w;
-            }
-#pragma unroll
-            for (int j = 0; j < TT; j += 4) {
-                const float4 v = *reinterpret_cast<const float4*>(xp + j);
-                xv[j] = v.x; xv[j + 1] = v.y; xv[j + 2] = v.z; xv[j + 3] = v.w;
-            }
+            load_n<RT>(wp, wv);
+            load_n<TT>(xp, xv);
 #pragma unroll
             for (int i = 0; i < RT; ++i)
 #pragma unroll
