@@ -362,7 +362,7 @@ LINEAR_EMU_CASES = [
     ("emu-f32-gemm", "f32", 20, 128, 16, False, False, False),
     ("emu-fp8-experts-gemm", "fp8", 130, 448, 13, True, True, False),
     ("emu-bf16-gemm-round", "bf16", 36, 256, 18, False, False, True),
-    ("emu-fp8-gemm-32", "fp8", 20, 704, 45, False, False, False),  # 32-token tiles (16 rows), 11 chunks
+    ("emu-fp8-gemm-32", "fp8", 20, 704, 45, False, False, False),  # three token tiles, the last of 13; 11 chunks
     # expert items of 16 pairs (32-row tiles; the engine's from 16 pairs an expert on average): two full
     # items and a short one, 7 chunks (a last slab of 3)
     ("emu-fp8-experts-gemm16", "fp8", 70, 448, 37, True, True, False),

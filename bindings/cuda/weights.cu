@@ -231,9 +231,7 @@ void launch_gemm(const LinArgs& a, dim3 grid) {
     const int path = FMT == W_FP8 && a.dec == kDecInt && a.hw8 ? kDecHw : a.dec;
     with_dec<FMT, true>(path, [&](auto dec) {
         constexpr int DEC = decltype(dec)::value;
-        // expert items of up to 8 pairs: 64 rows x 8 pairs, of 16: 32 x 16; dense: 32 rows x 16 tokens (32-token tiles,
-        // TG 8, fewer decodes per FMA, measured slower on the H200: 14.8 against 16.9 TFLOP/s)
-        // (experts: items of 16 pairs, expert_tile, the dense tile)
+        // expert items of up to 8 pairs: 64 rows x 8 pairs; of 16 and dense launches: 32 rows x 16 tokens
         if (EXPERT && a.tile_pairs <= 8) launch_gemm_tg<FMT, EXPERT, DEC, 2>(a, grid);
         else launch_gemm_tg<FMT, EXPERT, DEC, 4>(a, grid);
     });
