@@ -76,6 +76,7 @@ _ENV_OPTIONS = {
     "GLM_EXPERT_TILE": ("expert_tile", lambda v: int(v) if v in ("1", "4", "8", "16") else 0),
     "GLM_PINNED_LOGITS": ("pinned_logits", lambda v: v != "0"),
     "GLM_GEMM": ("gemm", lambda v: v != "0"),
+    "GLM_LANES": ("lanes", lambda v: v != "0"),
     "GLM_IDX_TILED": ("idx_tiled", lambda v: v != "0"),
     "GLM_ATTN_TILED": ("attn_tiled", lambda v: v != "0"),
 }

@@ -377,6 +377,11 @@ LINEAR_EMU_CASES = [
     # chunks (slabs of 2: 6 steady, then the general loop)
     ("emu-fp8-experts-gemm4", "fp8", 130, 1088, 4, True, True, False),
     ("emu-bf16-experts-gemm3", "bf16", 40, 320, 3, True, True, False),
+    # the lane-pass kernel at 128 tokens and more (32 rows x 128 tokens a block: two token tiles, the
+    # last of few; 5 chunks: a slab of 4 and one of 1 in every lane pass)
+    ("emu-fp8-lanes-128", "fp8", 40, 320, 130, False, False, True),
+    ("emu-bf16-lanes-128", "bf16", 36, 256, 129, False, False, False),
+    ("emu-mxfp4-lanes-128", "mxfp4", 33, 576, 140, False, False, True),
 ]
 
 
@@ -438,7 +443,10 @@ def test_linear_kernels_match_cpu(case):
     wide = ["register:w4", "register:w2"] if T == 1 and not expert and release in ("fp8", "bf16") and C % 64 == 0 else []
     # the register-tiled kernel: several tokens (experts: items of 4 or 8 pairs, 16 from 16) of rows of whole chunks
     gemm = ["gemm"] if C % 64 == 0 and T > 1 else []
-    kernels = ["auto", "register"] + occ + wide + stream + tiled + gemm + (variants if staged else [])
+    # the lane-pass kernel: dense, several tokens, BF16 / FP8 / MXFP4 rows of whole chunks (64 x 64 tiles
+    # below 128 tokens, 32 x 128 from there)
+    lanes = ["lanes"] if C % 64 == 0 and T > 1 and not expert and release != "f32" else []
+    kernels = ["auto", "register"] + occ + wide + stream + tiled + gemm + lanes + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data);
     # MXFP4: the software decode and the f16-pair placement (scales <= 240)
     # (scales past the fold exclude the placement: auto takes the other, 'int' is refused)
@@ -450,7 +458,7 @@ def test_linear_kernels_match_cpu(case):
     for kernel in kernels:
         full = ("auto", "register", "register:occ5", "register:occ6", "register:w4", "register:w2", "stream:1", "stream:2",
                 "stream:3", "stream:1x",
-                "stream:2x", "tiled", "tiled:1", "gemm",
+                "stream:2x", "tiled", "tiled:1", "gemm", "lanes",
                 "staged:4:1", "staged:2:0")
         for decode in decodes if kernel in full else ("auto",):
             got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert, decode=decode)
@@ -467,6 +475,9 @@ def test_linear_kernels_match_cpu(case):
     if not gemm:
         with pytest.raises(ValueError, match="gemm kernel does not apply"):
             cu.linear(release, data, scale, X, round=rnd, kernel="gemm", expert=expert)
+    if not lanes:
+        with pytest.raises(ValueError, match="lanes kernel does not apply"):
+            cu.linear(release, data, scale, X, round=rnd, kernel="lanes", expert=expert)
     if not wide:
         with pytest.raises(ValueError, match="wide register kernel does not apply"):
             cu.linear(release, data, scale, X, round=rnd, kernel="register:w4", expert=expert)
@@ -572,13 +583,13 @@ def test_engine_options(tmp_path, monkeypatch):
     make_checkpoint("tiny", "fp8", path, hidden_size=128)
     from fast.cuda import _ENV_OPTIONS
     defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0,
-                "pinned_logits": True, "gemm": True, "idx_tiled": True, "attn_tiled": True}
+                "pinned_logits": True, "gemm": True, "lanes": True, "idx_tiled": True, "attn_tiled": True}
     assert sorted(name for name, _ in _ENV_OPTIONS.values()) == sorted(defaults)   # (an A/B variable each)
     for var in _ENV_OPTIONS:
         monkeypatch.delenv(var, raising=False)
     assert CudaEngine(path).options["cuda"] == defaults
     flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8,
-               "pinned_logits": False, "gemm": False, "idx_tiled": False, "attn_tiled": False}
+               "pinned_logits": False, "gemm": False, "lanes": False, "idx_tiled": False, "attn_tiled": False}
     eng, ref = CudaEngine(path, cuda_options=flipped), fast.Engine(path, device="cpu")
     assert eng.options["cuda"] == flipped and "'expert_tile': 8" in repr(eng)
     V = eng.config.vocab_size

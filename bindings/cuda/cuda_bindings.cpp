@@ -99,6 +99,7 @@ constexpr FlagOption kFlagOptions[] = {{"pdl", &EngineOptions::pdl},
                                        {"hc_fuse", &EngineOptions::hc_fuse},
                                        {"pinned_logits", &EngineOptions::pinned_logits},
                                        {"gemm", &EngineOptions::gemm},
+                                       {"lanes", &EngineOptions::lanes},
                                        {"idx_tiled", &EngineOptions::idx_tiled},
                                        {"attn_tiled", &EngineOptions::attn_tiled}};
 
@@ -500,7 +501,7 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         py::arg("release"), py::arg("data"), py::arg("scale"), py::arg("X"), py::arg("round") = false,
         py::arg("kernel") = "auto", py::arg("expert") = false, py::arg("decode") = "auto",
         "linear(release, data, scale, X: f32[T, C], round=False, kernel='auto'|'register'|'register:occ5'|"
-        "'register:occ6'|'stream:1|2|3'|'tiled'|'tiled:1'|'gemm'|'staged'|'staged:LPT:XS[:RPB:CPS]', expert=False, "
+        "'register:occ6'|'stream:1|2|3'|'tiled'|'tiled:1'|'gemm'|'lanes'|'staged'|'staged:LPT:XS[:RPB:CPS]', expert=False, "
         "decode='auto'|'sw'|'hw'|'int') -> "
         "f32[T, R]: Y[t, r] = cdot(W[r], X[t]) through the engine's device kernels (expert: the routed-expert "
         "path, token row t its own work item, or with 'tiled' items of 4 or 8 pairs, with 'gemm' of 16 from 16). "

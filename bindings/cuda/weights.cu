@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <mutex>
 #include <tuple>
 #include <type_traits>
 #include <cstring>
@@ -20,6 +21,7 @@
 #include "lin_staged.cuh"
 #include "lin_tiled.cuh"
 #include "lin_gemm.cuh"
+#include "lin_lanes.cuh"
 #include "lin_stream.cuh"
 
 namespace glm::cuda {
@@ -237,6 +239,83 @@ void launch_gemm(const LinArgs& a, dim3 grid) {
     });
 }
 
+// The lane-pass kernel (lin_lanes.cuh): dense launches (no head blocking) of BF16, FP8 or MXFP4 rows of
+// whole chunks, 16-byte aligned, several tokens. The engine takes it (option lanes) from kLanesMinT tokens;
+// below, the register-tiled kernel. x is re-laid into a device scratch (lanes_scratch) by k_x_lanes, at
+// most kLanesGroup floats at a time: larger launches run in groups of tokens.
+constexpr int kLanesMinT = 64;
+constexpr int64_t kLanesGroup = int64_t{32} << 20;  // floats of re-laid x (128 MiB) per group of tokens
+bool lanes_applies(const LinArgs& a, bool expert) {
+    if (expert || a.T < 2 || a.rh < a.R) return false;
+    if (!(a.fmt == W_BF16 || a.fmt == W_FP8 || a.fmt == W_MXFP4)) return false;
+    const int64_t rb = row_bytes(a.fmt, a.C);
+    if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0 || reinterpret_cast<uintptr_t>(a.data) % 16 != 0) return false;
+    // its scale offsets are 32-bit
+    return (a.row0 + a.woff + a.R) * (a.C / 32 + 1) < (int64_t{1} << 31);
+}
+bool lanes_chosen(const LinArgs& a, bool expert) {
+    return launch_options().lanes && lanes_applies(a, expert) && a.T >= kLanesMinT;
+}
+// One growing device buffer per device for the re-laid x (launches are in stream order on stream 0).
+float* lanes_scratch(int64_t floats) {
+    struct Buf {
+        float* p = nullptr;
+        int64_t n = 0;
+    };
+    static Buf bufs[64];
+    static std::mutex mu;
+    int dev = 0;
+    check(cudaGetDevice(&dev), "cudaGetDevice");
+    std::lock_guard<std::mutex> lock(mu);
+    Buf& b = bufs[dev & 63];
+    if (b.n < floats) {
+        if (b.p) check(cudaFree(b.p), "cudaFree");
+        b.p = nullptr;
+        b.n = 0;
+        void* q = nullptr;
+        check(cudaMalloc(&q, static_cast<size_t>(floats) * 4), "cudaMalloc (lane-pass x)");
+        b.p = static_cast<float*>(q);
+        b.n = floats;
+    }
+    return b.p;
+}
+template <int FMT, int DEC, int BN>
+void launch_lanes_bn(const LinArgs& a) {
+    auto k = k_linear_lanes<FMT, DEC, BN>;
+    constexpr size_t smem = static_cast<size_t>(ln_smem_bytes<FMT, BN>());
+    allow_smem(k, smem);
+    const int nch = static_cast<int>(a.C / 64);
+    const int64_t per = std::max<int64_t>(BN, kLanesGroup / a.C / BN * BN);  // tokens per group
+    for (int64_t t0 = 0; t0 < a.T; t0 += per) {
+        const int n = static_cast<int>(std::min<int64_t>(per, a.T - t0));
+        const int64_t ldT = (n + BN - 1) / BN * BN;
+        float* xp = lanes_scratch(ldT * a.C);
+        auto kx = k_x_lanes;
+        GLM_LAUNCH(kx, dim3(static_cast<unsigned>(ldT / 32), static_cast<unsigned>(nch)), 256, 0, a.X + t0 * a.ldx, a.ldx,
+                   n, nch, ldT, xp);
+        LinArgs b = a;
+        b.X = xp;
+        b.ldx = ldT;
+        b.Y = a.Y + t0 * a.ldy;
+        b.T = n;
+        const dim3 grid(static_cast<unsigned>((a.R + ln_rows<BN>() - 1) / ln_rows<BN>()), static_cast<unsigned>(ldT / BN));
+        GLM_LAUNCH(k, grid, kLnThreads, smem, b);
+    }
+}
+// 128 tokens a block (32 rows) from 128 tokens: each decoded weight serves them all; 64 x 64 below.
+// FP8 by the hardware conversion where the integer decode was chosen and passed the check (launch_gemm).
+template <int FMT>
+void launch_lanes(const LinArgs& a) {
+    if constexpr (FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4) {
+        const int path = FMT == W_FP8 && a.dec == kDecInt && a.hw8 ? kDecHw : a.dec;
+        with_dec<FMT, true>(path, [&](auto dec) {
+            constexpr int DEC = decltype(dec)::value;
+            if (a.T >= 128) launch_lanes_bn<FMT, DEC, 128>(a);
+            else launch_lanes_bn<FMT, DEC, 64>(a);
+        });
+    }
+}
+
 // The streaming kernel: one token row (or expert items of one pair) whose rows can be copied.
 bool stream_applies(const LinArgs& a, bool expert) {
     return rows_copyable(a, expert) && a.xhs % 4 == 0 && (expert ? a.tile_pairs == 1 : a.T == 1);
@@ -382,6 +461,14 @@ struct GemmLaunch {
     static bool run(const LinArgs& a, dim3 grid, const LinChoice&) {
         if (!gemm_applies(a, EXPERT)) return false;
         launch_gemm<FMT, EXPERT>(a, grid);
+        return true;
+    }
+};
+template <int FMT, bool EXPERT>
+struct LanesLaunch {
+    static bool run(const LinArgs& a, dim3, const LinChoice&) {
+        if (!lanes_applies(a, EXPERT)) return false;
+        launch_lanes<FMT>(a);
         return true;
     }
 };
@@ -538,6 +625,17 @@ const LinKernel kLinKernels[] = {
          return true;
      },
      launches_of<GemmLaunch>()},
+    // "lanes" (dense launches of several tokens; never a one-token candidate)
+    {LinKind::Lanes, "lanes", "lanes kernel",
+     [](const LinArgs& a, bool expert, const LinChoice&) { return lanes_applies(a, expert); },
+     [](const LinArgs&, bool, std::vector<LinChoice>&) {},
+     [](const LinChoice&) { return std::string("lanes"); },
+     [](const std::string& spec, LinChoice& c) {
+         if (spec != "lanes") return false;
+         c = variant(LinKind::Lanes);
+         return true;
+     },
+     launches_of<LanesLaunch>()},
 };
 
 const LinKernel& lin_kernel(LinKind kind) {
@@ -658,6 +756,9 @@ void launch_fmt(const LinArgs& a, dim3 grid) {
         if (launch_one_token<FMT, EXPERT>(a, grid, c)) return;
     } else if (!a.no_staged) {  // forced: the gemm or the tiled kernel; else the register-tiled kernel where chosen
         const LinKind k = a.choice.kind;
+        if (k == LinKind::Lanes || (k == LinKind::Auto && lanes_chosen(a, EXPERT))) {
+            if (LanesLaunch<FMT, EXPERT>::run(a, grid, a.choice)) return;
+        }
         if (k == LinKind::Gemm || (k == LinKind::Auto && gemm_chosen(a, EXPERT))) {
             if (GemmLaunch<FMT, EXPERT>::run(a, grid, a.choice)) return;
         }
@@ -894,7 +995,7 @@ LinChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require
         if (k.parse(kernel, c)) return c;
     throw std::invalid_argument("linear: kernel must be 'auto', 'register', 'register:occ5', 'register:occ6', "
                                 "'register:w4', 'register:w2' (one token, dense, FP8 or BF16), "
-                                "'stream:1|2|3' (x: x staged), 'tiled', 'gemm', "
+                                "'stream:1|2|3' (x: x staged), 'tiled', 'gemm', 'lanes', "
                                 "'tiled:1', 'staged' or "
                                 "'staged:LPT:XS[:RPB:CPS]' "
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");

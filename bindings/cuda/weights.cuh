@@ -69,6 +69,7 @@ enum class LinKind : int {
     Wide,      // k_linear_wide: lpt (4 or 2) lanes per thread
     Stream,    // k_linear_stream: persistent warps, bps (1, 2 or 3) blocks per SM
     Gemm,      // k_linear_gemm: several tokens, register tiles of rows x tokens x chains (never one token)
+    Lanes,     // k_linear_lanes: dense, several tokens, one lane's chains at a time (never one token)
 };
 struct LinChoice {
     LinKind kind = LinKind::Auto;

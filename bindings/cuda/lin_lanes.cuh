@@ -1,0 +1,378 @@
+// The lane-pass kernel (k_linear_lanes) and the x re-layout it reads (k_x_lanes).
+// Part of weights.cu's translation unit (included there once, inside its anonymous namespace, so
+// that every kernel keeps one definition and its name); not a header for other files.
+#pragma once
+
+namespace glm::cuda {
+namespace {
+
+// ---- the lane-pass kernel -----------------------------------------------------------------------
+//
+// Y[t][r] = cdot(W[r], X[t]) for dense launches of many tokens. The register-tiled kernel (lin_gemm.cuh)
+// keeps all 64 chains P[g][l] of an output live at once, so a block's registers hold only 512 outputs
+// (32 rows x 16 tokens) and every decoded weight serves 16 tokens. But the canonical fold adds the
+// eight accumulators of one lane first (P[g] += P[g + w], lane-wise), then the lanes: lane l's eight
+// chains (columns 64c + 8g + l) fold into one partial Q[l] without any other lane. So a block walks K
+// eight times, once per lane, with only that lane's eight chains live: 4096 outputs a block (64 rows x
+// 64 tokens, or 32 x 128), each decoded weight serving BN tokens (64 or 128) instead of 16.
+//
+// A thread owns chain g of lane l for 8 rows x 8 tokens (64 accumulators, two 16-byte loads each of W^T
+// and X^T per 64 FMAs); a warp is the 8 chains of 4 such tiles, so the fold of a lane is a
+// reduce-scatter over shuffles (g ^ 4, g ^ 2, g ^ 1: the canonical tree, a + b = b + a bit for bit),
+// after which thread g holds Q[l] of its tile's row g for 8 tokens. The lanes run in the order 0 4 2 6
+// 1 5 3 7, so that their partials fold as they arrive ((Q0 + Q4) + (Q2 + Q6)) + ((Q1 + Q5) + (Q3 + Q7)),
+// three of them parked per thread in shared memory.
+//
+// The weights stay in their stored layout: every lane pass copies whole chunks of the block's rows
+// (cp.async) and decodes its lane's weights (FP8: one 16-byte load gives two, MXFP4 four, BF16 one 2-byte
+// load one), so the raw rows cross L2 eight times; x is re-laid once per launch by k_x_lanes into
+// Xp[l][c][g][token] (f32), so a lane's x^T arrives by plain 16-byte copies, nothing transposed in
+// the kernel. Per 64 FMAs a thread spends 4 shared loads, ~1 decoded weight (BN 64; half with BN 128)
+// and a fraction of a copy.
+//
+// Shared memory: ST stages of [raw rows BM x (S chunks + 16 bytes)] + [X^T S x 8 x (BN + 8) f32]; two
+// decoded W^T buffers S x 8 x (BM + 8); the parked partials [3][8][threads]. Paddings: raw rows are an
+// odd number of 16-byte pieces (a warp's 32 rows' 16-byte loads fall on distinct banks), W^T and X^T
+// rows are 8 floats past a multiple of 32 words (a half warp's 4 chains x 2 tiles x 16 bytes cover the
+// 32 banks once; a thread's rows and tokens are two groups of four, half a tile apart).
+constexpr int kLnThreads = 512;
+constexpr int kLnSlab = 4;  // chunks per slab
+template <int BN>
+constexpr int ln_rows() {  // rows per block: 4096 outputs
+    return 4096 / BN;
+}
+template <int FMT>
+constexpr int ln_raw_row() {  // bytes per staged raw row
+    return kLnSlab * chunk_bytes<FMT>() + 16;
+}
+template <int FMT, int BN>
+constexpr int ln_stage_bytes() {
+    return ln_rows<BN>() * ln_raw_row<FMT>() + kLnSlab * 8 * (BN + 8) * 4;
+}
+template <int BN>
+constexpr int ln_fixed_bytes() {  // the two W^T buffers and the parked partials
+    return 2 * kLnSlab * 8 * (ln_rows<BN>() + 8) * 4 + 3 * 8 * kLnThreads * 4;
+}
+template <int FMT, int BN>
+constexpr int ln_stages() {
+    return 4 * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<BN>() <= 227 * 1024 ? 4 : 3;
+}
+template <int FMT, int BN>
+constexpr int ln_smem_bytes() {
+    return ln_stages<FMT, BN>() * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<BN>();
+}
+// pass p's lane: 0 4 2 6 1 5 3 7 (p's three bits reversed)
+GLM_DEV int ln_lane(int p) { return ((p & 1) << 2) | (p & 2) | ((p >> 2) & 1); }
+
+// Xp[((l * nch + c) * 8 + g) * ldT + t] = X[t][64c + 8g + l] for t < T, 0 for T <= t < ldT.
+// A block: 32 tokens of one chunk, read by rows, written by (lane, chain) rows of 32 tokens.
+__global__ void __launch_bounds__(256) k_x_lanes(const float* __restrict__ X, int64_t ldx, int T, int nch, int64_t ldT,
+                                                 float* __restrict__ Xp) {
+    pdl_enter();
+    __shared__ float tile[32][65];
+    const int t0 = static_cast<int>(blockIdx.x) * 32, c = static_cast<int>(blockIdx.y), tid = static_cast<int>(threadIdx.x);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        const int idx = tid + 256 * n, t = idx >> 6, col = idx & 63;
+        tile[t][col] = t0 + t < T ? X[static_cast<int64_t>(t0 + t) * ldx + 64 * c + col] : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        const int idx = tid + 256 * n, t = idx & 31, lg = idx >> 5, l = lg >> 3, g = lg & 7;
+        Xp[(static_cast<int64_t>(l) * nch + c) * 8 * ldT + g * ldT + t0 + t] = tile[t][8 * g + l];
+    }
+}
+
+// a.X is Xp (k_x_lanes) with a.ldx = ldT; a.Y the launch's first token row; a.T its tokens.
+template <int FMT, int DEC, int BN>
+__global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
+    pdl_enter();
+    GLM_DYN_SMEM(unsigned char, sm);
+    constexpr int CB = chunk_bytes<FMT>(), BM = ln_rows<BN>(), S = kLnSlab, ST = ln_stages<FMT, BN>();
+    constexpr int RW = ln_raw_row<FMT>(), WS = BM + 8, XS = BN + 8;
+    constexpr int SB = ln_stage_bytes<FMT, BN>(), XOFF = BM * RW;
+    // decode tasks: FP8 two weights of one 16-byte piece (chains 2p, 2p + 1), MXFP4 four (4p .. 4p + 3),
+    // BF16 one; a warp's 32 tasks are 32 rows of one piece
+    constexpr int WPT = FMT == W_FP8 ? 2 : (FMT == W_MXFP4 ? 4 : 1);
+    constexpr int TPC = 8 / WPT;  // tasks per row and chunk
+    constexpr int TASKS = BM * TPC * S, NT = (TASKS + kLnThreads - 1) / kLnThreads;
+    constexpr int PPR = S * CB / 16, WPIECES = BM * PPR, NWP = (WPIECES + kLnThreads - 1) / kLnThreads;
+    constexpr int XPIECES = S * 8 * BN / 4, NXP = XPIECES / kLnThreads;
+    static_assert(FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4, "BF16, FP8 or MXFP4");
+    static_assert(XPIECES % kLnThreads == 0 && BM % 32 == 0, "whole copy rounds; 32-row decode warps");
+    static_assert((RW / 16) % 2 == 1 && (WS / 4) % 8 == 2 && (XS / 4) % 8 == 2, "bank spreads");
+    static_assert(ln_smem_bytes<FMT, BN>() <= 227 * 1024, "shared memory");
+    __shared__ const unsigned char* rowp[BM];
+    float* const Wt = reinterpret_cast<float*>(sm + ST * SB);  // [2][S][8][WS]
+    float* const park = Wt + 2 * S * 8 * WS;                   // [3][8][threads]
+    const int64_t C = a.C;
+    const int nch = static_cast<int>(C / 64), nst = (nch + S - 1) / S, total = 8 * nst;
+    const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+    const int g = (lane & 3) | ((lane >> 4) << 2), q = (lane >> 2) & 3;  // chain g; tile q of the warp's 4
+    constexpr int RWG = BM / 16;                                        // warps across the rows
+    const int rg = 2 * (warp % RWG) + (q & 1), tg = 2 * (warp / RWG) + (q >> 1);
+    const int row_base = static_cast<int>(blockIdx.x) * BM, tok0 = static_cast<int>(blockIdx.y) * BN;
+    const int64_t rb = row_bytes(FMT, C);
+    auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
+        return a.row0 + a.woff + (r < a.R ? r : a.R - 1);
+    };
+    if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(a.data) + abs_row(row_base + tid) * rb;
+    __syncthreads();
+    const uint32_t sm_s = smem_u32(sm);
+    // this thread's copies of a slab: weight pieces (row, 16-byte offset) and x pieces (chunk u, chain,
+    // 4 tokens): x piece p is chunk p / 2BN, chain (p / (BN / 4)) % 8, tokens 4 (p % (BN / 4)) ..
+    const unsigned char* wsrc[NWP];
+    int wdst[NWP], woff[NWP];
+#pragma unroll
+    for (int n = 0; n < NWP; ++n) {
+        const int p = tid + n * kLnThreads, i = p / PPR < BM ? p / PPR : BM - 1;
+        woff[n] = 16 * (p % PPR);
+        wsrc[n] = rowp[i] + woff[n];
+        wdst[n] = WPIECES % kLnThreads == 0 || p < WPIECES ? i * RW + woff[n] : -1;
+    }
+    int xsrc[NXP], xdst[NXP], xu[NXP];
+#pragma unroll
+    for (int n = 0; n < NXP; ++n) {
+        const int p = tid + n * kLnThreads, u = p / (2 * BN), gg = (p / (BN / 4)) % 8, j4 = p % (BN / 4);
+        xu[n] = u;
+        xsrc[n] = (u * 8 + gg) * static_cast<int>(a.ldx) + tok0 + 4 * j4;  // + the slab's x (issue: xb)
+        xdst[n] = XOFF + 4 * ((u * 8 + gg) * XS + 4 * j4);
+    }
+    auto chunks_of = [&](int s) { return nch - s * S < S ? nch - s * S : S; };
+    // (slabs are named by their position: s within pass p, and their stage; no division per slab)
+    // xb: the issued slab's x, lane ln_lane(p) chunk 64 s (issue_next keeps it)
+    auto issue = [&](int s, const float* xb, int stage) {
+        const int nc = chunks_of(s), c0 = s * S;
+        const uint32_t buf = sm_s + static_cast<uint32_t>(stage * SB);
+        if (nc == S) {
+#pragma unroll
+            for (int n = 0; n < NWP; ++n)
+                if (WPIECES % kLnThreads == 0 || wdst[n] >= 0) cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
+#pragma unroll
+            for (int n = 0; n < NXP; ++n) cp_async16_s(buf + xdst[n], xb + xsrc[n]);
+            return;
+        }
+#pragma unroll
+        for (int n = 0; n < NWP; ++n)
+            if ((WPIECES % kLnThreads == 0 || wdst[n] >= 0) && woff[n] < nc * CB) cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
+#pragma unroll
+        for (int n = 0; n < NXP; ++n)
+            if (xu[n] < nc) cp_async16_s(buf + xdst[n], xb + xsrc[n]);
+    };
+    // the decode tasks' multipliers for slab s (chunks past the last read the last chunk's, never used)
+    // this thread's decode tasks (the same in every slab): row i, piece tk of chunk u; their scales'
+    // offsets (32-bit: lanes_applies)
+    int dsc[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int ti = tid + n * kLnThreads, i = ti % BM, tk = (ti / BM) % TPC;
+        const int64_t ar = abs_row(row_base + i);
+        dsc[n] = static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) + tk : 0));
+    }
+    auto load_scales = [&](int s, float (&sc)[NT]) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int ti = tid + n * kLnThreads;
+            int c = s * S + ti / (BM * TPC);
+            c = c < nch ? c : nch - 1;
+            sc[n] = 0.0f;
+            if constexpr (FMT == W_FP8) {
+                sc[n] = fp8_mult<DEC>(__ldg(static_cast<const float*>(a.scale) + dsc[n] + (c >> 1)));
+            } else if constexpr (FMT == W_MXFP4) {
+                const uint32_t e = __ldg(static_cast<const uint8_t*>(a.scale) + dsc[n] + 2 * c);
+                sc[n] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
+            }
+        }
+    };
+    // slab s of pass p, lane ln_lane(p): raw stage -> W^T buffer wbuf
+    auto decode = [&](int s, int p, int stage, int wbuf, const float (&sc)[NT]) {
+        const int l = ln_lane(p), nc = chunks_of(s);
+        const unsigned char* rs = sm + stage * SB;
+        float* const W = Wt + wbuf * (S * 8 * WS);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const int ti = tid + n * kLnThreads, i = ti % BM, tk = (ti / BM) % TPC, u = ti / (BM * TPC);
+            if (!((TASKS % kLnThreads == 0 || ti < TASKS) && u < nc)) continue;
+            float* d = W + (u * 8 + WPT * tk) * WS + i;
+            if constexpr (FMT == W_BF16) {
+                const uint32_t h = *reinterpret_cast<const uint16_t*>(rs + i * RW + u * CB + 16 * tk + 2 * l);
+                d[0] = f32_from_bits(h << 16);
+            } else {
+                const uint4 v = *reinterpret_cast<const uint4*>(rs + i * RW + u * CB + 16 * tk);
+                if constexpr (FMT == W_FP8) {  // chain 2tk: byte l of the piece; 2tk + 1: byte 8 + l
+                    const uint32_t lo = (l & 4) ? v.y : v.x, hi = (l & 4) ? v.w : v.z;
+                    const uint32_t pair = __byte_perm(lo, hi, static_cast<uint32_t>((l & 3) | (((l & 3) + 4) << 4)));
+                    float w0, w1;
+                    if constexpr (DEC == kDecInt) {
+                        w0 = e4m3_int<0>(pair);
+                        w1 = e4m3_int<1>(pair);
+                    } else {
+                        e4m3x2<DEC == kDecHw>(pair, w0, w1);
+                    }
+                    d[0] = fmul(w0, sc[n]);
+                    d[WS] = fmul(w1, sc[n]);
+                } else {  // MXFP4: chain 4tk + k is word k's nibble l
+                    const uint32_t sh = 4u * static_cast<uint32_t>(l);
+                    const uint32_t c0 = (v.x >> sh) & 15u, c1 = (v.y >> sh) & 15u, c2 = (v.z >> sh) & 15u, c3 = (v.w >> sh) & 15u;
+                    if constexpr (DEC == kDecInt) {
+                        float w0, w1, w2, w3;
+                        e2m1_pair<0>(c0 | (c1 << 16), w0, w1);
+                        e2m1_pair<0>(c2 | (c3 << 16), w2, w3);
+                        d[0] = fmul(w0, sc[n]);
+                        d[WS] = fmul(w1, sc[n]);
+                        d[2 * WS] = fmul(w2, sc[n]);
+                        d[3 * WS] = fmul(w3, sc[n]);
+                    } else {
+                        d[0] = mxfp4_w(c0, sc[n]);
+                        d[WS] = mxfp4_w(c1, sc[n]);
+                        d[2 * WS] = mxfp4_w(c2, sc[n]);
+                        d[3 * WS] = mxfp4_w(c3, sc[n]);
+                    }
+                }
+            }
+        }
+    };
+    float acc[8][8];  // [row i][token j] of chain g: rows 4rg + i (i < 4), BM/2 + 4rg + i - 4; tokens likewise
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+    auto compute = [&](int s, int stage, int wbuf) {
+        const float* W = Wt + wbuf * (S * 8 * WS) + g * WS + 4 * rg;
+        const float* X = reinterpret_cast<const float*>(sm + stage * SB + XOFF) + g * XS + 4 * tg;
+        auto one = [&](int u) {
+            const float4 w0 = *reinterpret_cast<const float4*>(W + u * 8 * WS);
+            const float4 w1 = *reinterpret_cast<const float4*>(W + u * 8 * WS + BM / 2);
+            const float4 x0 = *reinterpret_cast<const float4*>(X + u * 8 * XS);
+            const float4 x1 = *reinterpret_cast<const float4*>(X + u * 8 * XS + BN / 2);
+            const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+            const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[i][j] = ffma(wv[i], xv[j], acc[i][j]);
+        };
+        const int nc = chunks_of(s);
+        if (nc == S) {  // a whole slab: no test per chunk
+#pragma unroll
+            for (int u = 0; u < S; ++u) one(u);
+        } else {
+#pragma unroll 1
+            for (int u = 0; u < nc; ++u) one(u);
+        }
+    };
+    // lane pass p is over: fold its chains into Q[l] (thread g: row g of its tile, 8 tokens) and that into
+    // the parked partials; after the last, write the outputs
+    auto end_pass = [&](int p) {
+        float* const f = &acc[0][0];  // [8 i + j]
+        float r1[32], r2[16], Q[8];
+        const bool b2 = (g >> 2) & 1, b1 = (g >> 1) & 1, b0 = g & 1;
+#pragma unroll
+        for (int e = 0; e < 32; ++e) {  // P[g] + P[g + 4]: chains g < 4 keep rows 0-3, the others rows 4-7
+            const float lo = f[e], hi = f[32 + e];
+            r1[e] = fadd(b2 ? hi : lo, __shfl_xor_sync(0xFFFFFFFFu, b2 ? lo : hi, 16));
+        }
+#pragma unroll
+        for (int e = 0; e < 16; ++e) {  // + (P[g + 2] + P[g + 6])
+            const float lo = r1[e], hi = r1[16 + e];
+            r2[e] = fadd(b1 ? hi : lo, __shfl_xor_sync(0xFFFFFFFFu, b1 ? lo : hi, 2));
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {  // + (the odd chains' sum): thread g now holds row g's Q[l]
+            const float lo = r2[e], hi = r2[8 + e];
+            Q[e] = fadd(b0 ? hi : lo, __shfl_xor_sync(0xFFFFFFFFu, b0 ? lo : hi, 1));
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+        // lanes in the order 0 4 2 6 1 5 3 7: P0 = Q0 + Q4, P1 = Q2 + Q6 -> P0 += P1; P1 = Q1 + Q5, P2 = Q3 + Q7 -> ...
+        float* const pk = park + tid;
+        auto at = [&](int slot, int j) -> float& { return pk[(slot * 8 + j) * kLnThreads]; };
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            switch (p) {
+                case 0: at(0, j) = Q[j]; break;
+                case 1: at(0, j) = fadd(at(0, j), Q[j]); break;
+                case 2: at(1, j) = Q[j]; break;
+                case 3: at(0, j) = fadd(at(0, j), fadd(at(1, j), Q[j])); break;
+                case 4: at(1, j) = Q[j]; break;
+                case 5: at(1, j) = fadd(at(1, j), Q[j]); break;
+                case 6: at(2, j) = Q[j]; break;
+                default: Q[j] = fadd(at(0, j), fadd(at(1, j), fadd(at(2, j), Q[j]))); break;
+            }
+        }
+        if (p == 7) {
+            const int r = row_base + (g < 4 ? 4 * rg + g : BM / 2 + 4 * rg + g - 4);
+            if (r < a.R) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int t = j < 4 ? 4 * tg + j : BN / 2 + 4 * tg + j - 4;
+                    if (tok0 + t < a.T) a.Y[static_cast<int64_t>(tok0 + t) * a.ldy + r] = a.round ? bf16r(Q[j]) : Q[j];
+                }
+            }
+        }
+    };
+    // One barrier per slab (as the register-tiled kernel): an iteration finds its slab decoded and the
+    // next copied; the barrier also ends every thread's use of the slab before (its stage, which the
+    // slab ST - 1 ahead refills, and its W^T buffer, which the next slab takes). Slabs run on across lane
+    // passes. Three cursors: the slab computed (cs, cp), the one issued (is, ip), each with its stage.
+    auto next = [&](int& s, int& p) {
+        if (++s == nst) {
+            s = 0;
+            ++p;
+        }
+    };
+    auto next_stage = [](int& st) { st = st + 1 == ST ? 0 : st + 1; };
+    const int64_t xstep = static_cast<int64_t>(S) * 8 * a.ldx;  // floats from one slab's x to the next
+    auto issue_next = [&](int& s, int& p, const float*& xb, int& st) {
+        if (++s == nst) {
+            s = 0;
+            ++p;
+            xb = a.X + static_cast<int64_t>(ln_lane(p & 7)) * nch * 8 * a.ldx;
+        } else {
+            xb += xstep;
+        }
+        st = st + 1 == ST ? 0 : st + 1;
+    };
+    float sc[NT];
+    int is = 0, ip = 0, ist = 0;
+    const float* ixb = a.X;  // lane 0, chunk 0
+    for (int n = 0; n < ST - 1; ++n) {
+        if (ip < 8) issue(is, ixb, ist);
+        cp_async_commit();
+        issue_next(is, ip, ixb, ist);
+    }
+    load_scales(0, sc);
+    cp_async_wait<ST - 2>();
+    __syncthreads();
+    decode(0, 0, 0, 0, sc);
+    int cs = 0, cp = 0, cst = 0, wbuf = 0;
+    int ds = 0, dp = 0, dst = 0;  // the slab decoded next (one ahead of cs, cp)
+    next(ds, dp);
+    next_stage(dst);
+    load_scales(ds, sc);
+    for (int qq = 0; qq < total; ++qq) {
+        cp_async_wait<ST - 3>();
+        __syncthreads();
+        if (ip < 8) issue(is, ixb, ist);
+        cp_async_commit();
+        issue_next(is, ip, ixb, ist);
+        compute(cs, cst, wbuf);
+        if (dp < 8) {
+            decode(ds, dp, dst, wbuf ^ 1, sc);
+            next(ds, dp);
+            next_stage(dst);
+            load_scales(ds, sc);
+        }
+        if (cs == nst - 1) end_pass(cp);
+        next(cs, cp);
+        next_stage(cst);
+        wbuf ^= 1;
+    }
+    cp_async_wait<0>();
+}
+
+}  // namespace
+}  // namespace glm::cuda
