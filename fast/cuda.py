@@ -73,7 +73,7 @@ _ENV_OPTIONS = {
     "GLM_CUDA_TUNE": ("tune", lambda v: v != "0"),
     "GLM_STREAM_EARLY": ("stream_early", lambda v: v == "1"),
     "GLM_HC_FUSE": ("hc_fuse", lambda v: v != "0"),
-    "GLM_EXPERT_TILE": ("expert_tile", lambda v: int(v) if v in ("1", "4", "8", "16") else 0),
+    "GLM_EXPERT_TILE": ("expert_tile", lambda v: int(v) if v in ("1", "4", "8", "16", "64") else 0),
     "GLM_PINNED_LOGITS": ("pinned_logits", lambda v: v != "0"),
     "GLM_GEMM": ("gemm", lambda v: v != "0"),
     "GLM_LANES": ("lanes", lambda v: v != "0"),

@@ -382,6 +382,9 @@ LINEAR_EMU_CASES = [
     ("emu-fp8-lanes-128", "fp8", 40, 320, 130, False, False, True),
     ("emu-bf16-lanes-128", "bf16", 36, 256, 129, False, False, False),
     ("emu-mxfp4-lanes-128", "mxfp4", 33, 576, 140, False, False, True),
+    # expert items of 64 pairs through it: two items, the second of 36 (FP8), of 6 (BF16)
+    ("emu-fp8-experts-lanes", "fp8", 70, 320, 100, True, True, True),
+    ("emu-bf16-experts-lanes", "bf16", 40, 256, 70, True, True, False),
 ]
 
 
@@ -443,9 +446,9 @@ def test_linear_kernels_match_cpu(case):
     wide = ["register:w4", "register:w2"] if T == 1 and not expert and release in ("fp8", "bf16") and C % 64 == 0 else []
     # the register-tiled kernel: several tokens (experts: items of 4 or 8 pairs, 16 from 16) of rows of whole chunks
     gemm = ["gemm"] if C % 64 == 0 and T > 1 else []
-    # the lane-pass kernel: dense, several tokens, BF16 / FP8 / MXFP4 rows of whole chunks (64 x 64 tiles
-    # below 128 tokens, 32 x 128 from there)
-    lanes = ["lanes"] if C % 64 == 0 and T > 1 and not expert and release != "f32" else []
+    # the lane-pass kernel: several tokens, BF16 / FP8 / MXFP4 rows of whole chunks (dense: 64 x 64 tiles
+    # below 128 tokens, 32 x 128 from there; experts: items of 64 pairs, x rows in lane order)
+    lanes = ["lanes"] if C % 64 == 0 and T > 1 and release != "f32" else []
     kernels = ["auto", "register"] + occ + wide + stream + tiled + gemm + lanes + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data);
     # MXFP4: the software decode and the f16-pair placement (scales <= 240)
@@ -553,21 +556,28 @@ def test_prefill_attention_kernels_equal_the_cpu_engine(golden_dir, tmp_path, ti
 
 @needs_gpu
 def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
-    """The register-tiled kernel's engine paths at widths of whole chunks (tiny at hidden 128, expert width
-    64, MLA latent, nope and value widths 64): where the routed experts average 16 pairs or more (T k >= 16 E)
-    a step's work items hold 16 pairs (32 rows x 16 pairs a block), and MLA's head-blocked W_UK^T and W_UV
-    (heads of whole 32-row blocks, each block's x its head's) take it from 16 rows. A 200-token prefill
-    (400 pairs over 8 experts) in one step: every stage of every position = the CPU engine's;
-    expert_tile=16 forces the items on a 40-token step (items of 16, 16 and fewer), expert_tile=8 items of
-    8 (64 rows x 8 pairs), and with the option gemm off the tiled kernel's: the same logits."""
+    """The register-tiled and lane-pass kernels' engine paths at widths of whole chunks (tiny at hidden 128,
+    expert width 64, MLA latent, nope and value widths 64). A 200-token prefill (400 pairs over 8 experts)
+    in one step: the routed experts average 50 pairs, so their work items hold 16 pairs through the
+    register-tiled kernel (T k >= 16 E; 32 rows x 16 pairs a block), and the dense projections take the
+    lane-pass kernel (64+ tokens); with expert_tile=64 the expert items hold 64 pairs through the lane-pass
+    kernel (x rows in lane order, h written so by the activation); with the option lanes off the dense
+    projections take the register-tiled kernel. MLA's head-blocked W_UK^T and W_UV (heads of whole 32-row
+    blocks, each block's x its head's) take the register-tiled kernel from 16 rows. Every stage of every
+    position = the CPU engine's, each way; expert_tile=16 forces the items on a 40-token step (items of 16,
+    16 and fewer), expert_tile=8 items of 8 (64 rows x 8 pairs), and with the option gemm off the tiled
+    kernel's: the same logits."""
     from tools.zoo import make_checkpoint
     path = str(make_checkpoint("tiny", "fp8", tmp_path / "w128", hidden_size=128, moe_intermediate_size=64,
                                kv_lora_rank=64, qk_nope_head_dim=64, v_head_dim=64))
-    cpu, eng = fast.Engine(path, device="cpu"), CudaEngine(path)
-    ids = prompt(eng.config.vocab_size, 200, 11)
-    want, got = Capture(), Capture()
-    assert np.array_equal(bits(cpu.prefill(ids, capture=want)), bits(eng.prefill(ids, capture=got)))
-    assert_same_capture(eng.config, want, got, range(len(ids)))
+    cpu = fast.Engine(path, device="cpu")
+    ids = prompt(cpu.config.vocab_size, 200, 11)
+    want = Capture()
+    logits = cpu.prefill(ids, capture=want)
+    for opts in ({}, {"expert_tile": 64}, {"lanes": False}):
+        eng, got = CudaEngine(path, cuda_options=opts), Capture()
+        assert np.array_equal(bits(logits), bits(eng.prefill(ids, capture=got)))
+        assert_same_capture(eng.config, want, got, range(len(ids)))
     ref = cpu.prefill(ids[:40])
     for opts in ({"expert_tile": 16}, {"expert_tile": 8}, {"expert_tile": 8, "gemm": False}):
         forced = CudaEngine(path, cuda_options=opts)

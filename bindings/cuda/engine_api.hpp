@@ -53,7 +53,7 @@ struct EngineOptions {
     bool tune = true;           // one-token linear kernel timed per shape on first use (never under the emulation)
     bool stream_early = false;  // streaming linear kernel, dense: first weights requested before the PDL wait
     bool hc_fuse = true;        // hc_expand deferred into the next site's k_hc_mix where nothing observes it
-    int expert_tile = 0;        // pairs per routed-expert work item for batches: 1, 4, 8 or 16; 0 the engine's rule
+    int expert_tile = 0;        // pairs per routed-expert work item for batches: 1, 4, 8, 16 or 64; 0 the engine's rule
     bool pinned_logits = true;  // decode-sized logits copied straight into page-locked arrays (the bindings)
     bool gemm = true;           // several-token linear launches take the register-tiled kernel where it applies
     bool lanes = true;          // dense linear launches of 64+ tokens take the lane-pass kernel where it applies

@@ -46,20 +46,20 @@ constexpr int ln_raw_row() {  // bytes per staged raw row
     return kLnSlab * chunk_bytes<FMT>() + 16;
 }
 template <int FMT, int BN>
-constexpr int ln_stage_bytes() {
-    return ln_rows<BN>() * ln_raw_row<FMT>() + kLnSlab * 8 * (BN + 8) * 4;
+constexpr int ln_stage_bytes() {  // raw rows, then x (dense: X^T [S][8][BN + 8]; experts: rows [BN][8S + 4])
+    return ln_rows<BN>() * ln_raw_row<FMT>() + (kLnSlab * 8 * (BN + 8) > BN * (8 * kLnSlab + 4) ? kLnSlab * 8 * (BN + 8) : BN * (8 * kLnSlab + 4)) * 4;
 }
-template <int BN>
-constexpr int ln_fixed_bytes() {  // the two W^T buffers and the parked partials
-    return 2 * kLnSlab * 8 * (ln_rows<BN>() + 8) * 4 + 3 * 8 * kLnThreads * 4;
+template <int BN, bool EXPERT>
+constexpr int ln_fixed_bytes() {  // the two W^T buffers (experts: and X^T buffers) and the parked partials
+    return 2 * kLnSlab * 8 * (ln_rows<BN>() + 8) * 4 + (EXPERT ? 2 * kLnSlab * 8 * (BN + 8) * 4 : 0) + 3 * 8 * kLnThreads * 4;
 }
-template <int FMT, int BN>
+template <int FMT, int BN, bool EXPERT>
 constexpr int ln_stages() {
-    return 4 * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<BN>() <= 227 * 1024 ? 4 : 3;
+    return 4 * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<BN, EXPERT>() <= 227 * 1024 ? 4 : 3;
 }
-template <int FMT, int BN>
+template <int FMT, int BN, bool EXPERT>
 constexpr int ln_smem_bytes() {
-    return ln_stages<FMT, BN>() * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<BN>();
+    return ln_stages<FMT, BN, EXPERT>() * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<BN, EXPERT>();
 }
 // pass p's lane: 0 4 2 6 1 5 3 7 (p's three bits reversed)
 GLM_DEV int ln_lane(int p) { return ((p & 1) << 2) | (p & 2) | ((p >> 2) & 1); }
@@ -84,12 +84,29 @@ __global__ void __launch_bounds__(256) k_x_lanes(const float* __restrict__ X, in
     }
 }
 
-// a.X is Xp (k_x_lanes) with a.ldx = ldT; a.Y the launch's first token row; a.T its tokens.
-template <int FMT, int DEC, int BN>
+// Rows in lane order (the experts' x): Y[r][(l * nch + c) * 8 + g] = X[r][64c + 8g + l] (Y rows C apart).
+// A block: eight chunks of one row, read in order and written as eight runs of 64 (one per lane).
+__global__ void __launch_bounds__(256) k_rows_lanes(const float* __restrict__ X, int64_t ldx, int nch, float* __restrict__ Y) {
+    pdl_enter();
+    __shared__ float tile[512];
+    const int64_t r = blockIdx.x;
+    const int c0 = 8 * static_cast<int>(blockIdx.y), nc = nch - c0 < 8 ? nch - c0 : 8, tid = static_cast<int>(threadIdx.x);
+    for (int i = tid; i < 64 * nc; i += 256) tile[i] = X[r * ldx + 64 * c0 + i];
+    __syncthreads();
+    for (int o = tid; o < 64 * nc; o += 256) {  // lane o / 8nc, chunk c0 + (o % 8nc) / 8, chain o % 8
+        const int l = o / (8 * nc), cg = o % (8 * nc);
+        Y[r * 64 * nch + (static_cast<int64_t>(l) * nch + c0) * 8 + cg] = tile[(cg >> 3) * 64 + 8 * (cg & 7) + l];
+    }
+}
+
+// Dense: a.X is Xp (k_x_lanes) with a.ldx = ldT; a.Y the launch's first token row; a.T its tokens.
+// Experts (items of up to BN pairs): a.X rows in lane order (k_rows_lanes), gathered per pair into the
+// stage, transposed in the decode pass.
+template <int FMT, bool EXPERT, int DEC, int BN>
 __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
-    constexpr int CB = chunk_bytes<FMT>(), BM = ln_rows<BN>(), S = kLnSlab, ST = ln_stages<FMT, BN>();
+    constexpr int CB = chunk_bytes<FMT>(), BM = ln_rows<BN>(), S = kLnSlab, ST = ln_stages<FMT, BN, EXPERT>();
     constexpr int RW = ln_raw_row<FMT>(), WS = BM + 8, XS = BN + 8;
     constexpr int SB = ln_stage_bytes<FMT, BN>(), XOFF = BM * RW;
     // decode tasks: FP8 two weights of one 16-byte piece (chains 2p, 2p + 1), MXFP4 four (4p .. 4p + 3),
@@ -102,55 +119,54 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     static_assert(FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4, "BF16, FP8 or MXFP4");
     static_assert(XPIECES % kLnThreads == 0 && BM % 32 == 0, "whole copy rounds; 32-row decode warps");
     static_assert((RW / 16) % 2 == 1 && (WS / 4) % 8 == 2 && (XS / 4) % 8 == 2, "bank spreads");
-    static_assert(ln_smem_bytes<FMT, BN>() <= 227 * 1024, "shared memory");
+    static_assert(ln_smem_bytes<FMT, BN, EXPERT>() <= 227 * 1024, "shared memory");
+    static_assert(!EXPERT || BN * 8 == kLnThreads, "experts: one x piece and one transposition a thread");
+    constexpr int XR = 8 * S + 4;  // experts: floats per staged x row
     __shared__ const unsigned char* rowp[BM];
+    __shared__ const float* xrow[EXPERT ? BN : 1];
     float* const Wt = reinterpret_cast<float*>(sm + ST * SB);  // [2][S][8][WS]
     float* const park = Wt + 2 * S * 8 * WS;                   // [3][8][threads]
+    float* const Xt = park + 3 * 8 * kLnThreads;               // experts: [2][S][8][XS]
     const int64_t C = a.C;
     const int nch = static_cast<int>(C / 64), nst = (nch + S - 1) / S, total = 8 * nst;
     const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
     const int g = (lane & 3) | ((lane >> 4) << 2), q = (lane >> 2) & 3;  // chain g; tile q of the warp's 4
     constexpr int RWG = BM / 16;                                        // warps across the rows
     const int rg = 2 * (warp % RWG) + (q & 1), tg = 2 * (warp / RWG) + (q >> 1);
-    const int row_base = static_cast<int>(blockIdx.x) * BM, tok0 = static_cast<int>(blockIdx.y) * BN;
+    const int row_base = static_cast<int>(blockIdx.x) * BM;
     const int64_t rb = row_bytes(FMT, C);
     auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
         return a.row0 + a.woff + (r < a.R ? r : a.R - 1);
     };
-    if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(a.data) + abs_row(row_base + tid) * rb;
-    __syncthreads();
     const uint32_t sm_s = smem_u32(sm);
-    // this thread's copies of a slab: weight pieces (row, 16-byte offset) and x pieces (chunk u, chain,
-    // 4 tokens): x piece p is chunk p / 2BN, chain (p / (BN / 4)) % 8, tokens 4 (p % (BN / 4)) ..
+    // this thread's copies of a slab: weight pieces (row, 16-byte offset) and x pieces. Dense: chunk u,
+    // chain, 4 tokens (piece p: chunk p / 2BN, chain (p / (BN / 4)) % 8, tokens 4 (p % (BN / 4)) ..);
+    // experts: pair p / 8, floats 4 (p % 8) .. of its 8S (chunk, chain) values of the lane
     const unsigned char* wsrc[NWP];
     int wdst[NWP], woff[NWP];
-#pragma unroll
-    for (int n = 0; n < NWP; ++n) {
-        const int p = tid + n * kLnThreads, i = p / PPR < BM ? p / PPR : BM - 1;
-        woff[n] = 16 * (p % PPR);
-        wsrc[n] = rowp[i] + woff[n];
-        wdst[n] = WPIECES % kLnThreads == 0 || p < WPIECES ? i * RW + woff[n] : -1;
-    }
-    int xsrc[NXP], xdst[NXP], xu[NXP];
-#pragma unroll
-    for (int n = 0; n < NXP; ++n) {
-        const int p = tid + n * kLnThreads, u = p / (2 * BN), gg = (p / (BN / 4)) % 8, j4 = p % (BN / 4);
-        xu[n] = u;
-        xsrc[n] = (u * 8 + gg) * static_cast<int>(a.ldx) + tok0 + 4 * j4;  // + the slab's x (issue: xb)
-        xdst[n] = XOFF + 4 * ((u * 8 + gg) * XS + 4 * j4);
-    }
+    int xsrc[NXP] = {}, xdst[NXP] = {}, xu[NXP] = {};
+    const float* xsp = nullptr;  // experts: this thread's pair's x row (+ its piece)
+    int start = 0, cnt = 0;      // the item's first token (pair slot) and how many
     auto chunks_of = [&](int s) { return nch - s * S < S ? nch - s * S : S; };
     // (slabs are named by their position: s within pass p, and their stage; no division per slab)
-    // xb: the issued slab's x, lane ln_lane(p) chunk 64 s (issue_next keeps it)
-    auto issue = [&](int s, const float* xb, int stage) {
+    // xo: the issued slab's x offset (floats; lane ln_lane(p), chunk S s: issue_next keeps it), from a.X
+    // (dense) or from each pair's x row (experts)
+    auto issue = [&](int s, int64_t xo, int stage) {
         const int nc = chunks_of(s), c0 = s * S;
         const uint32_t buf = sm_s + static_cast<uint32_t>(stage * SB);
+        if constexpr (EXPERT) {
+#pragma unroll
+            for (int n = 0; n < NWP; ++n)
+                if ((WPIECES % kLnThreads == 0 || wdst[n] >= 0) && woff[n] < nc * CB) cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
+            if (xu[0] < nc) cp_async16_s(buf + xdst[0], xsp + xo);
+            return;
+        }
         if (nc == S) {
 #pragma unroll
             for (int n = 0; n < NWP; ++n)
                 if (WPIECES % kLnThreads == 0 || wdst[n] >= 0) cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
 #pragma unroll
-            for (int n = 0; n < NXP; ++n) cp_async16_s(buf + xdst[n], xb + xsrc[n]);
+            for (int n = 0; n < NXP; ++n) cp_async16_s(buf + xdst[n], a.X + xo + xsrc[n]);
             return;
         }
 #pragma unroll
@@ -158,12 +174,13 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
             if ((WPIECES % kLnThreads == 0 || wdst[n] >= 0) && woff[n] < nc * CB) cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
 #pragma unroll
         for (int n = 0; n < NXP; ++n)
-            if (xu[n] < nc) cp_async16_s(buf + xdst[n], xb + xsrc[n]);
+            if (xu[n] < nc) cp_async16_s(buf + xdst[n], a.X + xo + xsrc[n]);
     };
     // the decode tasks' multipliers for slab s (chunks past the last read the last chunk's, never used)
     // this thread's decode tasks (the same in every slab): row i, piece tk of chunk u; their scales'
     // offsets (32-bit: lanes_applies)
     int dsc[NT];
+    const void* scale = a.scale;  // (experts: the item's)
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
         const int ti = tid + n * kLnThreads, i = ti % BM, tk = (ti / BM) % TPC;
@@ -178,9 +195,9 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
             c = c < nch ? c : nch - 1;
             sc[n] = 0.0f;
             if constexpr (FMT == W_FP8) {
-                sc[n] = fp8_mult<DEC>(__ldg(static_cast<const float*>(a.scale) + dsc[n] + (c >> 1)));
+                sc[n] = fp8_mult<DEC>(__ldg(static_cast<const float*>(scale) + dsc[n] + (c >> 1)));
             } else if constexpr (FMT == W_MXFP4) {
-                const uint32_t e = __ldg(static_cast<const uint8_t*>(a.scale) + dsc[n] + 2 * c);
+                const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + dsc[n] + 2 * c);
                 sc[n] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
             }
         }
@@ -190,6 +207,17 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         const int l = ln_lane(p), nc = chunks_of(s);
         const unsigned char* rs = sm + stage * SB;
         float* const W = Wt + wbuf * (S * 8 * WS);
+        if constexpr (EXPERT) {  // the pairs' x rows -> X^T: pair j, floats 4k .. (chunk k / 2, chains 4 (k % 2) ..)
+            const int j = tid % BN, k = tid / BN, u = k >> 1;
+            if (u < nc) {
+                const float4 v = *reinterpret_cast<const float4*>(rs + XOFF + 4 * (j * XR + 4 * k));
+                float* d = Xt + wbuf * (S * 8 * XS) + (u * 8 + 4 * (k & 1)) * XS + j;
+                d[0] = v.x;
+                d[XS] = v.y;
+                d[2 * XS] = v.z;
+                d[3 * XS] = v.w;
+            }
+        }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const int ti = tid + n * kLnThreads, i = ti % BM, tk = (ti / BM) % TPC, u = ti / (BM * TPC);
@@ -240,7 +268,8 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
     auto compute = [&](int s, int stage, int wbuf) {
         const float* W = Wt + wbuf * (S * 8 * WS) + g * WS + 4 * rg;
-        const float* X = reinterpret_cast<const float*>(sm + stage * SB + XOFF) + g * XS + 4 * tg;
+        const float* X = (EXPERT ? static_cast<const float*>(Xt + wbuf * (S * 8 * XS))
+                                 : reinterpret_cast<const float*>(sm + stage * SB + XOFF)) + g * XS + 4 * tg;
         auto one = [&](int u) {
             const float4 w0 = *reinterpret_cast<const float4*>(W + u * 8 * WS);
             const float4 w1 = *reinterpret_cast<const float4*>(W + u * 8 * WS + BM / 2);
@@ -306,10 +335,14 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         if (p == 7) {
             const int r = row_base + (g < 4 ? 4 * rg + g : BM / 2 + 4 * rg + g - 4);
             if (r < a.R) {
+                float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const int t = j < 4 ? 4 * tg + j : BN / 2 + 4 * tg + j - 4;
-                    if (tok0 + t < a.T) a.Y[static_cast<int64_t>(tok0 + t) * a.ldy + r] = a.round ? bf16r(Q[j]) : Q[j];
+                    if (t < cnt) {
+                        const int64_t yrow = EXPERT ? a.pairs[start + t] : static_cast<int64_t>(start) + t;
+                        Y[yrow * a.ldy + r] = a.round ? bf16r(Q[j]) : Q[j];
+                    }
                 }
             }
         }
@@ -325,53 +358,98 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         }
     };
     auto next_stage = [](int& st) { st = st + 1 == ST ? 0 : st + 1; };
-    const int64_t xstep = static_cast<int64_t>(S) * 8 * a.ldx;  // floats from one slab's x to the next
-    auto issue_next = [&](int& s, int& p, const float*& xb, int& st) {
+    // x offsets: from one slab to the next, and to a lane's first slab
+    const int64_t xstep = EXPERT ? S * 8 : static_cast<int64_t>(S) * 8 * a.ldx;
+    const int64_t xlane = EXPERT ? static_cast<int64_t>(nch) * 8 : static_cast<int64_t>(nch) * 8 * a.ldx;
+    auto issue_next = [&](int& s, int& p, int64_t& xo, int& st) {
         if (++s == nst) {
             s = 0;
             ++p;
-            xb = a.X + static_cast<int64_t>(ln_lane(p & 7)) * nch * 8 * a.ldx;
+            xo = ln_lane(p & 7) * xlane;
         } else {
-            xb += xstep;
+            xo += xstep;
         }
         st = st + 1 == ST ? 0 : st + 1;
     };
     float sc[NT];
-    int is = 0, ip = 0, ist = 0;
-    const float* ixb = a.X;  // lane 0, chunk 0
-    for (int n = 0; n < ST - 1; ++n) {
-        if (ip < 8) issue(is, ixb, ist);
-        cp_async_commit();
-        issue_next(is, ip, ixb, ist);
-    }
-    load_scales(0, sc);
-    cp_async_wait<ST - 2>();
-    __syncthreads();
-    decode(0, 0, 0, 0, sc);
-    int cs = 0, cp = 0, cst = 0, wbuf = 0;
-    int ds = 0, dp = 0, dst = 0;  // the slab decoded next (one ahead of cs, cp)
-    next(ds, dp);
-    next_stage(dst);
-    load_scales(ds, sc);
-    for (int qq = 0; qq < total; ++qq) {
-        cp_async_wait<ST - 3>();
-        __syncthreads();
-        if (ip < 8) issue(is, ixb, ist);
-        cp_async_commit();
-        issue_next(is, ip, ixb, ist);
-        compute(cs, cst, wbuf);
-        if (dp < 8) {
-            decode(ds, dp, dst, wbuf ^ 1, sc);
-            next(ds, dp);
-            next_stage(dst);
-            load_scales(ds, sc);
+    const int n_items = EXPERT ? *a.n_items : 1;
+    for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
+         item += EXPERT ? static_cast<int>(gridDim.y) : 1) {
+        const void* data = a.data;
+        if constexpr (EXPERT) {
+            const ExpertItem it = expert_item(a, item);
+            data = it.data;
+            scale = it.scale;
+            start = it.start;
+            cnt = it.cnt;
+        } else {
+            start = static_cast<int>(blockIdx.y) * BN;
+            cnt = a.T - start < BN ? a.T - start : BN;
         }
-        if (cs == nst - 1) end_pass(cp);
-        next(cs, cp);
-        next_stage(cst);
-        wbuf ^= 1;
+        __syncthreads();  // the previous item is done with rowp, xrow and every buffer
+        if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(data) + abs_row(row_base + tid) * rb;
+        if (EXPERT && tid < BN) {  // slots past cnt compute the last pair again (not stored)
+            const int j = tid < cnt ? tid : cnt - 1;
+            xrow[EXPERT ? tid : 0] = a.X + pair_xrow(a, a.pairs[start + j]) * a.ldx;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int n = 0; n < NWP; ++n) {
+            const int p = tid + n * kLnThreads, i = p / PPR < BM ? p / PPR : BM - 1;
+            woff[n] = 16 * (p % PPR);
+            wsrc[n] = rowp[i] + woff[n];
+            wdst[n] = WPIECES % kLnThreads == 0 || p < WPIECES ? i * RW + woff[n] : -1;
+        }
+        if constexpr (EXPERT) {
+            const int j = tid / 8, k = tid % 8;
+            xu[0] = k >> 1;
+            xsp = xrow[EXPERT ? j : 0] + 4 * k;
+            xdst[0] = XOFF + 4 * (j * XR + 4 * k);
+        } else {
+#pragma unroll
+            for (int n = 0; n < NXP; ++n) {
+                const int p = tid + n * kLnThreads, u = p / (2 * BN), gg = (p / (BN / 4)) % 8, j4 = p % (BN / 4);
+                xu[n] = u;
+                xsrc[n] = (u * 8 + gg) * static_cast<int>(a.ldx) + start + 4 * j4;
+                xdst[n] = XOFF + 4 * ((u * 8 + gg) * XS + 4 * j4);
+            }
+        }
+        int is = 0, ip = 0, ist = 0;
+        int64_t ixo = 0;  // lane 0, chunk 0
+        for (int n = 0; n < ST - 1; ++n) {
+            if (ip < 8) issue(is, ixo, ist);
+            cp_async_commit();
+            issue_next(is, ip, ixo, ist);
+        }
+        load_scales(0, sc);
+        cp_async_wait<ST - 2>();
+        __syncthreads();
+        decode(0, 0, 0, 0, sc);
+        int cs = 0, cp = 0, cst = 0, wbuf = 0;
+        int ds = 0, dp = 0, dst = 0;  // the slab decoded next (one ahead of cs, cp)
+        next(ds, dp);
+        next_stage(dst);
+        load_scales(ds, sc);
+        for (int qq = 0; qq < total; ++qq) {
+            cp_async_wait<ST - 3>();
+            __syncthreads();
+            if (ip < 8) issue(is, ixo, ist);
+            cp_async_commit();
+            issue_next(is, ip, ixo, ist);
+            compute(cs, cst, wbuf);
+            if (dp < 8) {
+                decode(ds, dp, dst, wbuf ^ 1, sc);
+                next(ds, dp);
+                next_stage(dst);
+                load_scales(ds, sc);
+            }
+            if (cs == nst - 1) end_pass(cp);
+            next(cs, cp);
+            next_stage(cst);
+            wbuf ^= 1;
+        }
+        cp_async_wait<0>();
     }
-    cp_async_wait<0>();
 }
 
 }  // namespace

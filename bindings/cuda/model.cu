@@ -219,8 +219,8 @@ Engine::Engine(const Config& cfg, bool seq_dot, bool native_exp, const EngineOpt
     e.cfg = cfg;
     validate_config(e.cfg, kCudaLimits);
     if (options.expert_tile != 0 && options.expert_tile != 1 && options.expert_tile != 4 && options.expert_tile != 8 &&
-        options.expert_tile != 16)
-        throw std::invalid_argument("options: expert_tile must be 0 (the engine's rule), 1, 4, 8 or 16, got " +
+        options.expert_tile != 16 && options.expert_tile != kLanesItem)
+        throw std::invalid_argument("options: expert_tile must be 0 (the engine's rule), 1, 4, 8, 16 or 64, got " +
                                     std::to_string(options.expert_tile));
     e.opts = options;
     const ActiveOptions active(e.opts);

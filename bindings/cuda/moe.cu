@@ -21,14 +21,32 @@ namespace {
 
 unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
+GLM_DEV float swiglu_one(float g, float u, float L, const Nm& nm) {
+    const float gv = g > L ? L : g;
+    const float uv = u > L ? L : (u < -L ? -L : u);
+    return bf16r(fmul(nm.silu(gv), uv));
+}
 __global__ void k_swiglu_act(const float* __restrict__ g, const float* __restrict__ u, float* h, int64_t n, float L,
                              Nm nm) {
     pdl_enter();
     const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const float gv = g[i] > L ? L : g[i];
-    const float uv = u[i] > L ? L : (u[i] < -L ? -L : u[i]);
-    h[i] = bf16r(fmul(nm.silu(gv), uv));
+    h[i] = swiglu_one(g[i], u[i], L, nm);
+}
+// The same activation with each row written in lane order (weights.cuh, rows_lanes: the down projection's
+// x when its items take the lane-pass kernel), into g itself: a block per row reads it whole first.
+__global__ void k_swiglu_lanes(float* g, const float* __restrict__ u, int I, float L, Nm nm) {
+    pdl_enter();
+    GLM_DYN_SMEM(float, h);
+    const int64_t r = blockIdx.x;
+    const int nch = I / 64;
+    for (int i = static_cast<int>(threadIdx.x); i < I; i += static_cast<int>(blockDim.x))
+        h[i] = swiglu_one(g[r * I + i], u[r * I + i], L, nm);
+    __syncthreads();
+    for (int o = static_cast<int>(threadIdx.x); o < I; o += static_cast<int>(blockDim.x)) {
+        const int l = o / (8 * nch), cg = o % (8 * nch);
+        g[r * I + o] = h[(cg >> 3) * 64 + 8 * (cg & 7) + l];
+    }
 }
 
 GLM_DEV float key_of(float v) { return is_nan(v) ? -INFINITY : v; }
@@ -450,8 +468,15 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     const bool may16 = experts_may_take16(T, k, E) || (T > 1 && s.E.opts.expert_tile == 16);
     const bool gemm16 = may16 && w.t_gate.data && experts_take_gemm(w.t_gate, x, D) && experts_take_gemm(w.t_up, x, D) &&
                         experts_take_gemm(w.t_down, gbuf, Im);
+    // items of 64 through the lane-pass kernel (its x rows in lane order) only when the option asks for
+    // them: measured slower end to end than items of 16 (docs/perf.md, "Session 15"); else 16 where it does
+    // not apply
+    const bool lanes64 = T > 1 && s.E.opts.expert_tile == kLanesItem && w.t_gate.data && experts_take_lanes(w.t_gate, x, D) &&
+                         experts_take_lanes(w.t_up, x, D) && experts_take_lanes(w.t_down, gbuf, Im);
     int tile = expert_tile(T, k, E, gemm16);
-    if (T > 1 && s.E.opts.expert_tile > 0) tile = s.E.opts.expert_tile == 16 && !gemm16 ? 8 : s.E.opts.expert_tile;
+    if (T > 1 && s.E.opts.expert_tile > 0)
+        tile = lanes64 ? kLanesItem : (s.E.opts.expert_tile >= 16 ? (gemm16 ? 16 : 8) : s.E.opts.expert_tile);
+    const bool lanes = tile == kLanesItem;
     int* pairs = s.scratch.d<int>(static_cast<size_t>(nall));
     int* items = s.scratch.d<int>(static_cast<size_t>(nall) * 3);
     int* n_items = s.scratch.d<int>(1);
@@ -470,8 +495,20 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     s.emit(layer, S_MOE_WEIGHTS, wts, k, {k});
     if (w.t_gate.data) {  // (a rank of expert parallelism may hold no expert of the layer)
         // gate and up read the same x rows for the same work list (one launch when their tables match)
-        linear_experts2(w.t_gate, w.t_up, items, n_items, nall, pairs, x, D, k, npairs, gbuf, ubuf, Im, tile, nm, s.hw8);
-        {
+        const float* xe = x;
+        if (lanes) {
+            float* xl = s.scratch.d<float>(static_cast<size_t>(T) * D);
+            rows_lanes(x, D, T, D, xl);
+            xe = xl;
+        }
+        linear_experts2(w.t_gate, w.t_up, items, n_items, nall, pairs, xe, D, k, npairs, gbuf, ubuf, Im, tile, nm, s.hw8);
+        if (lanes) {
+            auto kk = k_swiglu_lanes;
+            const size_t smem = static_cast<size_t>(Im) * 4;
+            allow_smem(kk, smem);
+            GLM_LAUNCH(kk, static_cast<unsigned>(nall), 256, smem, gbuf, ubuf, Im, static_cast<float>(c.swiglu_limit), nm);
+            check_launch("moe_act");
+        } else {
             const int64_t n = static_cast<int64_t>(nall) * Im;
             auto kk = k_swiglu_act;
             GLM_LAUNCH(kk, blocks(n, 256), 256, 0, gbuf, ubuf, gbuf, n, static_cast<float>(c.swiglu_limit), nm);

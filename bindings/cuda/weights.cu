@@ -246,15 +246,19 @@ void launch_gemm(const LinArgs& a, dim3 grid) {
 constexpr int kLanesMinT = 64;
 constexpr int64_t kLanesGroup = int64_t{32} << 20;  // floats of re-laid x (128 MiB) per group of tokens
 bool lanes_applies(const LinArgs& a, bool expert) {
-    if (expert || a.T < 2 || a.rh < a.R) return false;
+    if (expert ? a.tile_pairs != kLanesItem : (a.T < 2 || a.rh < a.R)) return false;
     if (!(a.fmt == W_BF16 || a.fmt == W_FP8 || a.fmt == W_MXFP4)) return false;
     const int64_t rb = row_bytes(a.fmt, a.C);
-    if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0 || reinterpret_cast<uintptr_t>(a.data) % 16 != 0) return false;
+    if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
+    // experts: 16-byte pieces of x rows in lane order; weights are arena allocations (256-byte aligned)
+    if (expert ? reinterpret_cast<uintptr_t>(a.X) % 16 != 0 || a.ldx % 4 != 0 : reinterpret_cast<uintptr_t>(a.data) % 16 != 0)
+        return false;
     // its scale offsets are 32-bit
     return (a.row0 + a.woff + a.R) * (a.C / 32 + 1) < (int64_t{1} << 31);
 }
+// (expert items of kLanesItem pairs only when the engine option expert_tile asks for them: moe.cu)
 bool lanes_chosen(const LinArgs& a, bool expert) {
-    return launch_options().lanes && lanes_applies(a, expert) && a.T >= kLanesMinT;
+    return launch_options().lanes && !expert && lanes_applies(a, expert) && a.T >= kLanesMinT;
 }
 // One growing device buffer per device for the re-laid x (launches are in stream order on stream 0).
 float* lanes_scratch(int64_t floats) {
@@ -279,11 +283,17 @@ float* lanes_scratch(int64_t floats) {
     }
     return b.p;
 }
-template <int FMT, int DEC, int BN>
-void launch_lanes_bn(const LinArgs& a) {
-    auto k = k_linear_lanes<FMT, DEC, BN>;
-    constexpr size_t smem = static_cast<size_t>(ln_smem_bytes<FMT, BN>());
+template <int FMT, bool EXPERT, int DEC, int BN>
+void launch_lanes_bn(const LinArgs& a, dim3 grid) {
+    auto k = k_linear_lanes<FMT, EXPERT, DEC, BN>;
+    constexpr size_t smem = static_cast<size_t>(ln_smem_bytes<FMT, BN, EXPERT>());
     allow_smem(k, smem);
+    grid.x = static_cast<unsigned>((a.R + ln_rows<BN>() - 1) / ln_rows<BN>());
+    if constexpr (EXPERT) {  // (x rows already in lane order: moe.cu, rows_lanes)
+        grid.y = item_grid_y(grid, 8);
+        GLM_LAUNCH(k, grid, kLnThreads, smem, a);
+        return;
+    }
     const int nch = static_cast<int>(a.C / 64);
     const int64_t per = std::max<int64_t>(BN, kLanesGroup / a.C / BN * BN);  // tokens per group
     for (int64_t t0 = 0; t0 < a.T; t0 += per) {
@@ -298,20 +308,22 @@ void launch_lanes_bn(const LinArgs& a) {
         b.ldx = ldT;
         b.Y = a.Y + t0 * a.ldy;
         b.T = n;
-        const dim3 grid(static_cast<unsigned>((a.R + ln_rows<BN>() - 1) / ln_rows<BN>()), static_cast<unsigned>(ldT / BN));
+        grid.y = static_cast<unsigned>(ldT / BN);
+        grid.z = 1;
         GLM_LAUNCH(k, grid, kLnThreads, smem, b);
     }
 }
 // 128 tokens a block (32 rows) from 128 tokens: each decoded weight serves them all; 64 x 64 below.
 // FP8 by the hardware conversion where the integer decode was chosen and passed the check (launch_gemm).
-template <int FMT>
-void launch_lanes(const LinArgs& a) {
+// Expert items of kLanesItem pairs: 64 x 64.
+template <int FMT, bool EXPERT>
+void launch_lanes(const LinArgs& a, dim3 grid) {
     if constexpr (FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4) {
         const int path = FMT == W_FP8 && a.dec == kDecInt && a.hw8 ? kDecHw : a.dec;
         with_dec<FMT, true>(path, [&](auto dec) {
             constexpr int DEC = decltype(dec)::value;
-            if (a.T >= 128) launch_lanes_bn<FMT, DEC, 128>(a);
-            else launch_lanes_bn<FMT, DEC, 64>(a);
+            if (!EXPERT && a.T >= 128) launch_lanes_bn<FMT, false, DEC, 128>(a, grid);
+            else launch_lanes_bn<FMT, EXPERT, DEC, 64>(a, grid);
         });
     }
 }
@@ -466,9 +478,9 @@ struct GemmLaunch {
 };
 template <int FMT, bool EXPERT>
 struct LanesLaunch {
-    static bool run(const LinArgs& a, dim3, const LinChoice&) {
+    static bool run(const LinArgs& a, dim3 grid, const LinChoice&) {
         if (!lanes_applies(a, EXPERT)) return false;
-        launch_lanes<FMT>(a);
+        launch_lanes<FMT, EXPERT>(a, grid);
         return true;
     }
 };
@@ -803,7 +815,10 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm) {
     const unsigned gy = static_cast<unsigned>(expert ? std::min(a.max_items, 65535) : (a.T + TT - 1) / TT);
     if (gy == 0) return;
     dim3 grid(gx, gy, expert && a.dtab2 ? 2 : 1);
-    if (expert && TT == 16) {  // (expert_tile gives 16 only where the register-tiled kernel takes them)
+    if (expert && TT == kLanesItem) {  // (expert_tile gives them only where the lane-pass kernel takes them)
+        if (a.fmt < W_BF16 || a.fmt > W_MXFP4 || !lin_kernel(LinKind::Lanes).launch.f[a.fmt][1](a, grid, a.choice))
+            throw std::invalid_argument("linear: expert items of 64 pairs need the lanes kernel, which does not apply");
+    } else if (expert && TT == 16) {  // (expert_tile gives 16 only where the register-tiled kernel takes them)
         if (a.fmt < W_BF16 || a.fmt > W_MXFP4 || !lin_kernel(LinKind::Gemm).launch.f[a.fmt][1](a, grid, a.choice))
             throw std::invalid_argument("linear: expert items of 16 pairs need the gemm kernel, which does not apply");
     } else if (expert) {
@@ -924,6 +939,17 @@ int expert_tile(int T, int k, int E, bool gemm16) {
     return 8;
 }
 bool experts_may_take16(int T, int k, int E) { return T > 1 && T * k >= 16 * E; }
+bool experts_take_lanes(const ExpertTable& W, const float* X, int64_t ldx) {
+    return lanes_applies(expert_args(W, nullptr, nullptr, 1, nullptr, X, ldx, 1, 0, nullptr, 0, kLanesItem), true);
+}
+void rows_lanes(const float* X, int64_t ldx, int rows, int64_t C, float* Y) {
+    if (rows <= 0) return;
+    if (C % 64 != 0) throw std::invalid_argument("rows_lanes: rows of whole chunks");
+    const int nch = static_cast<int>(C / 64);
+    auto k = k_rows_lanes;
+    GLM_LAUNCH(k, dim3(static_cast<unsigned>(rows), static_cast<unsigned>((nch + 7) / 8)), 256, 0, X, ldx, nch, Y);
+    check_launch("rows_lanes");
+}
 
 bool experts_take_gemm(const ExpertTable& W, const float* X, int64_t ldx) {
     return launch_options().gemm && gemm_takes_items16(expert_args(W, nullptr, nullptr, 1, nullptr, X, ldx, 1, 0, nullptr, 0, 16));
@@ -1136,7 +1162,12 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         // one expert (the matrix), each token row its own work item of one pair
         const void* tab[2] = {dd, ds};
         check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
-        const int tile = kernel == "gemm" ? gemm_tile_for(T) : (kernel == "tiled" ? tile_for(T) : 1);
+        const int tile = kernel == "gemm" ? gemm_tile_for(T) : (kernel == "tiled" ? tile_for(T) : (kernel == "lanes" ? kLanesItem : 1));
+        if (kernel == "lanes" && C % 64 == 0) {  // its x rows in lane order
+            void* dxl = B.alloc(static_cast<size_t>(T) * C * 4);
+            rows_lanes(static_cast<const float*>(dx), C, T, C, static_cast<float*>(dxl));
+            a.X = static_cast<const float*>(dxl);
+        }
         const std::vector<int> it = expert_items(T, 1, tile);
         check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "linear: items");
         set_expert_args(a, dtab, ditems, T, 1, tile);
@@ -1278,6 +1309,7 @@ double linear_bench_tokens_device(const std::string& release, int64_t R, int64_t
         // grouped by expert in pair order, items of the engine's tile (moe.cu), or of one ('tiled:1')
         const bool g16 = kernel == "gemm" || (kernel == "auto" && launch_options().gemm);
         tile = kernel == "tiled:1" ? 1 : expert_tile(T, topk, experts, g16 && gemm_takes_items16(a));
+        if (kernel == "lanes") tile = kLanesItem;  // (x taken as rows in lane order: the fill's order is any)
         std::vector<std::vector<int>> by(static_cast<size_t>(experts));
         for (int t = 0; t < T; ++t) {
             const uint32_t h = (static_cast<uint32_t>(t) * 2654435761u) >> 7;

@@ -150,6 +150,16 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
 // experts_may_take16 and gemm16 (the register-tiled kernel takes the tables: experts_take_gemm): 32 rows x
 // 16 pairs a block, each weight decoded once for 16 pairs. Every tile gives the same bits.
 int expert_tile(int T, int k, int E, bool gemm16);
+// Items of 64 pairs through the lane-pass kernel: only where the engine option expert_tile asks for them
+// (64; their x rows in lane order: rows_lanes, moe.cu). At prefill 2048 on the slice (top-8 of 288, 57
+// pairs an expert) they were slower end to end than items of 16: an item costs its 64 slots whatever it
+// holds, and real routing leaves many experts a second, nearly empty item (docs/perf.md, "Session 15").
+constexpr int kLanesItem = 64;
+// True when the lane-pass kernel takes items of 64 pairs of table W with x rows X (ldx floats apart).
+bool experts_take_lanes(const ExpertTable& W, const float* X, int64_t ldx);
+// Rows in lane order: Y[r][(l * C/64 + c) * 8 + g] = X[r][64c + 8g + l] (Y rows C apart): what the lane-pass
+// kernel's expert items read (the columns of each chain of one lane, chunk after chunk, lane after lane).
+void rows_lanes(const float* X, int64_t ldx, int rows, int64_t C, float* Y);
 // Items of 16 pairs where the experts average 16 pairs or more (T * k >= 16 E); below, items of 8 through
 // the same kernel were as fast or faster (docs/perf.md, "Session 14").
 bool experts_may_take16(int T, int k, int E);
