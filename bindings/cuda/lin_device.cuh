@@ -22,6 +22,23 @@ GLM_DEV ExpertItem expert_item(const LinArgs& a, int item) {
     return {(second ? a.dtab2 : a.dtab)[e], (second ? a.stab2 : a.stab)[e], a.items[3 * item + 1],
             a.items[3 * item + 2], second};
 }
+// What a several-token block works on: expert item `item` (its matrix and pairs), or, dense, the launch's
+// matrix and tokens [tile * n, + tile) of a.T.
+struct BlockWork {
+    const void* data;
+    const void* scale;
+    int start, cnt;
+};
+template <bool EXPERT>
+GLM_DEV BlockWork block_work(const LinArgs& a, int item, int n, int tile) {
+    if constexpr (EXPERT) {
+        const ExpertItem it = expert_item(a, item);
+        return {it.data, it.scale, it.start, it.cnt};
+    } else {
+        const int start = n * tile;
+        return {a.data, a.scale, start, a.T - start < tile ? a.T - start : tile};
+    }
+}
 
 // Eight consecutive weights of absolute row ar at column col (col % 8 == 0, col + 8 <= C), decoded,
 // element by element (rows whose length breaks the vector alignment).

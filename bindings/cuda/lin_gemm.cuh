@@ -148,19 +148,10 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     const int n_items = EXPERT ? *a.n_items : 1;
     for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
          item += EXPERT ? static_cast<int>(gridDim.y) : 1) {
-        const void* data = a.data;
-        const void* scale = a.scale;
-        int cnt, start = 0;
-        if constexpr (EXPERT) {
-            const ExpertItem it = expert_item(a, item);
-            data = it.data;
-            scale = it.scale;
-            start = it.start;
-            cnt = it.cnt;
-        } else {
-            start = static_cast<int>(blockIdx.y) * BN;
-            cnt = a.T - start < BN ? a.T - start : BN;
-        }
+        const BlockWork bw = block_work<EXPERT>(a, item, static_cast<int>(blockIdx.y), BN);
+        const void* data = bw.data;
+        const void* scale = bw.scale;
+        const int start = bw.start, cnt = bw.cnt;
         __syncthreads();  // the previous item's fold is read before rowp, xrow and the buffers change
         if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(data) + abs_row(row_base + tid) * rb;
         if (tid < BN) {  // slots past cnt compute the last token again (not stored)

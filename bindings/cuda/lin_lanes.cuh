@@ -375,17 +375,11 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     const int n_items = EXPERT ? *a.n_items : 1;
     for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
          item += EXPERT ? static_cast<int>(gridDim.y) : 1) {
-        const void* data = a.data;
-        if constexpr (EXPERT) {
-            const ExpertItem it = expert_item(a, item);
-            data = it.data;
-            scale = it.scale;
-            start = it.start;
-            cnt = it.cnt;
-        } else {
-            start = static_cast<int>(blockIdx.y) * BN;
-            cnt = a.T - start < BN ? a.T - start : BN;
-        }
+        const BlockWork bw = block_work<EXPERT>(a, item, static_cast<int>(blockIdx.y), BN);
+        const void* data = bw.data;
+        scale = bw.scale;
+        start = bw.start;
+        cnt = bw.cnt;
         __syncthreads();  // the previous item is done with rowp, xrow and every buffer
         if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(data) + abs_row(row_base + tid) * rb;
         if (EXPERT && tid < BN) {  // slots past cnt compute the last pair again (not stored)

@@ -56,18 +56,10 @@ __global__ void __launch_bounds__(kMtThreads) k_linear_mt(LinArgs a) {
     }
     const int n_items = EXPERT ? *a.n_items : (a.T + TT - 1) / TT;
     for (int item = static_cast<int>(blockIdx.y); item < n_items; item += static_cast<int>(gridDim.y)) {
-        const void* data = a.data;
-        const void* scale = a.scale;
-        int cnt, start = 0;
-        if constexpr (EXPERT) {
-            const ExpertItem it = expert_item(a, item);
-            data = it.data;
-            scale = it.scale;
-            start = it.start;
-            cnt = it.cnt;
-        } else {
-            cnt = a.T - item * TT < TT ? a.T - item * TT : TT;
-        }
+        const BlockWork bw = block_work<EXPERT>(a, item, item, TT);
+        const void* data = bw.data;
+        const void* scale = bw.scale;
+        const int start = bw.start, cnt = bw.cnt;
         __syncthreads();  // the previous item's last stage is read before rowp, xrow and the buffers change
         if (tid < kMtRows) {
             const int r = row_base + tid;
@@ -78,7 +70,7 @@ __global__ void __launch_bounds__(kMtThreads) k_linear_mt(LinArgs a) {
             const int j = tid < cnt ? tid : cnt - 1;
             int64_t xr;
             if constexpr (EXPERT) xr = pair_xrow(a, a.pairs[start + j]);
-            else xr = static_cast<int64_t>(item) * TT + j;
+            else xr = static_cast<int64_t>(start) + j;
             xrow[tid] = a.X + xr * a.ldx;
         }
         __syncthreads();
@@ -155,7 +147,7 @@ __global__ void __launch_bounds__(kMtThreads) k_linear_mt(LinArgs a) {
                 if (lane == 0 && r < a.R && j < cnt) {
                     int64_t yrow;
                     if constexpr (EXPERT) yrow = a.pairs[start + j];
-                    else yrow = static_cast<int64_t>(item) * TT + j;
+                    else yrow = static_cast<int64_t>(start) + j;
                     Y[yrow * a.ldy + r] = a.round ? bf16r(y) : y;
                 }
             }
