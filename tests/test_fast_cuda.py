@@ -560,7 +560,7 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
     expert width 64, MLA latent, nope and value widths 64). A 200-token prefill (400 pairs over 8 experts)
     in one step: the routed experts average 50 pairs, so their work items hold 16 pairs through the
     register-tiled kernel (T k >= 16 E; 32 rows x 16 pairs a block), and the dense projections take the
-    lane-pass kernel (64+ tokens); with expert_tile=64 the expert items hold 64 pairs through the lane-pass
+    lane-pass kernel (128+ tokens); with expert_tile=64 the expert items hold 64 pairs through the lane-pass
     kernel (x rows in lane order, h written so by the activation); with the option lanes off the dense
     projections take the register-tiled kernel. MLA's head-blocked W_UK^T and W_UV (heads of whole 32-row
     blocks, each block's x its head's) take the register-tiled kernel from 16 rows. Every stage of every

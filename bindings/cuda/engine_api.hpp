@@ -56,7 +56,7 @@ struct EngineOptions {
     int expert_tile = 0;        // pairs per routed-expert work item for batches: 1, 4, 8, 16 or 64; 0 the engine's rule
     bool pinned_logits = true;  // decode-sized logits copied straight into page-locked arrays (the bindings)
     bool gemm = true;           // several-token linear launches take the register-tiled kernel where it applies
-    bool lanes = true;          // dense linear launches of 64+ tokens take the lane-pass kernel where it applies
+    bool lanes = true;          // dense linear launches of 128+ tokens take the lane-pass kernel where it applies
     bool idx_tiled = true;      // prefill-sized indexer scoring as a tiled product (k_idx_scores_tiled)
     bool attn_tiled = true;     // prefill-sized mla.scores and mla.o_lat as tiled products (k_mla_scores_tiled, k_mla_olat_tiled)
 };
