@@ -470,9 +470,10 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
                         experts_take_gemm(w.t_down, gbuf, Im);
     // items of 64 through the lane-pass kernel (its x rows in lane order) only when the option asks for
     // them: measured slower end to end than items of 16 (docs/perf.md, "Session 15"); else 16 where it does
-    // not apply
-    const bool lanes64 = T > 1 && s.E.opts.expert_tile == kLanesItem && w.t_gate.data && experts_take_lanes(w.t_gate, x, D) &&
-                         experts_take_lanes(w.t_up, x, D) && experts_take_lanes(w.t_down, gbuf, Im);
+    // not apply (k_swiglu_lanes holds a row of h in shared memory: at most 48K columns)
+    const bool lanes64 = T > 1 && s.E.opts.expert_tile == kLanesItem && w.t_gate.data && Im <= 48 * 1024 &&
+                         experts_take_lanes(w.t_gate, x, D) && experts_take_lanes(w.t_up, x, D) &&
+                         experts_take_lanes(w.t_down, gbuf, Im);
     int tile = expert_tile(T, k, E, gemm16);
     if (T > 1 && s.E.opts.expert_tile > 0)
         tile = lanes64 ? kLanesItem : (s.E.opts.expert_tile >= 16 ? (gemm16 ? 16 : 8) : s.E.opts.expert_tile);
