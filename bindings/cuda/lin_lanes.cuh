@@ -176,7 +176,6 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         for (int n = 0; n < NXP; ++n)
             if (xu[n] < nc) cp_async16_s(buf + xdst[n], a.X + xo + xsrc[n]);
     };
-    // the decode tasks' multipliers for slab s (chunks past the last read the last chunk's, never used)
     // this thread's decode tasks (the same in every slab): row i, piece tk of chunk u; their scales'
     // offsets (32-bit: lanes_applies)
     int dsc[NT];
@@ -187,6 +186,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         const int64_t ar = abs_row(row_base + i);
         dsc[n] = static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) + tk : 0));
     }
+    // the decode tasks' multipliers for slab s (chunks past the last read the last chunk's, never used)
     auto load_scales = [&](int s, float (&sc)[NT]) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
