@@ -84,19 +84,16 @@ __global__ void __launch_bounds__(256) k_x_lanes(const float* __restrict__ X, in
     }
 }
 
-// Rows in lane order (the experts' x): Y[r][(l * nch + c) * 8 + g] = X[r][64c + 8g + l] (Y rows C apart).
-// A block: eight chunks of one row, read in order and written as eight runs of 64 (one per lane).
+// Rows in lane order (the experts' x; weights.cuh, rows_lanes): a block per row, staged whole in shared
+// memory, written in order.
 __global__ void __launch_bounds__(256) k_rows_lanes(const float* __restrict__ X, int64_t ldx, int nch, float* __restrict__ Y) {
     pdl_enter();
-    __shared__ float tile[512];
+    GLM_DYN_SMEM(float, row);
     const int64_t r = blockIdx.x;
-    const int c0 = 8 * static_cast<int>(blockIdx.y), nc = nch - c0 < 8 ? nch - c0 : 8, tid = static_cast<int>(threadIdx.x);
-    for (int i = tid; i < 64 * nc; i += 256) tile[i] = X[r * ldx + 64 * c0 + i];
+    const int C = 64 * nch;
+    for (int i = static_cast<int>(threadIdx.x); i < C; i += 256) row[i] = X[r * ldx + i];
     __syncthreads();
-    for (int o = tid; o < 64 * nc; o += 256) {  // lane o / 8nc, chunk c0 + (o % 8nc) / 8, chain o % 8
-        const int l = o / (8 * nc), cg = o % (8 * nc);
-        Y[r * 64 * nch + (static_cast<int64_t>(l) * nch + c0) * 8 + cg] = tile[(cg >> 3) * 64 + 8 * (cg & 7) + l];
-    }
+    for (int o = static_cast<int>(threadIdx.x); o < C; o += 256) Y[r * C + o] = row[lane_order_col(o, nch)];
 }
 
 // Dense: a.X is Xp (k_x_lanes) with a.ldx = ldT; a.Y the launch's first token row; a.T its tokens.
@@ -153,28 +150,15 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     // (dense) or from each pair's x row (experts)
     auto issue = [&](int s, int64_t xo, int stage) {
         const int nc = chunks_of(s), c0 = s * S;
+        const bool whole = nc == S;  // (a whole slab: no piece is past its chunks)
         const uint32_t buf = sm_s + static_cast<uint32_t>(stage * SB);
-        if constexpr (EXPERT) {
-#pragma unroll
-            for (int n = 0; n < NWP; ++n)
-                if ((WPIECES % kLnThreads == 0 || wdst[n] >= 0) && woff[n] < nc * CB) cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
-            if (xu[0] < nc) cp_async16_s(buf + xdst[0], xsp + xo);
-            return;
-        }
-        if (nc == S) {
-#pragma unroll
-            for (int n = 0; n < NWP; ++n)
-                if (WPIECES % kLnThreads == 0 || wdst[n] >= 0) cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
-#pragma unroll
-            for (int n = 0; n < NXP; ++n) cp_async16_s(buf + xdst[n], a.X + xo + xsrc[n]);
-            return;
-        }
 #pragma unroll
         for (int n = 0; n < NWP; ++n)
-            if ((WPIECES % kLnThreads == 0 || wdst[n] >= 0) && woff[n] < nc * CB) cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
+            if ((WPIECES % kLnThreads == 0 || wdst[n] >= 0) && (whole || woff[n] < nc * CB))
+                cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
 #pragma unroll
         for (int n = 0; n < NXP; ++n)
-            if (xu[n] < nc) cp_async16_s(buf + xdst[n], a.X + xo + xsrc[n]);
+            if (whole || xu[n] < nc) cp_async16_s(buf + xdst[n], (EXPERT ? xsp : a.X + xsrc[n]) + xo);
     };
     // this thread's decode tasks (the same in every slab): row i, piece tk of chunk u; their scales'
     // offsets (32-bit: lanes_applies)

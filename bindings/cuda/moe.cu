@@ -34,7 +34,8 @@ __global__ void k_swiglu_act(const float* __restrict__ g, const float* __restric
     h[i] = swiglu_one(g[i], u[i], L, nm);
 }
 // The same activation with each row written in lane order (weights.cuh, rows_lanes: the down projection's
-// x when its items take the lane-pass kernel), into g itself: a block per row reads it whole first.
+// x when its items take the lane-pass kernel), into g itself: a block per row reads it whole first (as
+// k_rows_lanes does).
 __global__ void k_swiglu_lanes(float* g, const float* __restrict__ u, int I, float L, Nm nm) {
     pdl_enter();
     GLM_DYN_SMEM(float, h);
@@ -43,10 +44,7 @@ __global__ void k_swiglu_lanes(float* g, const float* __restrict__ u, int I, flo
     for (int i = static_cast<int>(threadIdx.x); i < I; i += static_cast<int>(blockDim.x))
         h[i] = swiglu_one(g[r * I + i], u[r * I + i], L, nm);
     __syncthreads();
-    for (int o = static_cast<int>(threadIdx.x); o < I; o += static_cast<int>(blockDim.x)) {
-        const int l = o / (8 * nch), cg = o % (8 * nch);
-        g[r * I + o] = h[(cg >> 3) * 64 + 8 * (cg & 7) + l];
-    }
+    for (int o = static_cast<int>(threadIdx.x); o < I; o += static_cast<int>(blockDim.x)) g[r * I + o] = h[lane_order_col(o, nch)];
 }
 
 GLM_DEV float key_of(float v) { return is_nan(v) ? -INFINITY : v; }
@@ -470,8 +468,8 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
                         experts_take_gemm(w.t_down, gbuf, Im);
     // items of 64 through the lane-pass kernel (its x rows in lane order) only when the option asks for
     // them: measured slower end to end than items of 16 (docs/perf.md, "Session 15"); else 16 where it does
-    // not apply (k_swiglu_lanes holds a row of h in shared memory: at most 48K columns)
-    const bool lanes64 = T > 1 && s.E.opts.expert_tile == kLanesItem && w.t_gate.data && Im <= 48 * 1024 &&
+    // not apply
+    const bool lanes64 = T > 1 && s.E.opts.expert_tile == kLanesItem && w.t_gate.data &&
                          experts_take_lanes(w.t_gate, x, D) && experts_take_lanes(w.t_up, x, D) &&
                          experts_take_lanes(w.t_down, gbuf, Im);
     int tile = expert_tile(T, k, E, gemm16);

@@ -242,8 +242,9 @@ void launch_gemm(const LinArgs& a, dim3 grid) {
 // The lane-pass kernel (lin_lanes.cuh): dense launches (no head blocking) of BF16, FP8 or MXFP4 rows of
 // whole chunks, 16-byte aligned, several tokens. The engine takes it (option lanes) from kLanesMinT tokens;
 // below, the register-tiled kernel: at 64 tokens its 64 x 64 blocks leave a 4096-row matrix 64 blocks for
-// 132 SMs (H200, slice FP8: decode b64 3366-3557 tok/s with it from 64 tokens, 4213 without in session 14). x is re-laid into a device scratch (lanes_scratch) by k_x_lanes, at
-// most kLanesGroup floats at a time: larger launches run in groups of tokens.
+// 132 SMs (H200, slice FP8: decode b64 3366-3557 tok/s with it from 64 tokens, 4213 without in session
+// 14). x is re-laid into a device scratch (lanes_scratch) by k_x_lanes, at most kLanesGroup floats at a
+// time: larger launches run in groups of tokens.
 constexpr int kLanesMinT = 128;
 constexpr int64_t kLanesGroup = int64_t{32} << 20;  // floats of re-laid x (128 MiB) per group of tokens
 bool lanes_applies(const LinArgs& a, bool expert) {
@@ -251,8 +252,10 @@ bool lanes_applies(const LinArgs& a, bool expert) {
     if (!(a.fmt == W_BF16 || a.fmt == W_FP8 || a.fmt == W_MXFP4)) return false;
     const int64_t rb = row_bytes(a.fmt, a.C);
     if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
-    // experts: 16-byte pieces of x rows in lane order; weights are arena allocations (256-byte aligned)
-    if (expert ? reinterpret_cast<uintptr_t>(a.X) % 16 != 0 || a.ldx % 4 != 0 : reinterpret_cast<uintptr_t>(a.data) % 16 != 0)
+    // experts: 16-byte pieces of x rows in lane order (rows_lanes: at most kLanesRowMax columns); weights
+    // are arena allocations (256-byte aligned)
+    if (expert ? reinterpret_cast<uintptr_t>(a.X) % 16 != 0 || a.ldx % 4 != 0 || a.C > kLanesRowMax
+               : reinterpret_cast<uintptr_t>(a.data) % 16 != 0)
         return false;
     // its scale offsets are 32-bit
     return (a.row0 + a.woff + a.R) * (a.C / 32 + 1) < (int64_t{1} << 31);
@@ -816,12 +819,17 @@ void run(LinArgs a, bool expert, int tile, const Nm& nm) {
     const unsigned gy = static_cast<unsigned>(expert ? std::min(a.max_items, 65535) : (a.T + TT - 1) / TT);
     if (gy == 0) return;
     dim3 grid(gx, gy, expert && a.dtab2 ? 2 : 1);
-    if (expert && TT == kLanesItem) {  // (expert_tile gives them only where the lane-pass kernel takes them)
-        if (a.fmt < W_BF16 || a.fmt > W_MXFP4 || !lin_kernel(LinKind::Lanes).launch.f[a.fmt][1](a, grid, a.choice))
-            throw std::invalid_argument("linear: expert items of 64 pairs need the lanes kernel, which does not apply");
-    } else if (expert && TT == 16) {  // (expert_tile gives 16 only where the register-tiled kernel takes them)
-        if (a.fmt < W_BF16 || a.fmt > W_MXFP4 || !lin_kernel(LinKind::Gemm).launch.f[a.fmt][1](a, grid, a.choice))
-            throw std::invalid_argument("linear: expert items of 16 pairs need the gemm kernel, which does not apply");
+    // expert items only one kernel takes (expert_tile gives them only where it does): 64 pairs, the
+    // lane-pass kernel; 16, the register-tiled kernel
+    auto only = [&](LinKind kind) {
+        if (a.fmt < W_BF16 || a.fmt > W_MXFP4 || !lin_kernel(kind).launch.f[a.fmt][1](a, grid, a.choice))
+            throw std::invalid_argument("linear: expert items of " + std::to_string(TT) + " pairs need the " +
+                                        lin_kernel(kind).what + ", which does not apply");
+    };
+    if (expert && TT == kLanesItem) {
+        only(LinKind::Lanes);
+    } else if (expert && TT == 16) {
+        only(LinKind::Gemm);
     } else if (expert) {
         if (TT == 1) launch_tt<1, true>(a, grid);
         else if (TT == 4) launch_tt<4, true>(a, grid);
@@ -945,10 +953,11 @@ bool experts_take_lanes(const ExpertTable& W, const float* X, int64_t ldx) {
 }
 void rows_lanes(const float* X, int64_t ldx, int rows, int64_t C, float* Y) {
     if (rows <= 0) return;
-    if (C % 64 != 0) throw std::invalid_argument("rows_lanes: rows of whole chunks");
-    const int nch = static_cast<int>(C / 64);
+    if (C % 64 != 0 || C > kLanesRowMax) throw std::invalid_argument("rows_lanes: rows of whole chunks, at most 48K columns");
     auto k = k_rows_lanes;
-    GLM_LAUNCH(k, dim3(static_cast<unsigned>(rows), static_cast<unsigned>((nch + 7) / 8)), 256, 0, X, ldx, nch, Y);
+    const size_t smem = static_cast<size_t>(C) * 4;
+    allow_smem(k, smem);
+    GLM_LAUNCH(k, static_cast<unsigned>(rows), 256, smem, X, ldx, static_cast<int>(C / 64), Y);
     check_launch("rows_lanes");
 }
 
@@ -1164,7 +1173,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         const void* tab[2] = {dd, ds};
         check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
         const int tile = kernel == "gemm" ? gemm_tile_for(T) : (kernel == "tiled" ? tile_for(T) : (kernel == "lanes" ? kLanesItem : 1));
-        if (kernel == "lanes" && C % 64 == 0) {  // its x rows in lane order
+        if (kernel == "lanes" && C % 64 == 0 && C <= kLanesRowMax) {  // its x rows in lane order
             void* dxl = B.alloc(static_cast<size_t>(T) * C * 4);
             rows_lanes(static_cast<const float*>(dx), C, T, C, static_cast<float*>(dxl));
             a.X = static_cast<const float*>(dxl);

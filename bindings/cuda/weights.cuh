@@ -159,7 +159,14 @@ constexpr int kLanesItem = 64;
 bool experts_take_lanes(const ExpertTable& W, const float* X, int64_t ldx);
 // Rows in lane order: Y[r][(l * C/64 + c) * 8 + g] = X[r][64c + 8g + l] (Y rows C apart): what the lane-pass
 // kernel's expert items read (the columns of each chain of one lane, chunk after chunk, lane after lane).
+// C at most kLanesRowMax (a row staged in shared memory).
+constexpr int kLanesRowMax = 48 * 1024;
 void rows_lanes(const float* X, int64_t ldx, int rows, int64_t C, float* Y);
+// The column whose value stands at position o of a row of nch chunks in lane order.
+GLM_DEV int lane_order_col(int o, int nch) {
+    const int l = o / (8 * nch), cg = o % (8 * nch);
+    return 64 * (cg >> 3) + 8 * (cg & 7) + l;
+}
 // Items of 16 pairs where the experts average 16 pairs or more (T * k >= 16 E); below, items of 8 through
 // the same kernel were as fast or faster (docs/perf.md, "Session 14").
 bool experts_may_take16(int T, int k, int E);
