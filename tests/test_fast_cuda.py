@@ -377,6 +377,9 @@ LINEAR_EMU_CASES = [
     # chunks (slabs of 2: 6 steady, then the general loop)
     ("emu-fp8-experts-gemm4", "fp8", 130, 1088, 4, True, True, False),
     ("emu-bf16-experts-gemm3", "bf16", 40, 320, 3, True, True, False),
+    # items of 8 computing their pairs rounded up to a power of two: 8 + 2 and 8 + 1 pairs
+    ("emu-fp8-experts-gemm10", "fp8", 70, 320, 10, True, True, False),
+    ("emu-mxfp4-experts-gemm9", "mxfp4", 33, 256, 9, True, True, False),
     # the lane-pass kernel at 128 tokens and more (32 rows x 128 tokens a block: two token tiles, the
     # last of few; 5 chunks: a slab of 4 and one of 1 in every lane pass)
     ("emu-fp8-lanes-128", "fp8", 40, 320, 130, False, False, True),

@@ -22,6 +22,18 @@ GLM_DEV ExpertItem expert_item(const LinArgs& a, int item) {
     return {(second ? a.dtab2 : a.dtab)[e], (second ? a.stab2 : a.stab)[e], a.items[3 * item + 1],
             a.items[3 * item + 2], second};
 }
+// f(integral_constant<int, m>) for m the least power of two >= n (at most N, a power of two): code
+// unrolled for a block-uniform count, in few variants.
+template <int N, class F>
+GLM_DEV void with_pow2(int n, F&& f) {
+    if constexpr (N > 1) {
+        if (n <= N / 2) {
+            with_pow2<N / 2>(n, f);
+            return;
+        }
+    }
+    f(std::integral_constant<int, N>{});
+}
 // What a several-token block works on: expert item `item` (its matrix and pairs), or, dense, the launch's
 // matrix and tokens [tile * n, + tile) of a.T.
 struct BlockWork {

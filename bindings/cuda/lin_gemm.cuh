@@ -17,7 +17,7 @@ namespace {
 // [column][row] and X^T [column][token] (a column 64u + k of the slab is one row of each). The 512
 // threads are 64 chains x 8 (row groups x token groups): BM = 32 rows x BN = 16 tokens (TG = 4: dense
 // launches, expert items of 16 pairs), 64 x 8 for expert items of up to eight pairs (TG = 2: decode
-// batches, whose experts hold a few pairs each). A tile of 128 rows x 4 pairs (a thread 16 x 4) for items
+// batches, whose experts hold a few pairs each; an item computes its pairs rounded up to a power of two). A tile of 128 rows x 4 pairs (a thread 16 x 4) for items
 // of four was slower than items of 8 in every decode batch (H200, slice FP8: b128 3811-3937 against
 // 4633-4685 tok/s), its decode per FMA twice theirs: not kept.
 //
@@ -264,16 +264,19 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         for (int i = 0; i < RT; ++i)
 #pragma unroll
             for (int j = 0; j < TT; ++j) acc[i][j] = 0.0f;
-        auto chunk = [&](const float* W, const float* X, int u) {
+        // chunk u for the first n of the thread's tokens (the slots past an item's pairs are not computed:
+        // their sums are never stored)
+        auto chunk_n = [&](const float* W, const float* X, int u, auto n_) {
+            constexpr int n = decltype(n_)::value, NX = (n + 3) / 4 * 4;
             const float* wp = W + (64 * u + k) * WS + RT * rg;
             const float* xp = X + (64 * u + k) * XS + TT * tg;
-            float wv[RT], xv[TT];
+            float wv[RT], xv[NX];
             load_n<RT>(wp, wv);
-            load_n<TT>(xp, xv);
+            load_n<NX>(xp, xv);
 #pragma unroll
             for (int i = 0; i < RT; ++i)
 #pragma unroll
-                for (int j = 0; j < TT; ++j) acc[i][j] = ffma(wv[i], xv[j], acc[i][j]);
+                for (int j = 0; j < n; ++j) acc[i][j] = ffma(wv[i], xv[j], acc[i][j]);
         };
         auto slab_w = [&](int s) { return static_cast<const float*>(Wt + (s & 1) * (S * 64 * WS)); };
         auto slab_x = [&](int s) { return static_cast<const float*>(Xt + (s & 1) * (S * 64 * XS)); };
@@ -294,34 +297,43 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         // While slab s, the slab it decodes (s + 1) and the one it refills (s + ST - 1) are whole, the
         // iteration is one branch-free block; the last slabs take the general loop.
         const int nfull = nchunks / S;
-        int s = 0;
-        for (; s + ST - 1 < nfull; ++s) {
-            cp_async_wait<ST - 3>();
-            __syncthreads();
-            issue(s + ST - 1, true);
-            cp_async_commit();
-            const float* W = slab_w(s);
-            const float* X = slab_x(s);
+        // the slabs, each chunk for the first n of the thread's tokens
+        auto slabs = [&](auto n_) {
+            int s = 0;
+            for (; s + ST - 1 < nfull; ++s) {
+                cp_async_wait<ST - 3>();
+                __syncthreads();
+                issue(s + ST - 1, true);
+                cp_async_commit();
+                const float* W = slab_w(s);
+                const float* X = slab_x(s);
 #pragma unroll
-            for (int u = 0; u < S; ++u) chunk(W, X, u);
-            decode(s + 1, sc, true);
-            load_scales(s + 2, sc, true);  // (s + 2 < s + ST - 1: whole)
-        }
-        for (; s < nst; ++s) {
-            cp_async_wait<ST - 3>();
-            __syncthreads();
-            if (s + ST - 1 < nst) issue(s + ST - 1, false);
-            cp_async_commit();
-            if (s + 1 < nst) {
-                decode(s + 1, sc, false);
-                load_scales(s + 2, sc, false);
+                for (int u = 0; u < S; ++u) chunk_n(W, X, u, n_);
+                decode(s + 1, sc, true);
+                load_scales(s + 2, sc, true);  // (s + 2 < s + ST - 1: whole)
             }
-            const int nc = chunks_of(s);
-            const float* W = slab_w(s);
-            const float* X = slab_x(s);
+            for (; s < nst; ++s) {
+                cp_async_wait<ST - 3>();
+                __syncthreads();
+                if (s + ST - 1 < nst) issue(s + ST - 1, false);
+                cp_async_commit();
+                if (s + 1 < nst) {
+                    decode(s + 1, sc, false);
+                    load_scales(s + 2, sc, false);
+                }
+                const int nc = chunks_of(s);
+                const float* W = slab_w(s);
+                const float* X = slab_x(s);
 #pragma unroll 1
-            for (int u = 0; u < nc; ++u) chunk(W, X, u);
-        }
+                for (int u = 0; u < nc; ++u) chunk_n(W, X, u, n_);
+            }
+        };
+        // Expert items of up to 8 pairs (TG 2: every thread holds all the block's slots) compute their
+        // pairs rounded up to a power of two, not all 8 slots: decode batches leave most experts one to
+        // four pairs. (The slab loop is specialised, not each chunk: eight variants of every chunk cost whole
+        // items 2-6 %, bench_gemm on the H200 at 256-512 tokens.)
+        if constexpr (EXPERT && TG == 2) with_pow2<TT>(cnt, slabs);
+        else slabs(std::integral_constant<int, TT>{});
         cp_async_wait<0>();
         // the fold: every chain's sums to red[chain][token][row], then one output a thread
         float* const red = reinterpret_cast<float*>(sm);

@@ -943,7 +943,7 @@ void linear_experts2(const ExpertTable& W, const ExpertTable& W2, const int* ite
 }
 
 int expert_tile(int T, int k, int E, bool gemm16) {
-    if (T == 1 || T * k < E) return 1;
+    if (T == 1 || 2 * T * k < E) return 1;
     if (gemm16 && experts_may_take16(T, k, E)) return 16;
     return 8;
 }
@@ -1316,9 +1316,10 @@ double linear_bench_tokens_device(const std::string& release, int64_t R, int64_t
     int tile = tile_for(T);
     if (experts > 0) {
         // top-k routing: token t's j-th expert (h(t) + j * (E / k)) % E (k distinct experts), the pairs
-        // grouped by expert in pair order, items of the engine's tile (moe.cu), or of one ('tiled:1')
+        // grouped by expert in pair order, items of the engine's tile (moe.cu), or of one ('tiled:1', 'stream:N')
         const bool g16 = kernel == "gemm" || (kernel == "auto" && launch_options().gemm);
-        tile = kernel == "tiled:1" ? 1 : expert_tile(T, topk, experts, g16 && gemm_takes_items16(a));
+        const bool one = kernel == "tiled:1" || choice.kind == LinKind::Stream;
+        tile = one ? 1 : expert_tile(T, topk, experts, g16 && gemm_takes_items16(a));
         if (kernel == "lanes") tile = kLanesItem;  // (x taken as rows in lane order: the fill's order is any)
         std::vector<std::vector<int>> by(static_cast<size_t>(experts));
         for (int t = 0; t < T; ++t) {

@@ -141,12 +141,11 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
                     const Nm& nm, bool hw8);
 
 // Pairs per routed-expert work item for T tokens routed to k of E experts (moe.cu and the benchmark's
-// items): 1 when the experts average less than one pair (b32: 256 pairs over 288 experts; a multi-pair
-// item would compute its empty slots too): the one-token kernels, an expert chosen twice read twice. Else
-// 8: an item's weights are read once for its pairs and the slots past them are computed too (the
-// register-tiled kernel's 64 x 8 tiles, the tiled kernel where that does not apply; measured on the H200,
-// slice FP8, with the tiled kernel: b32 3023 tok/s with 1 against 2813 with 4; b64 3314 with 8, 3240 with
-// 4; b128 3713 against 3516; b256 4030 against 3661; docs/engine_cuda.md "Expert work items"). 16 where
+// items): 1 when the experts average less than half a pair (b8: 64 pairs over 288 experts): the one-token
+// kernels, an expert chosen twice read twice. Else 8: an item's weights are read once for its pairs (the
+// register-tiled kernel's 64 x 8 tiles, computing the item's pairs rounded up to a power of two; the tiled
+// kernel where that does not apply, computing all 8 slots; measured on the H200, slice FP8: b32 3632-3652
+// tok/s with 8 against 3237 with 1, b8 1894 against 2207-2340; docs/perf.md "Session 16"). 16 where
 // experts_may_take16 and gemm16 (the register-tiled kernel takes the tables: experts_take_gemm): 32 rows x
 // 16 pairs a block, each weight decoded once for 16 pairs. Every tile gives the same bits.
 int expert_tile(int T, int k, int E, bool gemm16);
