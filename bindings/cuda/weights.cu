@@ -522,6 +522,22 @@ int spec_digit(const std::string& spec, const char* prefix, const char* digits) 
 }
 
 // In the tuning's order (the first of equally fast candidates is kept).
+const LinKernel& lin_kernel(LinKind kind);
+// A kernel of several tokens, named by one word: never a one-token tuning candidate, its one variant its name.
+template <LinKind K, bool (*APPLIES)(const LinArgs&, bool), template <int, bool> class L>
+LinKernel several_token_kernel(const char* name, const char* what) {
+    return {K, name, what,
+            [](const LinArgs& a, bool expert, const LinChoice&) { return APPLIES(a, expert); },
+            [](const LinArgs&, bool, std::vector<LinChoice>&) {},
+            [](const LinChoice&) { return std::string(lin_kernel(K).name); },
+            [](const std::string& spec, LinChoice& c) {
+                if (spec != lin_kernel(K).name) return false;
+                c = variant(K);
+                return true;
+            },
+            launches_of<L>()};
+}
+
 const LinKernel kLinKernels[] = {
     {LinKind::Register, "register", "register kernel",
      [](const LinArgs&, bool, const LinChoice&) { return true; },
@@ -630,28 +646,10 @@ const LinKernel kLinKernels[] = {
          return d != 0;
      },
      launches_of<StreamLaunch>()},
-    // "gemm" (several tokens or expert items of several pairs; never a one-token candidate)
-    {LinKind::Gemm, "gemm", "gemm kernel",
-     [](const LinArgs& a, bool expert, const LinChoice&) { return gemm_applies(a, expert); },
-     [](const LinArgs&, bool, std::vector<LinChoice>&) {},
-     [](const LinChoice&) { return std::string("gemm"); },
-     [](const std::string& spec, LinChoice& c) {
-         if (spec != "gemm") return false;
-         c = variant(LinKind::Gemm);
-         return true;
-     },
-     launches_of<GemmLaunch>()},
-    // "lanes" (dense launches of several tokens; never a one-token candidate)
-    {LinKind::Lanes, "lanes", "lanes kernel",
-     [](const LinArgs& a, bool expert, const LinChoice&) { return lanes_applies(a, expert); },
-     [](const LinArgs&, bool, std::vector<LinChoice>&) {},
-     [](const LinChoice&) { return std::string("lanes"); },
-     [](const std::string& spec, LinChoice& c) {
-         if (spec != "lanes") return false;
-         c = variant(LinKind::Lanes);
-         return true;
-     },
-     launches_of<LanesLaunch>()},
+    // "gemm" (several tokens or expert items of several pairs)
+    several_token_kernel<LinKind::Gemm, gemm_applies, GemmLaunch>("gemm", "gemm kernel"),
+    // "lanes" (dense launches of several tokens)
+    several_token_kernel<LinKind::Lanes, lanes_applies, LanesLaunch>("lanes", "lanes kernel"),
 };
 
 const LinKernel& lin_kernel(LinKind kind) {
