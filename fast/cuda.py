@@ -79,6 +79,7 @@ _ENV_OPTIONS = {
     "GLM_LANES": ("lanes", lambda v: v != "0"),
     "GLM_IDX_TILED": ("idx_tiled", lambda v: v != "0"),
     "GLM_ATTN_TILED": ("attn_tiled", lambda v: v != "0"),
+    "GLM_HEAD_BOUND": ("head_bound", lambda v: v != "0"),
 }
 
 
@@ -197,6 +198,15 @@ class CudaEngine(Engine):
         exchange = getattr(self._core, "exchange", None)  # (a _DeviceExchange with ranks > 1)
         if exchange is not None:
             exchange.timing = bool(on)
+
+    def head_bound_stats(self) -> dict[str, int]:
+        """The bounded head (docs/engine_cuda.md, "The bounded head") since the last reset: greedy rows
+        it chose, their candidates (rows whose exact logit was computed), the most of one row, and the
+        steps the full head decided instead."""
+        return dict(self._core.head_bound_stats())
+
+    def reset_head_bound_stats(self) -> None:
+        self._core.reset_head_bound_stats()
 
     def stage_times(self) -> dict[str, float]:
         """Device milliseconds per module since the last reset_stage_times()."""

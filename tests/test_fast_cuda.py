@@ -596,13 +596,15 @@ def test_engine_options(tmp_path, monkeypatch):
     make_checkpoint("tiny", "fp8", path, hidden_size=128)
     from fast.cuda import _ENV_OPTIONS
     defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0,
-                "pinned_logits": True, "gemm": True, "lanes": True, "idx_tiled": True, "attn_tiled": True}
+                "pinned_logits": True, "gemm": True, "lanes": True, "idx_tiled": True, "attn_tiled": True,
+                "head_bound": True}
     assert sorted(name for name, _ in _ENV_OPTIONS.values()) == sorted(defaults)   # (an A/B variable each)
     for var in _ENV_OPTIONS:
         monkeypatch.delenv(var, raising=False)
     assert CudaEngine(path).options["cuda"] == defaults
     flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8,
-               "pinned_logits": False, "gemm": False, "lanes": False, "idx_tiled": False, "attn_tiled": False}
+               "pinned_logits": False, "gemm": False, "lanes": False, "idx_tiled": False, "attn_tiled": False,
+               "head_bound": False}
     eng, ref = CudaEngine(path, cuda_options=flipped), fast.Engine(path, device="cpu")
     assert eng.options["cuda"] == flipped and "'expert_tile': 8" in repr(eng)
     V = eng.config.vocab_size

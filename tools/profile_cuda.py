@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     p.add_argument("--trace", default=None, help="write a chrome trace here")
     p.add_argument("--prefill", type=int, default=0,
                    help="profile --steps prefills of this many tokens (each into a new cache) instead of decode steps")
+    p.add_argument("--logits", choices=("argmax", "all"), default="argmax",
+                   help="what a decode step returns: the greedy token chosen on the device (bench_throughput's "
+                        "steps) or every row's logits copied to the host")
     p.add_argument("--plain", action="store_true",
                    help="no profiler: prefill, then --steps decode steps (a process for ncu to wrap)")
     a = p.parse_args(argv)
@@ -53,8 +56,14 @@ def main(argv=None) -> int:
     for c in caches:
         eng.prefill([int(v) for v in rng.integers(0, V, 16)], c)
     toks = [1] * a.batch
+
+    def decode_step(toks):
+        if a.logits == "all":
+            return [int(np.argmax(r)) for r in eng.decode(caches, toks)]
+        return eng.step([(c, [t], None, "argmax") for c, t in zip(caches, toks)])
+
     for _ in range(5 if not a.plain else a.steps):
-        toks = [int(np.argmax(r)) for r in eng.decode(caches, toks)]
+        toks = decode_step(toks)
     if a.plain:
         print(f"prefill of 16 tokens, then {a.steps} decode steps at batch {a.batch}: tokens {toks}")
         return 0
@@ -73,7 +82,7 @@ def main(argv=None) -> int:
                 eng.prefill([int(v) for v in rng.integers(0, V, a.prefill)], c)
                 c.close()
             else:
-                toks = [int(np.argmax(r)) for r in eng.decode(caches, toks)]
+                toks = decode_step(toks)
             walls.append(time.perf_counter() - t0)
     if a.trace:
         prof.export_chrome_trace(a.trace)

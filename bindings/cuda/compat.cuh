@@ -146,6 +146,41 @@ GLM_DEV void cp_async_wait() {
 }
 
 
+// ---- integer tensor-core product: d += A B, A 16 x 32 and B 32 x 8 signed bytes, int32 (exact) -----
+// Fragments as PTX lays out mma.m16n8k32 .s8 (lane = 4 g + q): A word j of lane (g, q) holds
+// A[g + 8 (j & 1)][16 (j >> 1) + 4 q + b] in its byte b; B word j holds B[16 j + 4 q + b][g]; d[i] is
+// D[g + 8 (i >> 1)][2 q + (i & 1)]. Integer sums have no order, so the emulation is the hardware's result.
+// Every lane of the warp calls it.
+GLM_DEV void mma_s8_16832(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#if defined(GLM_CUDA_EMU)
+    const int lane = static_cast<int>(threadIdx.x & 31u), g = lane >> 2, q = lane & 3;
+    int A[16][32], B[32][8];
+    for (int src = 0; src < 32; ++src) {
+        const int sg = src >> 2, sq = src & 3;
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t w = __shfl_sync(0xffffffffu, a[j], src);
+            for (int by = 0; by < 4; ++by)
+                A[sg + 8 * (j & 1)][16 * (j >> 1) + 4 * sq + by] = static_cast<int8_t>((w >> (8 * by)) & 0xFFu);
+        }
+        for (int j = 0; j < 2; ++j) {
+            const uint32_t w = __shfl_sync(0xffffffffu, b[j], src);
+            for (int by = 0; by < 4; ++by) B[16 * j + 4 * sq + by][sg] = static_cast<int8_t>((w >> (8 * by)) & 0xFFu);
+        }
+    }
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >> 1), col = 2 * q + (i & 1);
+        int s = 0;
+        for (int k = 0; k < 32; ++k) s += A[row][k] * B[k][col];
+        d[i] += s;
+    }
+#else
+    asm(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
 // ---- arithmetic (all round-to-nearest-even, never fused unless written as an fma) ---------------
 GLM_DEV float fadd(float a, float b) { return __fadd_rn(a, b); }
 GLM_DEV float fsub(float a, float b) { return __fsub_rn(a, b); }

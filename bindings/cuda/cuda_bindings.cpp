@@ -101,7 +101,8 @@ constexpr FlagOption kFlagOptions[] = {{"pdl", &EngineOptions::pdl},
                                        {"gemm", &EngineOptions::gemm},
                                        {"lanes", &EngineOptions::lanes},
                                        {"idx_tiled", &EngineOptions::idx_tiled},
-                                       {"attn_tiled", &EngineOptions::attn_tiled}};
+                                       {"attn_tiled", &EngineOptions::attn_tiled},
+                                       {"head_bound", &EngineOptions::head_bound}};
 
 // From a dict of some of their names; unknown names and wrong types are refused.
 EngineOptions options_from_dict(const py::dict& d) {
@@ -304,6 +305,17 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
                  return d;
              })
         .def("reset_ep_stats", [](PyEngine& pe) { pe.eng->reset_ep_stats(); })
+        .def("head_bound_stats",
+             [](PyEngine& pe) {
+                 const Engine::HeadBoundStats st = pe.eng->head_bound_stats();
+                 py::dict d;
+                 d["rows"] = st.rows;
+                 d["candidates"] = st.candidates;
+                 d["max_candidates"] = st.max_candidates;
+                 d["full_steps"] = st.full_steps;
+                 return d;
+             })
+        .def("reset_head_bound_stats", [](PyEngine& pe) { pe.eng->reset_head_bound_stats(); })
         // where the exchange hook's buffers live: "device", or "host" under the CPU emulation
         .def_property_readonly("device_exchange",
                                [](PyEngine&) {
@@ -397,6 +409,27 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
             return translate([&] { return argmax_device(x.data(), static_cast<int>(x.size())); });
         },
         py::arg("x"), "The greedy rule of Engine.greedy on the device (np.argmax's: NaN first, then the lowest index).");
+    m.def(
+        "head_bound",
+        [](const py::array_t<uint16_t, py::array::c_style>& w, const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
+            if (w.ndim() != 2 || x.ndim() != 2 || w.shape(1) != x.shape(1))
+                bad("head_bound: w must be [R][C] BF16 bits (uint16) and x [n][C]");
+            const int R = static_cast<int>(w.shape(0)), C = static_cast<int>(w.shape(1)), n = static_cast<int>(x.shape(0));
+            const HeadBoundRun r = translate([&] { return head_bound_device(w.data(), R, C, x.data(), n); });
+            py::dict d;
+            d["usable"] = r.usable;
+            if (r.usable) {
+                d["lo"] = py::array_t<float>({n, R}, r.lo.data());
+                d["hi"] = py::array_t<float>({n, R}, r.hi.data());
+                d["tokens"] = py::array_t<int>(static_cast<py::ssize_t>(n), r.tokens.data());
+                d["counts"] = py::array_t<int>(static_cast<py::ssize_t>(n), r.counts.data());
+                d["flag"] = r.flag;
+            }
+            return d;
+        },
+        py::arg("w"), py::arg("x"),
+        "The bounded head (docs/engine_cuda.md) on the device: {'usable', 'lo', 'hi' ([n][R] bounds of the "
+        "canonical logits), 'tokens' (np.argmax of them unless 'flag'), 'counts' (candidates per token), 'flag'}.");
     m.def(
         "argmax_logprob",
         [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {

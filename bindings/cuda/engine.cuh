@@ -220,6 +220,10 @@ void swiglu(Step& s, const Lin& gate, const Lin& up, const Lin& down, const floa
             int cap_layer, const Lin& gate_up = Lin{});                                                 // moe.cu
 void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out);
 void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits);               // head.cu
+const float* head_normed(Step& s, const float* X, const std::vector<int>& rows);                        // head.cu
+void head_logits(Step& s, const float* normed, const std::vector<int>& rows, float* logits);            // head.cu
+bool head_bound_applies(Step& s, int rows);                                                                      // head_bound.cu
+void head_argmax_bounded(Step& s, const float* normed, int n, int* d_next, int* d_flag, int* d_count);  // head_bound.cu
 // head.cu: the greedy token of each of `rows` rows of n logits, on the device
 void argmax_into(const float* logits, int n, int* out, int rows = 1);
 // head.cu: as argmax_into, and where slot[row] >= 0 (every row when slot is null: slot = row) the token's
@@ -348,6 +352,15 @@ class ActiveOptions {
     const EngineOptions* prev_;
 };
 
+// The bounded head's lm_head limbs and row statistics (head_bound.cu), made on first use.
+struct HeadBound {
+    bool tried = false, usable = false;
+    int KS = 0;          // 32-column steps of a row
+    DBuf wq, Ew, n2, l1;  // limbs in fragment order; per row: exponent, ||w||_2, ||w^||_1
+    double n2max = 0.0;  // the largest ||w||_2
+    Engine::HeadBoundStats stats;
+};
+
 struct EngineCore {
     Config cfg;
     EngineOptions opts;
@@ -357,6 +370,7 @@ struct EngineCore {
     Arena arena;
     std::vector<LayerW> layers;
     Lin embed, lm_head;
+    HeadBound head_bound;
     float* final_norm = nullptr;
     std::map<int64_t, std::unique_ptr<Sequence>> seqs;
     int64_t next_id = 1;

@@ -59,6 +59,7 @@ struct EngineOptions {
     bool lanes = true;          // dense linear launches of 128+ tokens take the lane-pass kernel where it applies
     bool idx_tiled = true;      // prefill-sized indexer scoring as a tiled product (k_idx_scores_tiled)
     bool attn_tiled = true;     // prefill-sized mla.scores and mla.o_lat as tiled products (k_mla_scores_tiled, k_mla_olat_tiled)
+    bool head_bound = true;     // greedy-only steps: the argmax from bounds on the logits and the candidates' exact logits
 };
 
 class Engine {
@@ -113,6 +114,14 @@ class Engine {
     ExpertPartition expert_partition() const;
     EpStats ep_stats() const;
     void reset_ep_stats();
+
+    // The bounded head (head_bound.cu): greedy rows it chose, their candidates, the largest count of
+    // one row, and the steps the full head decided instead (since the last reset).
+    struct HeadBoundStats {
+        int64_t rows = 0, candidates = 0, max_candidates = 0, full_steps = 0;
+    };
+    HeadBoundStats head_bound_stats() const;
+    void reset_head_bound_stats();
 
     // Timing: when on, each module's kernels are bracketed by events and summed per stage group.
     void set_timing(bool on);
@@ -203,6 +212,17 @@ double ffma_peak_device(int reps);
 
 // The argmax of n floats on the device (the greedy rule of Engine::greedy), for tests.
 int argmax_device(const float* host, int n);
+// The bounded head over lm_head rows w_bits ([R][C] BF16 bits) and x ([n][C] f32) on the device
+// (head_bound.cu): each (token, row)'s interval [lo, hi] ([n][R]), the greedy tokens, the flag (set: the
+// bounds could not decide, the tokens are not to be used) and each token's candidate count; usable is
+// false (and nothing else is set) where a weight is not finite.
+struct HeadBoundRun {
+    bool usable = false;
+    std::vector<float> lo, hi;
+    std::vector<int> tokens, counts;
+    int flag = 0;
+};
+HeadBoundRun head_bound_device(const uint16_t* w_bits, int R, int C, const float* x, int n);
 // The greedy token of n floats and its log-probability as a step's want_head 3 computes them, for tests.
 std::pair<int, float> argmax_logprob_device(const float* host, int n);
 

@@ -174,11 +174,11 @@ std::pair<int, float> argmax_logprob_device(const float* host, int n) {
     return {idx, lp};
 }
 
-void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits) {
+// head.mean and final_norm of the rows (emitted where captured): the head's x, [rows][D] floats.
+const float* head_normed(Step& s, const float* X, const std::vector<int>& rows) {
     const Config& c = s.c;
     const int n = static_cast<int>(rows.size()), hc = static_cast<int>(c.hc_mult), D = static_cast<int>(c.hidden_size);
-    const int V = static_cast<int>(c.vocab_size), L = static_cast<int>(c.num_hidden_layers);
-    if (n == 0) return;
+    const int L = static_cast<int>(c.num_hidden_layers);
     s.mark("head");
     int* d_rows = s.scratch.up(rows);
     float* mean = s.scratch.d<float>(static_cast<size_t>(n) * D);
@@ -191,8 +191,21 @@ void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* 
     s.emit_rows(L, S_HEAD_MEAN, mean, D, {D}, rows);
     rms_norm_rows(s, mean, D, n, D, s.E.final_norm, static_cast<float>(c.rms_norm_eps), normed, D);
     s.emit_rows(L, S_FINAL_NORM, normed, D, {D}, rows);
+    return normed;
+}
+
+// logits = lm_head final_norm for the rows (emitted where captured).
+void head_logits(Step& s, const float* normed, const std::vector<int>& rows, float* logits) {
+    const Config& c = s.c;
+    const int n = static_cast<int>(rows.size()), D = static_cast<int>(c.hidden_size);
+    const int V = static_cast<int>(c.vocab_size), L = static_cast<int>(c.num_hidden_layers);
     linear(s.E.lm_head, normed, D, logits, V, n, false, s.nm, s.hw8);
     s.emit_rows(L, S_LOGITS, logits, V, {V}, rows);
+}
+
+void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* logits) {
+    if (rows.empty()) return;
+    head_logits(s, head_normed(s, X, rows), rows, logits);
 }
 
 }  // namespace glm::cuda

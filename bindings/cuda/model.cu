@@ -284,6 +284,8 @@ void Engine::set_expert_partition(const ExpertPartition& p) {
 void Engine::set_exchange(std::shared_ptr<DeviceExchangeFn> fn) { p_->ep.hook = std::move(fn); }
 ExpertPartition Engine::expert_partition() const { return p_->ep.part; }
 EpStats Engine::ep_stats() const { return p_->ep.stats; }
+Engine::HeadBoundStats Engine::head_bound_stats() const { return p_->head_bound.stats; }
+void Engine::reset_head_bound_stats() { p_->head_bound.stats = HeadBoundStats{}; }
 void Engine::reset_ep_stats() { p_->ep.stats = EpStats{}; }
 
 std::string Engine::device_name() const {
@@ -716,7 +718,32 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
     float* dst = out.logits_out(hrows.size() * V);  // (not in a greedy loop: no host logits there)
     int* d_next = nullptr;
     float* d_lp = nullptr;
-    if (!hrows.empty() || !trows.empty()) {
+    if (hrows.empty() && !trows.empty() && n_lp == 0 && head_bound_applies(s, static_cast<int>(trows.size()))) {
+        // only greedy tokens: from bounds on the logits (head_bound.cu); where they cannot decide, the full head
+        // (d_next: the tokens, the flag, each row's candidate count)
+        const size_t n = trows.size();
+        d_next = s.scratch.d<int>(2 * n + 1);
+        const float* normed = head_normed(s, X, trows);
+        head_argmax_bounded(s, normed, static_cast<int>(n), d_next, d_next + n, d_next + n + 1);
+        s.mark("end");
+        out.tokens.resize(2 * n + 1);
+        check(cudaMemcpy(out.tokens.data(), d_next, (2 * n + 1) * sizeof(int), cudaMemcpyDeviceToHost), "tokens");
+        Engine::HeadBoundStats& st = E_.head_bound.stats;
+        st.rows += static_cast<int64_t>(n);
+        for (size_t i = 0; i < n; ++i) {
+            const int64_t k = out.tokens[n + 1 + i];
+            st.candidates += k;
+            st.max_candidates = std::max(st.max_candidates, k);
+        }
+        if (out.tokens[n] != 0) {
+            ++st.full_steps;
+            float* logits = s.scratch.d<float>(n * V);
+            head_logits(s, normed, trows, logits);
+            argmax_into(logits, static_cast<int>(V), d_next, static_cast<int>(n));
+            check(cudaMemcpy(out.tokens.data(), d_next, n * sizeof(int), cudaMemcpyDeviceToHost), "tokens");
+        }
+        out.tokens.resize(n);
+    } else if (!hrows.empty() || !trows.empty()) {
         std::vector<int> rows(hrows);  // the logits rows first: they are the block copied to the host
         rows.insert(rows.end(), trows.begin(), trows.end());
         float* logits = s.scratch.d<float>(rows.size() * V);

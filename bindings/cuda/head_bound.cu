@@ -1,0 +1,475 @@
+// The greedy token without every logit (docs/engine_cuda.md, "The bounded head"). A decode step that
+// asks only for each row's greedy token needs the argmax of the canonical logits, not the logits:
+//
+//   1. W (lm_head) and x (final_norm) are rounded to integers once per row: q = rint(v 2^(13 - E)) with
+//      2^E > max|v| of the row, |q| <= 2^13, split q = 128 hi + lo (hi in [-64, 64], lo in [-64, 63]).
+//      The integer tensor cores give S = sum q_w q_x exactly (three products of the limbs, int32; integer
+//      sums have no order), so A = S 2^(E_w + E_x - 26) is exactly the dot of the rounded vectors.
+//   2. B bounds |canonical logit - A|: the canonical cdot's own error, gamma(ceil(K/64) + 6) sum|w x| <=
+//      gamma ||w||_2 ||x||_2 (every term passes one FMA per chain step and six folds), plus the rounding of
+//      the vectors, 2^(E_w - 14) ||x||_1 + 2^(E_x - 14) ||w^||_1; in double, widened by 2^-30 and one float
+//      step each way when stored as [A - B, A + B].
+//   3. The canonical argmax r* has logit >= every other, so A_r* + B_r* >= max_j (A_j - B_j): only rows
+//      whose upper end reaches the largest lower end can win. Their canonical logits (group_dot, the same
+//      association as every linear kernel) are computed and the best taken by np.argmax's rule.
+//
+// When a row's candidates exceed kHbCap, its x is not finite, or a logit could overflow, the step's
+// flag is set and the caller runs the full head for the step (the same bits, more time).
+#include "engine.cuh"
+
+namespace glm::cuda {
+namespace {
+
+constexpr int kHbTiles = 8;     // 16-row tiles of a product block: 128 rows
+constexpr int kHbKs = 4;        // k-steps (32 columns each) of a pipeline stage
+constexpr int kHbDepth = 3;     // stages of the ring
+constexpr int kHbCap = 1024;    // candidates a token keeps; more sets the flag
+constexpr int kHbQ = 13;        // |q| <= 2^13
+// Steps of fewer greedy rows keep the full head: both read lm_head once (1.27 GB on the slice), and the
+// bounded head's own launches (~70 us) cost more than the full head's FMAs below ~8 rows (measured on
+// the H200: b1 875-898 tok/s against 948-1039, b8 2333-2361 against 2196-2341; docs/perf.md).
+constexpr int kHbMinRows = 8;
+
+unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+// The byte of element (row m < 16, column k < 32) in an A fragment [lane][word] of a 16 x 32 tile, and
+// of element (k < 32, token n < 8) in a B fragment [lane][word] (compat.cuh: mma_s8_16832).
+GLM_DEV int a_byte(int m, int k) {
+    const int lane = (m & 7) * 4 + ((k & 15) >> 2), word = (m >> 3) + 2 * (k >> 4);
+    return (lane * 4 + word) * 4 + (k & 3);
+}
+GLM_DEV int b_byte(int k, int n) {
+    const int lane = n * 4 + ((k & 15) >> 2), word = k >> 4;
+    return (lane * 2 + word) * 4 + (k & 3);
+}
+
+// Quantization exponent: the smallest E with 2^E > max|v| (max 0: a row of zeros, any E).
+GLM_DEV int hb_exponent(double mx) {
+    if (!(mx > 0.0)) return -140;
+    int e = 0;
+    (void)frexp(mx, &e);  // mx = f 2^e, f in [0.5, 1)
+    return e;
+}
+GLM_DEV void hb_split(double v, int E, int8_t& hi, int8_t& lo) {
+    const int q = static_cast<int>(rint(ldexp(v, kHbQ - E)));  // |q| <= 2^13
+    const int h = (q + 64) >> 7;                              // floor((q + 64) / 128)
+    hi = static_cast<int8_t>(h);
+    lo = static_cast<int8_t>(q - 128 * h);
+}
+
+// One warp per row of n (rows past n and columns past C stay zero): the exponent, ||v||_2 and
+// ||v^||_1 (the rounded row's 1-norm) in double, and the limbs in fragment order. frag(r, k) is the
+// byte offset of (row r, column k, limb 0); limb 1 lies `limb` bytes after it. bad: set when a value is
+// not finite.
+template <class Get, class Frag>
+GLM_DEV void hb_quant_row(int r, int C, Get get, Frag frag, int limb, int8_t* q, int* E_out, double* n2_out,
+                          double* l1_out, int* bad) {
+    const int lane = static_cast<int>(threadIdx.x & 31u);
+    double mx = 0.0, ss = 0.0;
+    int nonfinite = 0;
+    for (int k = lane; k < C; k += 32) {
+        const double v = static_cast<double>(get(k));
+        if (!(v - v == 0.0)) nonfinite = 1;
+        const double a = v < 0 ? -v : v;
+        mx = a > mx ? a : mx;
+        ss = dfma(v, v, ss);
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) {
+        const double m2 = __shfl_xor_sync(kFull, mx, o);
+        mx = m2 > mx ? m2 : mx;
+        ss = dadd(ss, __shfl_xor_sync(kFull, ss, o));
+        nonfinite |= __shfl_xor_sync(kFull, nonfinite, o);
+    }
+    const int E = hb_exponent(mx);
+    long long l1 = 0;
+    if (!nonfinite) {
+        for (int k = lane; k < C; k += 32) {
+            int8_t hi, lo;
+            hb_split(static_cast<double>(get(k)), E, hi, lo);
+            const int off = frag(r, k);
+            q[off] = hi;
+            q[off + limb] = lo;
+            const int qq = 128 * hi + lo;
+            l1 += qq < 0 ? -qq : qq;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) l1 += __shfl_xor_sync(kFull, l1, o);
+    if (lane == 0) {
+        E_out[r] = E;
+        n2_out[r] = dsqrt(ss);
+        l1_out[r] = ldexp(static_cast<double>(l1), E - kHbQ);
+        if (nonfinite) bad[r] = 1;
+    }
+}
+
+// lm_head's rows: A fragments [tile][k-step][limb][lane][4 words].
+__global__ void __launch_bounds__(256) k_hb_quant_w(Lin W, int KS, int8_t* q, int* E, double* n2, double* l1,
+                                                    int* bad) {
+    pdl_enter();
+    const int r = static_cast<int>((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5);
+    if (r >= W.R) return;  // (whole warps)
+    const int C = static_cast<int>(W.C);
+    hb_quant_row(
+        r, C, [&](int k) { return decode_elem(W.fmt, W.data, W.scale, W.row0 + r, k, W.C); },
+        [&](int rr, int k) { return (((rr >> 4) * KS + (k >> 5)) * 2 * 32 * 16) + a_byte(rr & 15, k & 31); }, 512, q, E,
+        n2, l1, bad);
+}
+
+// The step's x rows (final_norm, [n][D] floats): B fragments [8-token tile][k-step][limb][lane][2 words].
+__global__ void __launch_bounds__(256) k_hb_quant_x(const float* __restrict__ x, int n, int D, int KS, int8_t* q,
+                                                    int* E, double* n2, double* l1, int* bad, double n2w_max) {
+    pdl_enter();
+    const int t = static_cast<int>((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5);
+    if (t >= n) return;
+    hb_quant_row(
+        t, D, [&](int k) { return x[static_cast<int64_t>(t) * D + k]; },
+        [&](int tt, int k) { return (((tt >> 3) * KS + (k >> 5)) * 2 * 32 * 8) + b_byte(k & 31, tt & 7); }, 256, q, E,
+        n2, l1, bad);
+    // |logit| <= ||w||_2 ||x||_2: far from float's range, or the full head decides
+    if ((threadIdx.x & 31u) == 0 && !(dmul(n2[t], n2w_max) < 0x1p100)) bad[t] = 1;
+}
+
+GLM_DEV uint32_t order_key(float f) {  // a u32 whose order is the floats' (no NaN here)
+    const uint32_t b = f32_bits(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+GLM_DEV float from_order_key(uint32_t k) { return f32_from_bits((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k); }
+
+struct HbStats {
+    const int *Ew, *Ex;
+    const double *n2w, *l1w, *n2x, *l1x;
+    double gamma;
+};
+
+// The device buffers of one run over n rows (the step's scratch, or the test entry's own).
+struct HbBufs {
+    int8_t* xq;
+    int *Ex, *bad, *cand;
+    double *n2x, *l1x;
+    uint32_t* thr;
+    float *lo, *hi;
+};
+
+// [A - B, A + B] for rows x tokens. A block: 8 row tiles (128 rows) x NH x NTW token tiles; warp w takes
+// row tile w % 8 and token half w / 8 (NTW 8-token tiles). The limbs of W and x go through shared memory
+// in a ring of kHbDepth stages of kHbKs k-steps (cp.async), so that each SM keeps two stages of W in
+// flight from HBM while it multiplies the third.
+template <int NTW, int NH>
+struct HbShape {
+    static constexpr int warps = kHbTiles * NH, threads = 32 * warps, tokens = 8 * NTW * NH;
+    static constexpr int w_stage = kHbTiles * kHbKs * 64;  // uint4: tiles x k-steps x 2 limbs x 32 lanes
+    static constexpr int x_stage = NH * NTW * kHbKs * 64;  // uint2: token tiles x k-steps x 2 limbs x 32 lanes
+    static constexpr size_t smem = kHbDepth * (w_stage * sizeof(uint4) + x_stage * sizeof(uint2));
+};
+
+template <int NTW, int NH>
+__global__ void __launch_bounds__(HbShape<NTW, NH>::threads) k_hb_product(const uint4* __restrict__ wq,
+                                                                          const uint2* __restrict__ xq, int R, int n,
+                                                                          int KS, HbStats st, float* lo, float* hi,
+                                                                          int64_t ld, uint32_t* thr) {
+    pdl_enter();
+    using Sh = HbShape<NTW, NH>;
+    GLM_DYN_SMEM(uint4, wring);
+    uint2* xring = reinterpret_cast<uint2*>(wring + kHbDepth * Sh::w_stage);
+    __shared__ uint32_t tmax[kHbTiles][Sh::tokens];
+    const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+    const int RT = (R + 15) / 16, NT = (n + 7) / 8;
+    const int tile0 = static_cast<int>(blockIdx.x) * kHbTiles, nt0 = static_cast<int>(blockIdx.y) * NTW * NH;
+    const int wt = warp % kHbTiles, half = warp / kHbTiles, tile = tile0 + wt;
+    const int nst = (KS + kHbKs - 1) / kHbKs;
+    auto issue = [&](int p) {  // stage p's limbs into its ring slot
+        uint4* ws = wring + (p % kHbDepth) * Sh::w_stage;
+        uint4* xs = reinterpret_cast<uint4*>(xring + (p % kHbDepth) * Sh::x_stage);
+        const int ks0 = p * kHbKs, nks = KS - ks0 < kHbKs ? KS - ks0 : kHbKs;
+        for (int e = tid; e < Sh::w_stage; e += Sh::threads) {
+            const int i = e / (kHbKs * 64), c = e % (kHbKs * 64);
+            if (tile0 + i < RT && c < nks * 64) cp_async16(ws + e, wq + (static_cast<int64_t>(tile0 + i) * KS + ks0) * 64 + c);
+        }
+        for (int e = tid; e < Sh::x_stage / 2; e += Sh::threads) {
+            const int j = e / (kHbKs * 32), c = e % (kHbKs * 32);
+            if (nt0 + j < NT && c < nks * 32)
+                cp_async16(xs + e, reinterpret_cast<const uint4*>(xq + (static_cast<int64_t>(nt0 + j) * KS + ks0) * 64) + c);
+        }
+    };
+    int acc[NTW][3][4];
+#pragma unroll
+    for (int j = 0; j < NTW; ++j)
+#pragma unroll
+        for (int p = 0; p < 3; ++p)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][p][i] = 0;
+#pragma unroll
+    for (int p = 0; p < kHbDepth - 1; ++p) {
+        if (p < nst) issue(p);
+        cp_async_commit();
+    }
+    for (int sg = 0; sg < nst; ++sg) {
+        cp_async_wait<kHbDepth - 2>();
+        __syncthreads();  // stage sg landed for every thread's copies; slot (sg - 1) % depth is free
+        if (sg + kHbDepth - 1 < nst) issue(sg + kHbDepth - 1);
+        cp_async_commit();
+        const uint4* ws = wring + (sg % kHbDepth) * Sh::w_stage + wt * (kHbKs * 64);
+        const uint2* xs = xring + (sg % kHbDepth) * Sh::x_stage + half * NTW * (kHbKs * 64);
+#pragma unroll
+        for (int s = 0; s < kHbKs; ++s) {
+            if (sg * kHbKs + s >= KS) break;
+            const uint4 h4 = ws[s * 64 + lane], l4 = ws[s * 64 + 32 + lane];
+            const uint32_t ah[4] = {h4.x, h4.y, h4.z, h4.w}, al[4] = {l4.x, l4.y, l4.z, l4.w};
+#pragma unroll
+            for (int j = 0; j < NTW; ++j) {
+                const uint2 bh2 = xs[j * (kHbKs * 64) + s * 64 + lane], bl2 = xs[j * (kHbKs * 64) + s * 64 + 32 + lane];
+                const uint32_t bh[2] = {bh2.x, bh2.y}, bl[2] = {bl2.x, bl2.y};
+                mma_s8_16832(acc[j][0], ah, bh);
+                mma_s8_16832(acc[j][1], ah, bl);
+                mma_s8_16832(acc[j][1], al, bh);
+                mma_s8_16832(acc[j][2], al, bl);
+            }
+        }
+    }
+    // epilogue: the interval of each (row, token), and each token's largest lower end over the block
+    const int g = lane >> 2, qd = lane & 3;
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {  // the lane's two tokens of tile j
+            const int tb = (half * NTW + j) * 8 + 2 * qd + c, t = nt0 * 8 + tb;
+            uint32_t best = 0u;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // rows g and g + 8
+                const int i = 2 * h + c, r = tile * 16 + g + 8 * h;
+                if (tile < RT && r < R && t < n) {
+                    const long long S = (static_cast<long long>(acc[j][0][i]) << 14) +
+                                        (static_cast<long long>(acc[j][1][i]) << 7) + acc[j][2][i];
+                    const int ew = st.Ew[r], ex = st.Ex[t];
+                    const double A = ldexp(static_cast<double>(S), ew + ex - 2 * kHbQ);
+                    double B = dmul(dmul(st.gamma, st.n2w[r]), st.n2x[t]);
+                    B = dadd(B, ldexp(st.l1x[t], ew - kHbQ - 1));
+                    B = dadd(B, ldexp(st.l1w[r], ex - kHbQ - 1));
+                    B = dadd(dmul(B, 1.0 + 0x1p-30), 0x1p-120);
+                    const float lof = nextafterf(static_cast<float>(dsub(A, B)), -INFINITY);
+                    const float hif = nextafterf(static_cast<float>(dadd(A, B)), INFINITY);
+                    lo[static_cast<int64_t>(t) * ld + r] = lof;
+                    hi[static_cast<int64_t>(t) * ld + r] = hif;
+                    const uint32_t k = order_key(lof);
+                    best = k > best ? k : best;
+                }
+            }
+#pragma unroll
+            for (int o = 4; o <= 16; o <<= 1) {  // over the 8 lanes of the same token
+                const uint32_t other = __shfl_xor_sync(kFull, best, o);
+                best = other > best ? other : best;
+            }
+            if (g == 0) tmax[wt][tb] = best;
+        }
+    }
+    __syncthreads();
+    if (tid < Sh::tokens) {
+        uint32_t best = 0u;
+        for (int w = 0; w < kHbTiles; ++w) best = tmax[w][tid] > best ? tmax[w][tid] : best;
+        const int t = nt0 * 8 + tid;
+        if (t < n && best != 0u) atomicMax(thr + t, best);
+    }
+}
+
+template <int NTW, int NH>
+void launch_product(const HeadBound& hb, int R, int n, const HbStats& st, const HbBufs& b) {
+    using Sh = HbShape<NTW, NH>;
+    auto k = k_hb_product<NTW, NH>;
+    allow_smem(k, Sh::smem);
+    const dim3 grid(blocks((R + 15) / 16, kHbTiles), blocks(n, Sh::tokens));
+    GLM_LAUNCH(k, grid, Sh::threads, Sh::smem, hb.wq.as<uint4>(), reinterpret_cast<const uint2*>(b.xq), R, n, hb.KS, st,
+               b.lo, b.hi, static_cast<int64_t>(R), b.thr);
+    check_launch("head bound product");
+}
+
+// The rows whose upper end reaches the token's largest lower end.
+__global__ void __launch_bounds__(256) k_hb_select(const float* __restrict__ hi, int R, int64_t ld,
+                                                   const uint32_t* __restrict__ thr, int* count, int* cand) {
+    pdl_enter();
+    const int t = static_cast<int>(blockIdx.y);
+    const int r = static_cast<int>(blockIdx.x) * 256 + static_cast<int>(threadIdx.x);
+    if (r >= R) return;
+    if (hi[static_cast<int64_t>(t) * ld + r] >= from_order_key(thr[t])) {
+        const int i = atomicAdd(count + t, 1);
+        if (i < kHbCap) cand[static_cast<int64_t>(t) * kHbCap + i] = r;
+    }
+}
+
+// The candidates' canonical logits (eight threads a dot: group_dot, every linear kernel's association)
+// and the best by np.argmax's rule; the flag when the bound could not decide.
+__global__ void __launch_bounds__(256) k_hb_exact(Lin W, const float* __restrict__ x, int D,
+                                                  const int* __restrict__ count, const int* __restrict__ cand,
+                                                  const int* __restrict__ bad_x, int* out, int* flag) {
+    pdl_enter();
+    __shared__ float bv[32];
+    __shared__ int bi[32];
+    const int t = static_cast<int>(blockIdx.x), warp = static_cast<int>(threadIdx.x >> 5);
+    const int grp = static_cast<int>(threadIdx.x >> 3);  // 32 groups of eight
+    const int nc = count[t] < kHbCap ? count[t] : kHbCap;
+    const float* xt = x + static_cast<int64_t>(t) * D;
+    float best_v = 0.0f;
+    int best_i = -1;
+    for (int base = warp * 4; base < nc; base += 32) {  // (warp-uniform: group_dot's shuffles)
+        const int c = base + ((threadIdx.x >> 3) & 3);
+        const int r = c < nc ? cand[static_cast<int64_t>(t) * kHbCap + c] : 0;
+        const float v = group_dot<float>(c < nc ? D : 0, false, [&](int i, float& a, float& b) {
+            a = decode_elem(W.fmt, W.data, W.scale, W.row0 + r, i, W.C);
+            b = xt[i];
+        });
+        if (c < nc && num::argmax_better(v, r, best_v, best_i)) {
+            best_v = v;
+            best_i = r;
+        }
+    }
+    if ((threadIdx.x & 7u) == 0) {
+        bv[grp] = best_v;
+        bi[grp] = best_i;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int q = 0; q < 32; ++q)
+            if (num::argmax_better(bv[q], bi[q], best_v, best_i)) {
+                best_v = bv[q];
+                best_i = bi[q];
+            }
+        out[t] = best_i < 0 ? 0 : best_i;
+        if (count[t] > kHbCap || count[t] < 1 || bad_x[t]) atomicMax(flag, 1);
+    }
+}
+
+size_t xq_bytes(int n, int KS) { return static_cast<size_t>((n + 7) / 8) * KS * 2 * 32 * 8; }
+
+// lm_head's limbs and row statistics; false where a value is not finite (the full head always decides).
+bool prepare(const Lin& W, HeadBound& hb) {
+    const int R = static_cast<int>(W.R), C = static_cast<int>(W.C);
+    hb.tried = true;
+    hb.KS = (C + 31) / 32;
+    const int RT = (R + 15) / 16;
+    hb.wq = DBuf(static_cast<size_t>(RT) * hb.KS * 2 * 32 * 16);
+    hb.Ew = DBuf(static_cast<size_t>(R) * sizeof(int));
+    hb.n2 = DBuf(static_cast<size_t>(R) * sizeof(double));
+    hb.l1 = DBuf(static_cast<size_t>(R) * sizeof(double));
+    DBuf bad(static_cast<size_t>(R) * sizeof(int));
+    check(cudaMemset(hb.wq.p, 0, hb.wq.n), "head bound");
+    check(cudaMemset(bad.p, 0, bad.n), "head bound");
+    auto k = k_hb_quant_w;
+    GLM_LAUNCH(k, blocks(static_cast<int64_t>(R) * 32, 256), 256, 0, W, hb.KS, hb.wq.as<int8_t>(), hb.Ew.as<int>(),
+               hb.n2.as<double>(), hb.l1.as<double>(), bad.as<int>());
+    check_launch("head bound");
+    std::vector<int> b(static_cast<size_t>(R));
+    std::vector<double> n2(static_cast<size_t>(R));
+    check(cudaMemcpy(b.data(), bad.p, bad.n, cudaMemcpyDeviceToHost), "head bound");
+    check(cudaMemcpy(n2.data(), hb.n2.p, hb.n2.n, cudaMemcpyDeviceToHost), "head bound");
+    hb.n2max = 0.0;
+    bool finite = true;
+    for (int r = 0; r < R; ++r) {
+        finite = finite && b[static_cast<size_t>(r)] == 0;
+        hb.n2max = n2[static_cast<size_t>(r)] > hb.n2max ? n2[static_cast<size_t>(r)] : hb.n2max;
+    }
+    hb.usable = finite && R > 0 && C > 0;
+    return hb.usable;
+}
+
+// The greedy tokens of n rows of x ([n][D] floats), the flag and each row's candidate count.
+void run(const HeadBound& hb, const Lin& W, const float* x, int n, int D, const HbBufs& b, int* d_next, int* d_flag,
+         int* count) {
+    const int R = static_cast<int>(W.R), KS = hb.KS, NT = (n + 7) / 8;
+    const size_t nb = static_cast<size_t>(n) * sizeof(int);
+    check(cudaMemsetAsync(b.xq, 0, xq_bytes(n, KS), 0), "head bound");
+    check(cudaMemsetAsync(b.bad, 0, nb, 0), "head bound");
+    check(cudaMemsetAsync(b.thr, 0, nb, 0), "head bound");
+    check(cudaMemsetAsync(count, 0, nb, 0), "head bound");
+    check(cudaMemsetAsync(d_flag, 0, sizeof(int), 0), "head bound");
+    {
+        auto k = k_hb_quant_x;
+        GLM_LAUNCH(k, blocks(static_cast<int64_t>(n) * 32, 256), 256, 0, x, n, D, KS, b.xq, b.Ex, b.n2x, b.l1x, b.bad,
+                   hb.n2max);
+        check_launch("head bound x");
+    }
+    // gamma(m) = m u / (1 - m u), u = 2^-24, m = ceil(D / 64) + 6 roundings on a term's path
+    const double m = static_cast<double>((D + 63) / 64 + 6), u = 0x1p-24;
+    const HbStats st{hb.Ew.as<int>(), b.Ex, hb.n2.as<double>(), hb.l1.as<double>(), b.n2x, b.l1x, m * u / (1.0 - m * u)};
+    // token tiles a warp holds: as many as the rows need, up to 8; past 64 tokens two warps share a row tile
+    if (n <= 8) launch_product<1, 1>(hb, R, n, st, b);
+    else if (n <= 16) launch_product<2, 1>(hb, R, n, st, b);
+    else if (n <= 32) launch_product<4, 1>(hb, R, n, st, b);
+    else if (n <= 64) launch_product<8, 1>(hb, R, n, st, b);
+    else launch_product<8, 2>(hb, R, n, st, b);
+    {
+        auto k = k_hb_select;
+        GLM_LAUNCH(k, dim3(blocks(R, 256), static_cast<unsigned>(n)), 256, 0, b.hi, R, static_cast<int64_t>(R), b.thr,
+                   count, b.cand);
+        check_launch("head bound select");
+    }
+    {
+        auto k = k_hb_exact;
+        GLM_LAUNCH(k, n, 256, 0, W, x, D, count, b.cand, b.bad, d_next, d_flag);
+        check_launch("head bound exact");
+    }
+}
+
+}  // namespace
+
+bool head_bound_applies(Step& s, int rows) {
+    const int L = static_cast<int>(s.c.num_hidden_layers);
+    if (!launch_options().head_bound || rows < kHbMinRows || s.nm.seq || s.wants_any(L, S_LOGITS) ||
+        (s.inj.active && s.inj.layer == L && s.inj.stage == S_LOGITS))
+        return false;
+    HeadBound& hb = s.E.head_bound;
+    return hb.tried ? hb.usable : prepare(s.E.lm_head, hb);
+}
+
+void head_argmax_bounded(Step& s, const float* normed, int n, int* d_next, int* d_flag, int* count) {
+    const HeadBound& hb = s.E.head_bound;
+    const int R = static_cast<int>(s.E.lm_head.R);
+    s.mark("head.bound");
+    HbBufs b{};
+    b.xq = s.scratch.d<int8_t>(xq_bytes(n, hb.KS));
+    b.Ex = s.scratch.d<int>(static_cast<size_t>(n));
+    b.bad = s.scratch.d<int>(static_cast<size_t>(n));
+    b.cand = s.scratch.d<int>(static_cast<size_t>(n) * kHbCap);
+    b.n2x = s.scratch.d<double>(static_cast<size_t>(n));
+    b.l1x = s.scratch.d<double>(static_cast<size_t>(n));
+    b.thr = s.scratch.d<uint32_t>(static_cast<size_t>(n));
+    b.lo = s.scratch.d<float>(static_cast<size_t>(n) * R);
+    b.hi = s.scratch.d<float>(static_cast<size_t>(n) * R);
+    run(hb, s.E.lm_head, normed, n, static_cast<int>(s.c.hidden_size), b, d_next, d_flag, count);
+}
+
+HeadBoundRun head_bound_device(const uint16_t* w_bits, int R, int C, const float* x, int n) {
+    if (R < 1 || C < 1 || n < 1) throw std::invalid_argument("head_bound: needs at least one row, column and token");
+    DBuf w(static_cast<size_t>(R) * C * sizeof(uint16_t)), xd(static_cast<size_t>(n) * C * sizeof(float));
+    check(cudaMemcpy(w.p, w_bits, w.n, cudaMemcpyHostToDevice), "head_bound");
+    check(cudaMemcpy(xd.p, x, xd.n, cudaMemcpyHostToDevice), "head_bound");
+    Lin W;
+    W.fmt = W_BF16;
+    W.R = R;
+    W.C = C;
+    W.data = w.p;
+    HeadBound hb;
+    HeadBoundRun r;
+    r.usable = prepare(W, hb);
+    if (!r.usable) return r;
+    DBuf xq(xq_bytes(n, hb.KS)), Ex(n * sizeof(int)), bad(n * sizeof(int)), cand(static_cast<size_t>(n) * kHbCap * sizeof(int)),
+        n2x(n * sizeof(double)), l1x(n * sizeof(double)), thr(n * sizeof(uint32_t)),
+        lo(static_cast<size_t>(n) * R * sizeof(float)), hi(static_cast<size_t>(n) * R * sizeof(float)),
+        out(static_cast<size_t>(2 * n + 1) * sizeof(int));
+    const HbBufs b{xq.as<int8_t>(), Ex.as<int>(), bad.as<int>(), cand.as<int>(), n2x.as<double>(), l1x.as<double>(),
+                   thr.as<uint32_t>(), lo.as<float>(), hi.as<float>()};
+    run(hb, W, xd.as<float>(), n, C, b, out.as<int>(), out.as<int>() + n, out.as<int>() + n + 1);
+    check(cudaDeviceSynchronize(), "head_bound");
+    r.lo.resize(static_cast<size_t>(n) * R);
+    r.hi.resize(static_cast<size_t>(n) * R);
+    std::vector<int> o(static_cast<size_t>(2 * n + 1));
+    check(cudaMemcpy(r.lo.data(), lo.p, lo.n, cudaMemcpyDeviceToHost), "head_bound");
+    check(cudaMemcpy(r.hi.data(), hi.p, hi.n, cudaMemcpyDeviceToHost), "head_bound");
+    check(cudaMemcpy(o.data(), out.p, out.n, cudaMemcpyDeviceToHost), "head_bound");
+    r.tokens.assign(o.begin(), o.begin() + n);
+    r.flag = o[static_cast<size_t>(n)];
+    r.counts.assign(o.begin() + n + 1, o.end());
+    return r;
+}
+
+}  // namespace glm::cuda

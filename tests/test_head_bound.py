@@ -1,0 +1,174 @@
+"""The bounded head (docs/engine_cuda.md, "The bounded head"): a greedy step's token from integer bounds
+on the canonical logits and the exact logits of the rows those bounds cannot rule out.
+
+The kernel beside its naive reference: `intervals` below computes every (token, row) interval in NumPy by
+the kernel's formula (integer products, the same double operations in the same order), and the device's
+must equal it bit for bit; the canonical logits (the oracle's matmat) must lie inside every interval; the
+tokens must be np.argmax's of the canonical logits unless the flag says the full head must decide. Cases
+in a table, the real head's width (4096 columns) among them; the engine-level tests hold the step's
+tokens to the full head's. GPU, or GLM_CUDA_EMU=1 for the small cases; skips cleanly without either.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oracle.numerics.bf16 import bf16_bits_to_f32
+from oracle.numerics.reduction import matmat
+from tests.engine_checks import EMU_SLOW, NO_CUDA, cuda_state
+
+AVAILABLE, EMU, _ = cuda_state()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not AVAILABLE, reason=NO_CUDA)]
+
+Q = 13  # |q| <= 2^13 (head_bound.cu: kHbQ)
+CAP = 1024  # candidates a token keeps (kHbCap)
+
+
+def quantize(v: np.ndarray):
+    """Per row: exponent E (2^E > max|v|), integers q = rint(v 2^(13 - E)), ||v||_2 as the device sums it
+    (lane l of a warp takes columns l, l + 32, ...; then a butterfly over the 32 lanes), ||v^||_1."""
+    v = v.astype(np.float64)
+    n, C = v.shape
+    mx = np.abs(v).max(axis=1)
+    E = np.where(mx > 0, np.frexp(mx)[1], -140).astype(np.int64)
+    q = np.rint(np.ldexp(v, (Q - E)[:, None])).astype(np.int64)
+    sq = np.pad(v * v, ((0, 0), (0, (-C) % 32))).reshape(n, -1, 32)
+    part = np.zeros((n, 32))
+    for c in range(sq.shape[1]):
+        part = part + sq[:, c, :]
+    for o in (16, 8, 4, 2, 1):
+        part = part + part[:, np.arange(32) ^ o]
+    l1 = np.ldexp(np.abs(q).sum(axis=1).astype(np.float64), E - Q)
+    return E, q, np.sqrt(part[:, 0]), l1
+
+
+def intervals(w: np.ndarray, x: np.ndarray):
+    """[lo, hi] of every (token, row): A = the rounded vectors' exact dot, B = the canonical cdot's error
+    bound plus the rounding's, as head_bound.cu's k_hb_product computes them."""
+    Ew, qw, n2w, l1w = quantize(w)
+    Ex, qx, n2x, l1x = quantize(x)
+    S = qx @ qw.T  # exact (int64)
+    A = np.ldexp(S.astype(np.float64), Ex[:, None] + Ew[None, :] - 2 * Q)
+    m, u = float((w.shape[1] + 63) // 64 + 6), 2.0 ** -24
+    gamma = m * u / (1.0 - m * u)
+    B = (gamma * n2w[None, :]) * n2x[:, None]
+    B = B + np.ldexp(l1x[:, None], Ew[None, :] - Q - 1)
+    B = B + np.ldexp(l1w[None, :], Ex[:, None] - Q - 1)
+    B = B * (1.0 + 2.0 ** -30) + 2.0 ** -120
+    lo = np.nextafter((A - B).astype(np.float32), np.float32(-np.inf))
+    hi = np.nextafter((A + B).astype(np.float32), np.float32(np.inf))
+    return lo, hi
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    """BF16 bits (round to nearest even) of float32 values."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def make(case: str, R: int, C: int, T: int, seed: int):
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0, 0.02, (R, C)).astype(np.float32)
+    x = rng.normal(0, 1.0, (T, C)).astype(np.float32)
+    if case == "outliers":  # a few columns of x far larger, as real activations have
+        x[:, rng.integers(0, C, 4)] *= 60.0
+    elif case == "ties":  # rows repeat with period 7: every logit is tied with R / 7 others
+        w = w[np.arange(R) % 7]
+    elif case == "crowd":  # rows repeat with period 2: more than CAP candidates, the flag
+        w = w[np.arange(R) % 2]
+    elif case == "extremes":  # zero rows, tiny rows, a zero token
+        w[3] = 0.0
+        w[5] *= 1e-30
+        x[1] = 0.0
+    elif case == "huge":  # logits that could leave float's range: the flag
+        w *= 1e30
+        x *= 1e8
+    elif case == "nonfinite_x":
+        x[0, 7] = np.inf
+    wb = bf16(w)
+    xb = bf16_bits_to_f32(bf16(x))
+    return wb, np.ascontiguousarray(xb, np.float32)
+
+
+# (case, rows, columns, tokens, the flag expected, runs in the emulation)
+CASES = [
+    ("random", 300, 96, 5, False, True),
+    ("random", 37, 100, 3, False, True),
+    ("random", 150, 64, 12, False, True),   # the token-tile shapes of the product kernel: 2, 4, 8 a warp,
+    ("random", 150, 64, 30, False, True),   # then two warps a row tile
+    ("random", 150, 64, 50, False, True),
+    ("random", 140, 160, 70, False, True),  # (160 columns: a partial pipeline stage)
+    ("extremes", 200, 64, 4, False, True),
+    ("ties", 1100, 64, 3, False, True),
+    ("crowd", 2100, 32, 2, True, True),
+    ("huge", 64, 64, 2, True, True),
+    ("nonfinite_x", 64, 64, 2, True, True),
+    ("random", 3000, 4096, 9, False, False),
+    ("outliers", 2000, 4096, 70, False, False),
+]
+
+
+@pytest.mark.parametrize("case,R,C,T,flag,emu_ok", CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}-t{c[3]}" for c in CASES])
+def test_bounded_head_equals_its_reference_and_brackets_the_canonical_logits(case, R, C, T, flag, emu_ok):
+    if EMU and not emu_ok:
+        pytest.skip(EMU_SLOW)
+    from fast.cuda import cuda_module
+    wb, x = make(case, R, C, T, seed=R + C + T)
+    got = cuda_module().head_bound(wb, x)
+    assert got["usable"]
+    assert got["flag"] == int(flag)
+    w = bf16_bits_to_f32(wb)
+    if not np.isfinite(x).all():
+        return  # (the flag; the intervals of a non-finite x mean nothing)
+    lo, hi = intervals(w, x)
+    assert np.array_equal(got["lo"].view(np.uint32), lo.view(np.uint32))
+    assert np.array_equal(got["hi"].view(np.uint32), hi.view(np.uint32))
+    logits = matmat(np.ascontiguousarray(w, np.float32), x)
+    if case != "huge":
+        assert (lo <= logits).all() and (logits <= hi).all()
+    if not flag:
+        assert got["tokens"].tolist() == np.argmax(logits, axis=1).tolist()
+        # every candidate's upper end reaches the largest lower end, and only those
+        want = (hi >= lo.max(axis=1, keepdims=True)).sum(axis=1)
+        assert got["counts"].tolist() == want.tolist()
+        assert (want <= CAP).all()
+    if case == "ties":
+        assert (got["counts"] >= R // 7).all()
+
+
+def test_a_weight_that_is_not_finite_leaves_the_full_head():
+    from fast.cuda import cuda_module
+    wb, x = make("random", 64, 64, 2, seed=1)
+    wb[10, 3] = 0x7F80  # +inf
+    assert cuda_module().head_bound(wb, x) == {"usable": False}
+
+
+@pytest.mark.parametrize("name", ["tiny-bf16", "tiny-fp8"])
+def test_greedy_steps_through_the_bounded_head_equal_the_full_heads(name, ckpt_path):
+    """Decode steps that ask only for tokens (logits "argmax") take the bounded head; their tokens are
+    the full head's (the same engine with the option off) and the logits' np.argmax, over batches."""
+    from fast.cuda import CudaEngine
+    eng = CudaEngine(ckpt_path(name))
+    full = CudaEngine(ckpt_path(name), cuda_options={"head_bound": False})
+    V = eng.config.vocab_size
+    rng = np.random.default_rng(3)
+    for B in (8, 11):  # (fewer greedy rows keep the full head: kHbMinRows)
+        a, b = [eng.new_cache() for _ in range(B)], [full.new_cache() for _ in range(B)]
+        prompts = [rng.integers(0, V, 3 + i).tolist() for i in range(B)]
+        eng.reset_head_bound_stats()
+        ta = eng.step([(c, p, None, "argmax") for c, p in zip(a, prompts)])
+        tb = full.step([(c, p, None, "argmax") for c, p in zip(b, prompts)])
+        assert ta == tb
+        for _ in range(3):
+            lg = full.step([(c, [t], None, "last") for c, t in zip(b, tb)])
+            ta = eng.step([(c, [t], None, "argmax") for c, t in zip(a, ta)])
+            tb = [int(np.argmax(r[-1])) for r in lg]
+            assert ta == tb
+        st = eng.head_bound_stats()
+        assert st["rows"] == 4 * B and st["full_steps"] == 0 and st["candidates"] >= st["rows"]
+        eng.reset_head_bound_stats()
+        assert eng.step([(a[0], [ta[0]], None, "argmax")]) == full.step([(b[0], [tb[0]], None, "argmax")])
+        assert eng.head_bound_stats()["rows"] == 0  # (one row: the full head)
+        assert full.head_bound_stats()["rows"] == 0
+        for c in a + b:
+            c.close()
