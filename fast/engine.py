@@ -49,6 +49,21 @@ _engine_config = _C.engine_config
 _LOGITS_MODES = ("all", "last", "argmax", "argmax_logprob", None)   # Engine.step's logits requests
 
 
+class _OneId:
+    """A checked one-token ids list in Engine.step: what the rest of the step reads of an ids array."""
+    __slots__ = ("v",)
+    size = 1
+
+    def __init__(self, v: int):
+        self.v = v
+
+    def __getitem__(self, i):
+        return (self.v,)[i]
+
+    def __array__(self, dtype=None, copy=None):
+        return np.array([self.v], dtype or np.int64)
+
+
 def _argmax_logprob(row: np.ndarray) -> tuple[int, np.float32]:
     """"argmax_logprob" of a row whose logits came to the host anyway (a capture of the head stages): the
     engines' values, from the oracle's definition (NaN where log_softmax refuses the row)."""
@@ -452,6 +467,7 @@ class Engine:
         if not segments:
             raise EngineInputError("step needs at least one segment")
         seen, rows = set(), []
+        V, max_context = self.config.vocab_size, self.max_context
         for seg in segments:
             if not isinstance(seg, (tuple, list)) or len(seg) != 4:
                 raise EngineInputError("each segment is (cache, ids, capture, logits)")
@@ -460,26 +476,30 @@ class Engine:
             if cache._id in seen:
                 raise EngineInputError("a cache appears twice in one step")
             seen.add(cache._id)
-            ids = self._check_ids(ids, cache.length)
+            start = cache.length
+            # (a decode row, one int in a list: checked without NumPy, a few us a segment at batch 128)
+            if type(ids) is list and len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < V \
+                    and start < max_context:
+                ids = _OneId(ids[0])
+            else:
+                ids = self._check_ids(ids, start)
             capture = self._check_capture(capture)
             if want not in _LOGITS_MODES:
                 raise EngineInputError(f"logits must be one of {', '.join(map(repr, _LOGITS_MODES))}, got {want!r}")
-            rows.append((cache, ids, capture, want, cache.length))
+            rows.append((cache, ids, capture, want, start))
         self._check_growth(rows)
         T = sum(r[1].size for r in rows)
-        seq_ids = np.empty(T, np.int64)
-        tokens = np.empty(T, np.int32)
         want_head = np.zeros(T, np.uint8)   # 0 no head, 1 logits, 2 only the greedy token, 3 and its logprob
         cap_rows = np.zeros(T, np.bool_)
         L = self.config.num_hidden_layers
         mask = np.zeros((L + 1, self._n_stages), np.bool_)
         names = self._stage_names
         t = 0
-        spans = []
+        spans, seq_of, tok_parts = [], [], []
         for cache, ids, capture, want, start in rows:
             n = ids.size
-            seq_ids[t:t + n] = cache._id
-            tokens[t:t + n] = ids
+            seq_of.append((cache._id, n))
+            tok_parts.append(ids)
             if want == "all" or (capture is not None and any(capture.wants(L, h) for h in _HEAD_STAGES)):
                 want_head[t:t + n] = 1
             elif want == "last":
@@ -496,6 +516,12 @@ class Engine:
                             mask[layer, i] = True
             spans.append((t, n))
             t += n
+        if T == len(rows):  # one row a segment (decode)
+            seq_ids = np.fromiter((s for s, _ in seq_of), np.int64, T)
+            tokens = np.fromiter((int(a[0]) for a in tok_parts), np.int32, T)
+        else:
+            seq_ids = np.repeat(np.fromiter((s for s, _ in seq_of), np.int64, len(rows)), [n for _, n in seq_of])
+            tokens = np.concatenate([np.asarray(a, np.int32) for a in tok_parts])
         head_rows, logits, caps, injected, argmaxes, logprobs = self._core.step(seq_ids, tokens, want_head, cap_rows,
                                                                       mask.reshape(-1), self._inject_core)
         self.injected += int(injected)
