@@ -3,8 +3,9 @@
 //
 //   1. W (lm_head) and x (final_norm) are rounded to integers once per row: q = rint(v 2^(13 - E)) with
 //      2^E > max|v| of the row, |q| <= 2^13, split q = 128 hi + lo (hi in [-64, 64], lo in [-64, 63]).
-//      The integer tensor cores give S = sum q_w q_x exactly (three products of the limbs, int32; integer
-//      sums have no order), so A = S 2^(E_w + E_x - 26) is exactly the dot of the rounded vectors.
+//      The integer tensor cores give S = sum q_w q_x exactly (the four limb products into three int32
+//      accumulators: hi hi, hi lo + lo hi, lo lo; integer sums have no order), so A = S 2^(E_w + E_x - 26)
+//      is exactly the dot of the rounded vectors.
 //   2. B bounds |canonical logit - A|: the canonical cdot's own error, gamma(ceil(K/64) + 6) sum|w x| <=
 //      gamma ||w||_2 ||x||_2 (every term passes one FMA per chain step and six folds), plus the rounding of
 //      the vectors, 2^(E_w - 14) ||x||_1 + 2^(E_x - 14) ||w^||_1; in double, widened by 2^-30 and one float
@@ -87,7 +88,7 @@ GLM_DEV void hb_quant_row(int r, int C, Get get, Frag frag, int limb, int8_t* q,
         for (int k = lane; k < C; k += 32) {
             int8_t hi, lo;
             hb_split(static_cast<double>(get(k)), E, hi, lo);
-            const int off = frag(r, k);
+            const int64_t off = frag(r, k);
             q[off] = hi;
             q[off + limb] = lo;
             const int qq = 128 * hi + lo;
@@ -113,7 +114,8 @@ __global__ void __launch_bounds__(256) k_hb_quant_w(Lin W, int KS, int8_t* q, in
     const int C = static_cast<int>(W.C);
     hb_quant_row(
         r, C, [&](int k) { return decode_elem(W.fmt, W.data, W.scale, W.row0 + r, k, W.C); },
-        [&](int rr, int k) { return (((rr >> 4) * KS + (k >> 5)) * 2 * 32 * 16) + a_byte(rr & 15, k & 31); }, 512, q, E,
+        [&](int rr, int k) { return ((static_cast<int64_t>(rr >> 4) * KS + (k >> 5)) * 2 * 32 * 16) + a_byte(rr & 15, k & 31); },
+        512, q, E,
         n2, l1, bad);
 }
 
@@ -125,7 +127,8 @@ __global__ void __launch_bounds__(256) k_hb_quant_x(const float* __restrict__ x,
     if (t >= n) return;
     hb_quant_row(
         t, D, [&](int k) { return x[static_cast<int64_t>(t) * D + k]; },
-        [&](int tt, int k) { return (((tt >> 3) * KS + (k >> 5)) * 2 * 32 * 8) + b_byte(k & 31, tt & 7); }, 256, q, E,
+        [&](int tt, int k) { return ((static_cast<int64_t>(tt >> 3) * KS + (k >> 5)) * 2 * 32 * 8) + b_byte(k & 31, tt & 7); },
+        256, q, E,
         n2, l1, bad);
     // |logit| <= ||w||_2 ||x||_2: far from float's range, or the full head decides
     if ((threadIdx.x & 31u) == 0 && !(dmul(n2[t], n2w_max) < 0x1p100)) bad[t] = 1;
