@@ -20,8 +20,15 @@ from tests.engine_checks import EMU_SLOW, NO_CUDA, cuda_state
 AVAILABLE, EMU, _ = cuda_state()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not AVAILABLE, reason=NO_CUDA)]
 
-Q = 13  # |q| <= 2^13 (head_bound.cu: kHbQ)
-CAP = 1024  # candidates a token keeps (kHbCap)
+
+def _limits():
+    from fast.cuda import cuda_module
+    return cuda_module().head_bound_limits() if AVAILABLE else {"q_bits": 0, "cap": 0, "min_rows": 0}
+
+
+LIMITS = _limits()
+Q = LIMITS["q_bits"]  # |q| <= 2^Q (head_bound.cu: kHbQ)
+CAP = LIMITS["cap"]  # candidates a token keeps (kHbCap)
 
 
 def quantize(v: np.ndarray):
@@ -152,7 +159,8 @@ def test_greedy_steps_through_the_bounded_head_equal_the_full_heads(name, ckpt_p
     full = CudaEngine(ckpt_path(name), cuda_options={"head_bound": False})
     V = eng.config.vocab_size
     rng = np.random.default_rng(3)
-    for B in (8, 11):  # (fewer greedy rows keep the full head: kHbMinRows)
+    lo = LIMITS["min_rows"]
+    for B in (lo, lo + 3):  # (fewer greedy rows keep the full head)
         a, b = [eng.new_cache() for _ in range(B)], [full.new_cache() for _ in range(B)]
         prompts = [rng.integers(0, V, 3 + i).tolist() for i in range(B)]
         eng.reset_head_bound_stats()
@@ -168,7 +176,40 @@ def test_greedy_steps_through_the_bounded_head_equal_the_full_heads(name, ckpt_p
         assert st["rows"] == 4 * B and st["full_steps"] == 0 and st["candidates"] >= st["rows"]
         eng.reset_head_bound_stats()
         assert eng.step([(a[0], [ta[0]], None, "argmax")]) == full.step([(b[0], [tb[0]], None, "argmax")])
-        assert eng.head_bound_stats()["rows"] == 0  # (one row: the full head)
+        assert eng.head_bound_stats()["rows"] == 0  # (one row, below min_rows: the full head)
         assert full.head_bound_stats()["rows"] == 0
         for c in a + b:
             c.close()
+
+
+def test_steps_the_bounds_cannot_decide_take_the_full_head(tmp_path):
+    """lm_head rows that repeat with period 2 over 2100 rows: every logit ties with 1049 others, more
+    candidates than the cap, so each step's flag sends it to the full head: the same tokens as the engine
+    with the option off, and head_bound_stats counts those steps."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    from fast.cuda import CudaEngine
+    from tools.zoo import make_checkpoint
+    path = make_checkpoint("tiny", "bf16", tmp_path / "crowd", vocab_size=2100)
+    f = tmp_path / "crowd" / "model.safetensors"
+    sd = load_file(str(f))
+    w = sd["lm_head.weight"]
+    sd["lm_head.weight"] = w[torch.arange(w.shape[0]) % 2].contiguous()
+    save_file(sd, str(f), metadata={"format": "pt"})
+    eng, full = CudaEngine(str(path)), CudaEngine(str(path), cuda_options={"head_bound": False})
+    V = eng.config.vocab_size
+    rng = np.random.default_rng(9)
+    B = LIMITS["min_rows"]
+    a, b = [eng.new_cache() for _ in range(B)], [full.new_cache() for _ in range(B)]
+    prompts = [rng.integers(0, V, 2 + i).tolist() for i in range(B)]
+    ta = eng.step([(c, p, None, "argmax") for c, p in zip(a, prompts)])
+    tb = full.step([(c, p, None, "argmax") for c, p in zip(b, prompts)])
+    assert ta == tb and set(ta) <= {0, 1}
+    eng.reset_head_bound_stats()
+    for _ in range(2):
+        ta = eng.step([(c, [t], None, "argmax") for c, t in zip(a, ta)])
+        tb = full.step([(c, [t], None, "argmax") for c, t in zip(b, tb)])
+        assert ta == tb
+    st = eng.head_bound_stats()
+    assert st["rows"] == 2 * B and st["full_steps"] == 2 and st["max_candidates"] > CAP

@@ -431,6 +431,18 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         "The bounded head (docs/engine_cuda.md) on the device: {'usable', 'lo', 'hi' ([n][R] bounds of the "
         "canonical logits), 'tokens' (np.argmax of them unless 'flag'), 'counts' (candidates per token), 'flag'}.");
     m.def(
+        "head_bound_limits",
+        [] {
+            const HeadBoundLimits l = head_bound_limits();
+            py::dict d;
+            d["q_bits"] = l.q_bits;
+            d["cap"] = l.cap;
+            d["min_rows"] = l.min_rows;
+            return d;
+        },
+        "The bounded head's constants: {'q_bits' (|q| <= 2^q_bits), 'cap' (candidates a token keeps), "
+        "'min_rows' (the fewest greedy rows of a step it takes)}.");
+    m.def(
         "argmax_logprob",
         [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
             if (x.ndim() != 1 || x.size() < 1) bad("argmax_logprob: a non-empty 1-D array");

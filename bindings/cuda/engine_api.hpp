@@ -223,6 +223,11 @@ struct HeadBoundRun {
     int flag = 0;
 };
 HeadBoundRun head_bound_device(const uint16_t* w_bits, int R, int C, const float* x, int n);
+// Its constants: |q| <= 2^q_bits, candidates a token keeps, the fewest greedy rows of a step it takes.
+struct HeadBoundLimits {
+    int q_bits, cap, min_rows;
+};
+HeadBoundLimits head_bound_limits();
 // The greedy token of n floats and its log-probability as a step's want_head 3 computes them, for tests.
 std::pair<int, float> argmax_logprob_device(const float* host, int n);
 

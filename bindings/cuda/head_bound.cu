@@ -441,6 +441,8 @@ void head_argmax_bounded(Step& s, const float* normed, int n, int* d_next, int* 
     run(hb, s.E.lm_head, normed, n, static_cast<int>(s.c.hidden_size), b, d_next, d_flag, count);
 }
 
+HeadBoundLimits head_bound_limits() { return {kHbQ, kHbCap, kHbMinRows}; }
+
 HeadBoundRun head_bound_device(const uint16_t* w_bits, int R, int C, const float* x, int n) {
     if (R < 1 || C < 1 || n < 1) throw std::invalid_argument("head_bound: needs at least one row, column and token");
     DBuf w(static_cast<size_t>(R) * C * sizeof(uint16_t)), xd(static_cast<size_t>(n) * C * sizeof(float));
