@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(HbShape<NTW, NH>::threads) k_hb_product(const 
                     B = dadd(dmul(B, 1.0 + 0x1p-30), 0x1p-120);
                     const float lof = nextafterf(static_cast<float>(dsub(A, B)), -INFINITY);
                     const float hif = nextafterf(static_cast<float>(dadd(A, B)), INFINITY);
-                    lo[static_cast<int64_t>(t) * ld + r] = lof;
+                    if (lo) lo[static_cast<int64_t>(t) * ld + r] = lof;  // (the test entry's; a step needs only hi)
                     hi[static_cast<int64_t>(t) * ld + r] = hif;
                     const uint32_t k = order_key(lof);
                     best = k > best ? k : best;
@@ -344,17 +344,29 @@ __global__ void __launch_bounds__(256) k_hb_exact(Lin W, const float* __restrict
 
 size_t xq_bytes(int n, int KS) { return static_cast<size_t>((n + 7) / 8) * KS * 2 * 32 * 8; }
 
-// lm_head's limbs and row statistics; false where a value is not finite (the full head always decides).
+// lm_head's limbs and row statistics; false where a value is not finite or they do not fit in device
+// memory (the full head always decides then).
 bool prepare(const Lin& W, HeadBound& hb) {
     const int R = static_cast<int>(W.R), C = static_cast<int>(W.C);
     hb.tried = true;
     hb.KS = (C + 31) / 32;
     const int RT = (R + 15) / 16;
-    hb.wq = DBuf(static_cast<size_t>(RT) * hb.KS * 2 * 32 * 16);
-    hb.Ew = DBuf(static_cast<size_t>(R) * sizeof(int));
-    hb.n2 = DBuf(static_cast<size_t>(R) * sizeof(double));
-    hb.l1 = DBuf(static_cast<size_t>(R) * sizeof(double));
-    DBuf bad(static_cast<size_t>(R) * sizeof(int));
+    DBuf bad;
+    try {
+        hb.wq = DBuf(static_cast<size_t>(RT) * hb.KS * 2 * 32 * 16);
+        hb.Ew = DBuf(static_cast<size_t>(R) * sizeof(int));
+        hb.n2 = DBuf(static_cast<size_t>(R) * sizeof(double));
+        hb.l1 = DBuf(static_cast<size_t>(R) * sizeof(double));
+        bad = DBuf(static_cast<size_t>(R) * sizeof(int));
+    } catch (const std::runtime_error&) {  // (cudaMalloc: out of memory, not a sticky error)
+        (void)cudaGetLastError();
+        hb.wq = DBuf();
+        hb.Ew = DBuf();
+        hb.n2 = DBuf();
+        hb.l1 = DBuf();
+        hb.usable = false;
+        return false;
+    }
     check(cudaMemset(hb.wq.p, 0, hb.wq.n), "head bound");
     check(cudaMemset(bad.p, 0, bad.n), "head bound");
     auto k = k_hb_quant_w;
@@ -436,7 +448,7 @@ void head_argmax_bounded(Step& s, const float* normed, int n, int* d_next, int* 
     b.n2x = s.scratch.d<double>(static_cast<size_t>(n));
     b.l1x = s.scratch.d<double>(static_cast<size_t>(n));
     b.thr = s.scratch.d<uint32_t>(static_cast<size_t>(n));
-    b.lo = s.scratch.d<float>(static_cast<size_t>(n) * R);
+    b.lo = nullptr;  // (each token's largest lower end is all the selection needs: thr)
     b.hi = s.scratch.d<float>(static_cast<size_t>(n) * R);
     run(hb, s.E.lm_head, normed, n, static_cast<int>(s.c.hidden_size), b, d_next, d_flag, count);
 }
