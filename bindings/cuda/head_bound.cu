@@ -9,7 +9,7 @@
 //   2. B bounds |canonical logit - A|: the canonical cdot's own error, gamma(ceil(K/64) + 6) sum|w x| <=
 //      gamma ||w||_2 ||x||_2 (every term passes one FMA per chain step and six folds), plus the rounding of
 //      the vectors, 2^(E_w - 14) ||x||_1 + 2^(E_x - 14) ||w^||_1; in double, widened by 2^-30 and one float
-//      step each way when stored as [A - B, A + B].
+//      step each way as floats [lo, hi] (a step keeps every hi and each token's largest lo).
 //   3. The canonical argmax r* has logit >= every other, so A_r* + B_r* >= max_j (A_j - B_j): only rows
 //      whose upper end reaches the largest lower end can win. Their canonical logits (group_dot, the same
 //      association as every linear kernel) are computed and the best taken by np.argmax's rule.
