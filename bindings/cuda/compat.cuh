@@ -211,4 +211,7 @@ GLM_DEV bool is_nan64(double x) { return (f64_bits(x) & 0x7FFFFFFFFFFFFFFFull) >
 
 constexpr unsigned kFull = 0xffffffffu;
 
+// Blocks of `threads` that cover n items.
+inline unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
 }  // namespace glm::cuda

@@ -7,8 +7,6 @@
 namespace glm::cuda {
 namespace {
 
-unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
-
 __global__ void k_embed(int fmt, const void* data, const void* scale, int64_t C, const int* __restrict__ tok, int T,
                         float* e) {
     pdl_enter();

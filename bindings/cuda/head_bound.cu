@@ -31,8 +31,6 @@ constexpr int kHbQ = 13;        // |q| <= 2^13
 // the H200: b1 875-898 tok/s against 948-1039, b8 2333-2361 against 2196-2341; docs/perf.md).
 constexpr int kHbMinRows = 8;
 
-unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
-
 // The byte of element (row m < 16, column k < 32) in an A fragment [lane][word] of a 16 x 32 tile, and
 // of element (k < 32, token n < 8) in a B fragment [lane][word] (compat.cuh: mma_s8_16832).
 GLM_DEV int a_byte(int m, int k) {

@@ -12,8 +12,6 @@
 namespace glm::cuda {
 namespace {
 
-unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
-
 // Positions a query at `pos` attends: every one while it sees at most `budget` pools, else the `budget`
 // chosen pools' kp positions each and the tail after the last complete pool.
 int64_t selected_count(int64_t pos, int kp, int budget) {

@@ -238,8 +238,6 @@ __global__ void k_kda_onorm(const float* __restrict__ o, const float* __restrict
         y[off + e] = bf16r(fmul(fmul(fmul(oh[e], inv), w[e]), nm.sigmoid(gate[off + e])));
 }
 
-unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
-
 }  // namespace
 
 void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out) {

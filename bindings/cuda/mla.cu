@@ -14,8 +14,6 @@ namespace {
 
 constexpr int HT = 8;  // heads per tile
 
-unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
-
 // Append rows [T][n] (row stride lds) into each row's segment cache at its position.
 // which: 0 = c (MLA latent), 1 = k (indexer keys), 2 = gate (indexer gates).
 __global__ void k_append(const float* __restrict__ src, int64_t lds, int T, int n, const SegDev* __restrict__ segs,

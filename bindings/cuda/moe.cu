@@ -19,8 +19,6 @@
 namespace glm::cuda {
 namespace {
 
-unsigned blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
-
 GLM_DEV float swiglu_one(float g, float u, float L, const Nm& nm) {
     const float gv = g > L ? L : g;
     const float uv = u > L ? L : (u < -L ? -L : u);
