@@ -128,6 +128,21 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
     const int k = 4 * (tid >> 5) + (lane >> 3);                      // this thread's chain
     const int rg = (lane & 7) % RGN, tg = (lane & 7) / RGN;          // its rows RT rg .., tokens TT tg ..
+    // Its rows: RT rg .. RT rg + 7, or with kHalves two groups of four half a tile apart (4 rg .. 4 rg + 3
+    // and BM / 2 + 4 rg ..): with one token group (TG 2) a quarter warp's eight row groups then load 128
+    // contiguous bytes of a W^T row, where eight 32-byte strides put two threads on each bank group
+    // (ncu, items of 8 at 128 tokens: every W^T load two wavefronts a quarter warp).
+    constexpr bool kHalves = TG == 2;
+    const int row_off = kHalves ? 4 * rg : RT * rg;  // the first group's offset within a W^T row
+    static_assert(!kHalves || 4 * RGN == BM / 2, "two groups of four rows per row group");
+    auto load_rows = [&](const float* wp, float (&wv)[RT]) {
+        if constexpr (kHalves) {
+            const float4 lo = *reinterpret_cast<const float4*>(wp), hi = *reinterpret_cast<const float4*>(wp + BM / 2);
+            wv[0] = lo.x, wv[1] = lo.y, wv[2] = lo.z, wv[3] = lo.w, wv[4] = hi.x, wv[5] = hi.y, wv[6] = hi.z, wv[7] = hi.w;
+        } else {
+            load_n<RT>(wp, wv);
+        }
+    };
     const int row_base = static_cast<int>(blockIdx.x) * BM;
     const int64_t rb = row_bytes(FMT, C);
     auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
@@ -268,10 +283,10 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         // their sums are never stored)
         auto chunk_n = [&](const float* W, const float* X, int u, auto n_) {
             constexpr int n = decltype(n_)::value, NX = (n + 3) / 4 * 4;
-            const float* wp = W + (64 * u + k) * WS + RT * rg;
+            const float* wp = W + (64 * u + k) * WS + row_off;
             const float* xp = X + (64 * u + k) * XS + TT * tg;
             float wv[RT], xv[NX];
-            load_n<RT>(wp, wv);
+            load_rows(wp, wv);
             load_n<NX>(xp, xv);
 #pragma unroll
             for (int i = 0; i < RT; ++i)
@@ -342,7 +357,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         for (int j = 0; j < TT; ++j)
 #pragma unroll
             for (int i = 0; i < RT; i += 4) {
-                float* d = red + k * (BM * BN) + (TT * tg + j) * BM + RT * rg + i;
+                float* d = red + k * (BM * BN) + (TT * tg + j) * BM + row_off + (kHalves ? i / 4 * (BM / 2) : i);
                 *reinterpret_cast<float4*>(d) = make_float4(acc[i][j], acc[i + 1][j], acc[i + 2][j], acc[i + 3][j]);
             }
         __syncthreads();
