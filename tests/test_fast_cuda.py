@@ -380,6 +380,11 @@ LINEAR_EMU_CASES = [
     # items of 8 computing their pairs rounded up to a power of two: 8 + 2 and 8 + 1 pairs
     ("emu-fp8-experts-gemm10", "fp8", 70, 320, 10, True, True, False),
     ("emu-mxfp4-experts-gemm9", "mxfp4", 33, 256, 9, True, True, False),
+    # blocks of several expert items (300 pairs: 38 items of 8 for one 64-row block in the emulation's 4 SMs,
+    # whose launches give a 64-row matrix 32 blocks; 19 items of 16 for two 32-row blocks, 16 each):
+    # FP8 items of 8 copy the next item in while they fold, items of 16 fold first; MXFP4 both overlap
+    ("emu-fp8-experts-gemm-items", "fp8", 64, 320, 300, True, True, False),
+    ("emu-mxfp4-experts-gemm-items", "mxfp4", 33, 256, 300, True, True, False),
     # the lane-pass kernel at 128 tokens and more (32 rows x 128 tokens a block: two token tiles, the
     # last of few; 5 chunks: a slab of 4 and one of 1 in every lane pass)
     ("emu-fp8-lanes-128", "fp8", 40, 320, 130, False, False, True),
@@ -449,6 +454,9 @@ def test_linear_kernels_match_cpu(case):
     wide = ["register:w4", "register:w2"] if T == 1 and not expert and release in ("fp8", "bf16") and C % 64 == 0 else []
     # the register-tiled kernel: several tokens (experts: items of 4 or 8 pairs, 16 from 16) of rows of whole chunks
     gemm = ["gemm"] if C % 64 == 0 and T > 1 else []
+    # experts: items of 8 pairs whatever T (gemm:8), so that blocks take several items in turn (the next
+    # item's first slabs copied in while a block folds, where its fold buffer fits past the stages)
+    gemm += ["gemm:8"] if gemm and expert else []
     # the lane-pass kernel: several tokens, BF16 / FP8 / MXFP4 rows of whole chunks (dense: 64 x 64 tiles
     # below 128 tokens, 32 x 128 from there; experts: items of 64 pairs, x rows in lane order)
     lanes = ["lanes"] if C % 64 == 0 and T > 1 and release != "f32" else []
@@ -464,7 +472,7 @@ def test_linear_kernels_match_cpu(case):
     for kernel in kernels:
         full = ("auto", "register", "register:occ5", "register:occ6", "register:w4", "register:w2", "stream:1", "stream:2",
                 "stream:3", "stream:1x",
-                "stream:2x", "tiled", "tiled:1", "gemm", "lanes",
+                "stream:2x", "tiled", "tiled:1", "gemm", "gemm:8", "lanes",
                 "staged:4:1", "staged:2:0")
         for decode in decodes if kernel in full else ("auto",):
             got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert, decode=decode)

@@ -62,16 +62,37 @@ template <int FMT, int TG>
 constexpr int gm_slab() {
     return gm_fits<FMT, TG, 4, 3>() ? 4 : (gm_fits<FMT, TG, 2, 3>() ? 2 : 1);
 }
+template <int TG>
+constexpr int gm_fold_bytes() {  // [chain][token][row]
+    return 64 * gm_rows<TG>() * gm_tokens<TG>() * 4;
+}
+template <int FMT, int TG, int S, int ST>
+constexpr bool gm_overlap_fits() {  // the fold buffer past ST stages (1 KiB left for the static arrays)
+    constexpr int t = gm_t_bytes_s<TG, S>(), f = gm_fold_bytes<TG>();
+    return ST * gm_stage_bytes_s<FMT, TG, S>() + (t > f ? t : f) + 1024 <= 227 * 1024;
+}
+// Stages: 4 where they fit, else 3; and 3 where only 3 leave room for the fold buffer past them (FP8
+// items of 16: the next item's copies during the fold measured worth more than a fourth stage, bench_gemm
+// at 2048 tokens gate 14449 -> 14254 us, down 16822 -> 16627; perf.md "Session 18").
 template <int FMT, int TG>
 constexpr int gm_stages() {
-    return gm_fits<FMT, TG, gm_slab<FMT, TG>(), 4>() ? 4 : 3;
+    constexpr int S = gm_slab<FMT, TG>();
+    if (!gm_overlap_fits<FMT, TG, S, 4>() && gm_overlap_fits<FMT, TG, S, 3>()) return 3;
+    return gm_fits<FMT, TG, S, 4>() ? 4 : 3;
+}
+// Whether the fold buffer fits past the stages (over the transposed buffers), so that an expert block's
+// next item can be copied in while it folds.
+template <int FMT, int TG>
+constexpr bool gm_overlap() {
+    return gm_overlap_fits<FMT, TG, gm_slab<FMT, TG>(), gm_stages<FMT, TG>()>();
 }
 template <int FMT, int TG>
 constexpr int gm_smem_bytes() {
     constexpr int S = gm_slab<FMT, TG>();
-    const int pipe = gm_stages<FMT, TG>() * gm_stage_bytes_s<FMT, TG, S>() + gm_t_bytes_s<TG, S>();
-    const int fold = 64 * gm_rows<TG>() * gm_tokens<TG>() * 4;  // [chain][token][row]
-    return pipe > fold ? pipe : fold;
+    const int stages = gm_stages<FMT, TG>() * gm_stage_bytes_s<FMT, TG, S>(), t = gm_t_bytes_s<TG, S>();
+    const int fold = gm_fold_bytes<TG>();
+    if (gm_overlap<FMT, TG>()) return stages + (t > fold ? t : fold);
+    return stages + t > fold ? stages + t : fold;
 }
 
 // Sixteen consecutive weights of a row from shared memory (p: their first byte), decoded as decode_raw8
@@ -107,6 +128,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     constexpr int CB = chunk_bytes<FMT>(), BM = gm_rows<TG>(), BN = gm_tokens<TG>();
     constexpr int RT = 8, TT = 8, RGN = BM / RT;  // a thread: RT rows x TT tokens
     constexpr int S = gm_slab<FMT, TG>(), ST = gm_stages<FMT, TG>();
+    constexpr bool kOverlap = EXPERT && gm_overlap<FMT, TG>();
     constexpr int WRAW = S * CB + 16;                 // bytes per staged raw row
     constexpr int XROW = S * 64 + 4;                  // floats per staged x row
     constexpr int WS = BM + 4, XS = BN + 4;           // floats per row of W^T, X^T
@@ -161,13 +183,18 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         dscale[n] = static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) : 0));
     }
     const int n_items = EXPERT ? *a.n_items : 1;
-    for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
-         item += EXPERT ? static_cast<int>(gridDim.y) : 1) {
-        const BlockWork bw = block_work<EXPERT>(a, item, static_cast<int>(blockIdx.y), BN);
-        const void* data = bw.data;
-        const void* scale = bw.scale;
-        const int start = bw.start, cnt = bw.cnt;
-        __syncthreads();  // the previous item's fold is read before rowp, xrow and the buffers change
+    const int stride = EXPERT ? static_cast<int>(gridDim.y) : 1;
+    int item = EXPERT ? static_cast<int>(blockIdx.y) : 0;
+    if (item >= n_items) return;
+    // the item in hand (block_work); set_item also stages its rows' and tokens' addresses
+    const void* data = nullptr;
+    const void* scale = nullptr;
+    int start = 0, cnt = 0;
+    auto set_item = [&](int it) {
+        const BlockWork bw = block_work<EXPERT>(a, it, static_cast<int>(blockIdx.y), BN);
+        data = bw.data, scale = bw.scale, start = bw.start, cnt = bw.cnt;
+        // (the previous item's copies are issued and, where the fold shares their memory, its fold read)
+        __syncthreads();
         if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(data) + abs_row(row_base + tid) * rb;
         if (tid < BN) {  // slots past cnt compute the last token again (not stored)
             const int j = tid < cnt ? tid : cnt - 1;
@@ -178,180 +205,202 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             xrow[tid] = a.X + xr * a.ldx + (EXPERT ? 0 : static_cast<int64_t>(row_base / a.rh) * a.xhs);
         }
         __syncthreads();
-        // This thread's 16-byte pieces of a whole slab (the same in every slab but for the column offset):
-        // weight piece p (< BM * PPR) is row p / PPR, bytes 16 (p % PPR); x piece p is token p / (16 S),
-        // floats 4 (p % (16 S)). Destinations are 32-bit shared addresses within a stage. A last slab of
-        // fewer chunks takes the general loop.
-        constexpr int PPR = S * CB / 16, NWP = (BM * PPR + kGmThreads - 1) / kGmThreads;
-        constexpr int NXP = (BN * S * 16 + kGmThreads - 1) / kGmThreads;
-        constexpr bool kWAll = BM * PPR % kGmThreads == 0, kXAll = BN * S * 16 % kGmThreads == 0;
-        const unsigned char* wsrc[NWP];
-        int wdst[NWP];
+    };
+    // This thread's 16-byte pieces of a whole slab (the same in every slab but for the column offset):
+    // weight piece p (< BM * PPR) is row p / PPR, bytes 16 (p % PPR); x piece p is token p / (16 S),
+    // floats 4 (p % (16 S)). Destinations are 32-bit shared addresses within a stage. A last slab of
+    // fewer chunks takes the general loop.
+    constexpr int PPR = S * CB / 16, NWP = (BM * PPR + kGmThreads - 1) / kGmThreads;
+    constexpr int NXP = (BN * S * 16 + kGmThreads - 1) / kGmThreads;
+    constexpr bool kWAll = BM * PPR % kGmThreads == 0, kXAll = BN * S * 16 % kGmThreads == 0;
+    const unsigned char* wsrc[NWP];
+    int wdst[NWP];
+    const float* xsrc[NXP];
+    int xdst[NXP];
+    auto set_copies = [&] {  // (after set_item)
 #pragma unroll
         for (int n = 0; n < NWP; ++n) {
             const int p = tid + n * kGmThreads, i = p / PPR < BM ? p / PPR : BM - 1;
             wsrc[n] = rowp[i] + 16 * (p % PPR);
             wdst[n] = kWAll || p < BM * PPR ? i * WRAW + 16 * (p % PPR) : -1;
         }
-        const float* xsrc[NXP];
-        int xdst[NXP];
 #pragma unroll
         for (int n = 0; n < NXP; ++n) {
             const int p = tid + n * kGmThreads, j = p / (16 * S) < BN ? p / (16 * S) : BN - 1;
             xsrc[n] = xrow[j] + 4 * (p % (16 * S));
             xdst[n] = kXAll || p < BN * S * 16 ? BM * WRAW + 4 * (j * XROW + 4 * (p % (16 * S))) : -1;
         }
-        const uint32_t sm_s = smem_u32(sm);
-        auto chunks_of = [&](int s) { return nchunks - s * S < S ? nchunks - s * S : S; };  // chunks of slab s
-        // slab s's copies; FULL: it has S chunks (no test)
-        auto issue = [&](int s, bool full) {
-            const int c0 = s * S;
-            const int nc = full ? S : chunks_of(s);
-            const uint32_t buf = sm_s + static_cast<uint32_t>((s % ST) * SBYTES);
-            if (full || nc == S) {
+    };
+    const uint32_t sm_s = smem_u32(sm);
+    auto chunks_of = [&](int s) { return nchunks - s * S < S ? nchunks - s * S : S; };  // chunks of slab s
+    // slab s's copies; FULL: it has S chunks (no test)
+    auto issue = [&](int s, bool full) {
+        const int c0 = s * S;
+        const int nc = full ? S : chunks_of(s);
+        const uint32_t buf = sm_s + static_cast<uint32_t>((s % ST) * SBYTES);
+        if (full || nc == S) {
 #pragma unroll
-                for (int n = 0; n < NWP; ++n)
-                    if (kWAll || wdst[n] >= 0) cp_async16_s(buf + wdst[n], wsrc[n] + static_cast<int64_t>(c0) * CB);
+            for (int n = 0; n < NWP; ++n)
+                if (kWAll || wdst[n] >= 0) cp_async16_s(buf + wdst[n], wsrc[n] + static_cast<int64_t>(c0) * CB);
 #pragma unroll
-                for (int n = 0; n < NXP; ++n)
-                    if (kXAll || xdst[n] >= 0) cp_async16_s(buf + xdst[n], xsrc[n] + 64 * static_cast<int64_t>(c0));
-                return;
-            }
-            const int ppr = nc * CB / 16;
-            for (int p = tid; p < BM * ppr; p += kGmThreads) {
-                const int i = p / ppr, q = p - i * ppr;
-                cp_async16_s(buf + i * WRAW + 16 * q, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * q);
-            }
-            for (int p = tid; p < BN * nc * 16; p += kGmThreads) {
-                const int j = p / (nc * 16), q = p - j * (nc * 16);
-                cp_async16_s(buf + BM * WRAW + 4 * (j * XROW + 4 * q), xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * q);
-            }
-        };
-        // the multipliers of slab s's tasks (decode_raw8; loaded a slab ahead of their decode; chunks past
-        // the last read the last chunk's, never used; FULL: none is)
-        auto load_scales = [&](int s, float (&sc)[NT], bool full) {
+            for (int n = 0; n < NXP; ++n)
+                if (kXAll || xdst[n] >= 0) cp_async16_s(buf + xdst[n], xsrc[n] + 64 * static_cast<int64_t>(c0));
+            return;
+        }
+        const int ppr = nc * CB / 16;
+        for (int p = tid; p < BM * ppr; p += kGmThreads) {
+            const int i = p / ppr, q = p - i * ppr;
+            cp_async16_s(buf + i * WRAW + 16 * q, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * q);
+        }
+        for (int p = tid; p < BN * nc * 16; p += kGmThreads) {
+            const int j = p / (nc * 16), q = p - j * (nc * 16);
+            cp_async16_s(buf + BM * WRAW + 4 * (j * XROW + 4 * q), xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * q);
+        }
+    };
+    // the multipliers of slab s's tasks (decode_raw8; loaded a slab ahead of their decode; chunks past
+    // the last read the last chunk's, never used; FULL: none is)
+    auto load_scales = [&](int s, float (&sc)[NT], bool full) {
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int gi = tid + n * kGmThreads;
-                int ch = s * S + gi / (4 * BM);  // the task's chunk
-                if (!full) ch = ch < nchunks ? ch : nchunks - 1;
-                sc[n] = 0.0f;
-                // (32-bit offsets: gemm_applies; a task's 16 columns share a scale)
-                if constexpr (FMT == W_FP8) {
-                    sc[n] = fp8_mult<DEC>(__ldg(static_cast<const float*>(scale) + (dscale[n] + (ch >> 1))));
-                } else if constexpr (FMT == W_MXFP4) {
-                    const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + (dscale[n] + 2 * ch + ((gi / BM) % 4) / 2));
-                    sc[n] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
-                }
+        for (int n = 0; n < NT; ++n) {
+            const int gi = tid + n * kGmThreads;
+            int ch = s * S + gi / (4 * BM);  // the task's chunk
+            if (!full) ch = ch < nchunks ? ch : nchunks - 1;
+            sc[n] = 0.0f;
+            // (32-bit offsets: gemm_applies; a task's 16 columns share a scale)
+            if constexpr (FMT == W_FP8) {
+                sc[n] = fp8_mult<DEC>(__ldg(static_cast<const float*>(scale) + (dscale[n] + (ch >> 1))));
+            } else if constexpr (FMT == W_MXFP4) {
+                const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + (dscale[n] + 2 * ch + ((gi / BM) % 4) / 2));
+                sc[n] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
             }
-        };
-        // raw slab s -> W^T and X^T buffers s & 1 (each weight decoded once, as the other kernels decode
-        // it); FULL: every chunk of the slab is there (no test)
-        auto decode = [&](int s, const float (&sc)[NT], bool full) {
-            const int nc = full ? S : chunks_of(s);
-            const unsigned char* buf = sm + (s % ST) * SBYTES;
-            float* const W = Wt + (s & 1) * (S * 64 * WS);
-            float* const X = Xt + (s & 1) * (S * 64 * XS);
+        }
+    };
+    // raw slab s -> W^T and X^T buffers s & 1 (each weight decoded once, as the other kernels decode
+    // it); FULL: every chunk of the slab is there (no test)
+    auto decode = [&](int s, const float (&sc)[NT], bool full) {
+        const int nc = full ? S : chunks_of(s);
+        const unsigned char* buf = sm + (s % ST) * SBYTES;
+        float* const W = Wt + (s & 1) * (S * 64 * WS);
+        float* const X = Xt + (s & 1) * (S * 64 * XS);
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int gi = tid + n * kGmThreads;
-                const int i = gi % BM, cg = (gi / BM) % 4, u = gi / (4 * BM);
-                if ((TASKS % kGmThreads == 0 || gi < TASKS) && (full || u < nc)) {
-                    float* d = W + (64 * u + 16 * cg) * WS + i;
-                    decode16<FMT, DEC>(buf + i * WRAW + u * CB + cg * (CB / 4), sc[n], [&](int e0, const float (&w)[8]) {
+        for (int n = 0; n < NT; ++n) {
+            const int gi = tid + n * kGmThreads;
+            const int i = gi % BM, cg = (gi / BM) % 4, u = gi / (4 * BM);
+            if ((TASKS % kGmThreads == 0 || gi < TASKS) && (full || u < nc)) {
+                float* d = W + (64 * u + 16 * cg) * WS + i;
+                decode16<FMT, DEC>(buf + i * WRAW + u * CB + cg * (CB / 4), sc[n], [&](int e0, const float (&w)[8]) {
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) d[(e0 + e) * WS] = w[e];
-                    });
-                }
+                    for (int e = 0; e < 8; ++e) d[(e0 + e) * WS] = w[e];
+                });
             }
-            const float* xs = reinterpret_cast<const float*>(buf + BM * WRAW);
+        }
+        const float* xs = reinterpret_cast<const float*>(buf + BM * WRAW);
 #pragma unroll
-            for (int n = 0; n < NXT; ++n) {
-                const int xi = tid + n * kGmThreads;
-                const int j = xi % BN, q = xi / BN;  // token j, floats 4q .. + 3 of the slab
-                if ((XTASKS % kGmThreads == 0 || xi < XTASKS) && (full || q < 16 * nc)) {
-                    store_kmajor4(X + 4 * q * XS + j, *reinterpret_cast<const float4*>(xs + j * XROW + 4 * q), XS);
-                }
+        for (int n = 0; n < NXT; ++n) {
+            const int xi = tid + n * kGmThreads;
+            const int j = xi % BN, q = xi / BN;  // token j, floats 4q .. + 3 of the slab
+            if ((XTASKS % kGmThreads == 0 || xi < XTASKS) && (full || q < 16 * nc)) {
+                store_kmajor4(X + 4 * q * XS + j, *reinterpret_cast<const float4*>(xs + j * XROW + 4 * q), XS);
             }
-        };
-        float acc[RT][TT];  // [row i][token j] of chain k
+        }
+    };
+    float acc[RT][TT];  // [row i][token j] of chain k
+    // chunk u for the first n of the thread's tokens (the slots past an item's pairs are not computed:
+    // their sums are never stored)
+    auto chunk_n = [&](const float* W, const float* X, int u, auto n_) {
+        constexpr int n = decltype(n_)::value, NX = (n + 3) / 4 * 4;
+        const float* wp = W + (64 * u + k) * WS + row_off;
+        const float* xp = X + (64 * u + k) * XS + TT * tg;
+        float wv[RT], xv[NX];
+        load_rows(wp, wv);
+        load_n<NX>(xp, xv);
 #pragma unroll
         for (int i = 0; i < RT; ++i)
 #pragma unroll
-            for (int j = 0; j < TT; ++j) acc[i][j] = 0.0f;
-        // chunk u for the first n of the thread's tokens (the slots past an item's pairs are not computed:
-        // their sums are never stored)
-        auto chunk_n = [&](const float* W, const float* X, int u, auto n_) {
-            constexpr int n = decltype(n_)::value, NX = (n + 3) / 4 * 4;
-            const float* wp = W + (64 * u + k) * WS + row_off;
-            const float* xp = X + (64 * u + k) * XS + TT * tg;
-            float wv[RT], xv[NX];
-            load_rows(wp, wv);
-            load_n<NX>(xp, xv);
-#pragma unroll
-            for (int i = 0; i < RT; ++i)
-#pragma unroll
-                for (int j = 0; j < n; ++j) acc[i][j] = ffma(wv[i], xv[j], acc[i][j]);
-        };
-        auto slab_w = [&](int s) { return static_cast<const float*>(Wt + (s & 1) * (S * 64 * WS)); };
-        auto slab_x = [&](int s) { return static_cast<const float*>(Xt + (s & 1) * (S * 64 * XS)); };
-        // One barrier per slab. Iteration s: slab s + 1 is in (cp.async) and slab s decoded and transposed
-        // (the iteration before); the barrier also ends every thread's use of slab s - 1 (its stage, which
-        // slab s + ST - 1 then refills, and its transposed buffers, which slab s + 1 then takes); then
-        // compute slab s and decode slab s + 1.
-        float sc[NT];
+            for (int j = 0; j < n; ++j) acc[i][j] = ffma(wv[i], xv[j], acc[i][j]);
+    };
+    auto slab_w = [&](int s) { return static_cast<const float*>(Wt + (s & 1) * (S * 64 * WS)); };
+    auto slab_x = [&](int s) { return static_cast<const float*>(Xt + (s & 1) * (S * 64 * XS)); };
+    // One barrier per slab. Iteration s: slab s + 1 is in (cp.async) and slab s decoded and transposed
+    // (the iteration before); the barrier also ends every thread's use of slab s - 1 (its stage, which
+    // slab s + ST - 1 then refills, and its transposed buffers, which slab s + 1 then takes); then
+    // compute slab s and decode slab s + 1.
+    float sc[NT];
+    auto first_slabs = [&] {  // the item's first ST - 1 slabs' copies
         for (int s = 0; s < ST - 1; ++s) {
             if (s < nst) issue(s, false);
             cp_async_commit();
         }
+    };
+    // While slab s, the slab it decodes (s + 1) and the one it refills (s + ST - 1) are whole, the
+    // iteration is one branch-free block; the last slabs take the general loop.
+    const int nfull = nchunks / S;
+    // the slabs, each chunk for the first n of the thread's tokens
+    auto slabs = [&](auto n_) {
+        int s = 0;
+        for (; s + ST - 1 < nfull; ++s) {
+            cp_async_wait<ST - 3>();
+            __syncthreads();
+            issue(s + ST - 1, true);
+            cp_async_commit();
+            const float* W = slab_w(s);
+            const float* X = slab_x(s);
+#pragma unroll
+            for (int u = 0; u < S; ++u) chunk_n(W, X, u, n_);
+            decode(s + 1, sc, true);
+            load_scales(s + 2, sc, true);  // (s + 2 < s + ST - 1: whole)
+        }
+        for (; s < nst; ++s) {
+            cp_async_wait<ST - 3>();
+            __syncthreads();
+            if (s + ST - 1 < nst) issue(s + ST - 1, false);
+            cp_async_commit();
+            if (s + 1 < nst) {
+                decode(s + 1, sc, false);
+                load_scales(s + 2, sc, false);
+            }
+            const int nc = chunks_of(s);
+            const float* W = slab_w(s);
+            const float* X = slab_x(s);
+#pragma unroll 1
+            for (int u = 0; u < nc; ++u) chunk_n(W, X, u, n_);
+        }
+    };
+    // The items. With kOverlap the next item's first slabs are on their way while this one folds
+    // (its fold buffer lies past the stages); else they follow the fold, which reuses the stages.
+    set_item(item);
+    set_copies();
+    first_slabs();
+    for (;;) {
         load_scales(0, sc, false);
         cp_async_wait<ST - 2>();
         __syncthreads();
         decode(0, sc, false);
         load_scales(1, sc, false);
-        // While slab s, the slab it decodes (s + 1) and the one it refills (s + ST - 1) are whole, the
-        // iteration is one branch-free block; the last slabs take the general loop.
-        const int nfull = nchunks / S;
-        // the slabs, each chunk for the first n of the thread's tokens
-        auto slabs = [&](auto n_) {
-            int s = 0;
-            for (; s + ST - 1 < nfull; ++s) {
-                cp_async_wait<ST - 3>();
-                __syncthreads();
-                issue(s + ST - 1, true);
-                cp_async_commit();
-                const float* W = slab_w(s);
-                const float* X = slab_x(s);
 #pragma unroll
-                for (int u = 0; u < S; ++u) chunk_n(W, X, u, n_);
-                decode(s + 1, sc, true);
-                load_scales(s + 2, sc, true);  // (s + 2 < s + ST - 1: whole)
-            }
-            for (; s < nst; ++s) {
-                cp_async_wait<ST - 3>();
-                __syncthreads();
-                if (s + ST - 1 < nst) issue(s + ST - 1, false);
-                cp_async_commit();
-                if (s + 1 < nst) {
-                    decode(s + 1, sc, false);
-                    load_scales(s + 2, sc, false);
-                }
-                const int nc = chunks_of(s);
-                const float* W = slab_w(s);
-                const float* X = slab_x(s);
-#pragma unroll 1
-                for (int u = 0; u < nc; ++u) chunk_n(W, X, u, n_);
-            }
-        };
+        for (int i = 0; i < RT; ++i)
+#pragma unroll
+            for (int j = 0; j < TT; ++j) acc[i][j] = 0.0f;
         // Expert items of up to 8 pairs (TG 2: every thread holds all the block's slots) compute their
         // pairs rounded up to a power of two, not all 8 slots: decode batches leave most experts one to
-        // four pairs. (The slab loop is specialised, not each chunk: eight variants of every chunk cost whole
-        // items 2-6 %, bench_gemm on the H200 at 256-512 tokens.)
+        // four pairs. (The slab loop is specialised, not each chunk: eight variants of every chunk cost
+        // whole items 2-6 %, bench_gemm on the H200 at 256-512 tokens.)
         if constexpr (EXPERT && TG == 2) with_pow2<TT>(cnt, slabs);
         else slabs(std::integral_constant<int, TT>{});
-        cp_async_wait<0>();
+        const int fstart = start, fcnt = cnt;  // the item folded
+        const int next = item + stride;
+        if constexpr (kOverlap) {
+            // (every copy of this item has landed: each slab was waited for before its decode)
+            if (next < n_items) {
+                set_item(next);
+                set_copies();
+                first_slabs();
+            }
+        } else {
+            cp_async_wait<0>();
+        }
         // the fold: every chain's sums to red[chain][token][row], then one output a thread
-        float* const red = reinterpret_cast<float*>(sm);
+        float* const red = reinterpret_cast<float*>(sm + (kOverlap ? ST * SBYTES : 0));
         __syncthreads();  // every thread is done with the last slab
 #pragma unroll
         for (int j = 0; j < TT; ++j)
@@ -363,12 +412,19 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         __syncthreads();
         const int o = tid, slot = o / BM, r = row_base + o % BM;
         const float y = fold64(red + o, BM * BN);
-        if (r < a.R && slot < cnt) {
+        if (r < a.R && slot < fcnt) {
             float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
             int64_t yrow;
-            if constexpr (EXPERT) yrow = a.pairs[start + slot];
-            else yrow = static_cast<int64_t>(start) + slot;
+            if constexpr (EXPERT) yrow = a.pairs[fstart + slot];
+            else yrow = static_cast<int64_t>(fstart) + slot;
             Y[yrow * a.ldy + r] = a.round ? bf16r(y) : y;
+        }
+        item = next;
+        if (item >= n_items) break;
+        if constexpr (!kOverlap) {
+            set_item(item);  // (its first barrier: every thread has read the fold)
+            set_copies();
+            first_slabs();
         }
     }
 }

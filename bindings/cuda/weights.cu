@@ -1146,7 +1146,10 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     const int fmt = parse_release(release);
     parse_decode(decode);
     bool no_staged = false, require_staged = false;
-    const LinChoice choice = parse_kernel(kernel, no_staged, require_staged);
+    // "gemm:8": the gemm kernel with expert items of 8 pairs whatever T (so that a test's blocks take several
+    // items each, as the engine's decode batches do)
+    const bool gemm8 = expert && kernel == "gemm:8";
+    const LinChoice choice = parse_kernel(gemm8 ? "gemm" : kernel, no_staged, require_staged);
     if (R <= 0 || C <= 0 || T <= 0) throw std::invalid_argument("linear: R, C and T must be positive");
     if (expert && T > 65535) throw std::invalid_argument("linear: at most 65535 pairs");
     DevBufs B;
@@ -1170,7 +1173,9 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         // one expert (the matrix), each token row its own work item of one pair
         const void* tab[2] = {dd, ds};
         check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
-        const int tile = kernel == "gemm" ? gemm_tile_for(T) : (kernel == "tiled" ? tile_for(T) : (kernel == "lanes" ? kLanesItem : 1));
+        const int tile = gemm8 ? 8
+                         : kernel == "gemm" ? gemm_tile_for(T)
+                                            : (kernel == "tiled" ? tile_for(T) : (kernel == "lanes" ? kLanesItem : 1));
         if (kernel == "lanes" && C % 64 == 0 && C <= kLanesRowMax) {  // its x rows in lane order
             void* dxl = B.alloc(static_cast<size_t>(T) * C * 4);
             rows_lanes(static_cast<const float*>(dx), C, T, C, static_cast<float*>(dxl));
