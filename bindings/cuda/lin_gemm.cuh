@@ -326,7 +326,10 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     // slab s + ST - 1 then refills, and its transposed buffers, which slab s + 1 then takes); then
     // compute slab s and decode slab s + 1.
     float sc[NT];
-    auto first_slabs = [&] {  // the item's first ST - 1 slabs' copies
+    // item it in hand: its rows and tokens staged, this thread's copies set, its first ST - 1 slabs issued
+    auto begin_item = [&](int it) {
+        set_item(it);
+        set_copies();
         for (int s = 0; s < ST - 1; ++s) {
             if (s < nst) issue(s, false);
             cp_async_commit();
@@ -368,9 +371,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     };
     // The items. With kOverlap the next item's first slabs are on their way while this one folds
     // (its fold buffer lies past the stages); else they follow the fold, which reuses the stages.
-    set_item(item);
-    set_copies();
-    first_slabs();
+    begin_item(item);
     for (;;) {
         load_scales(0, sc, false);
         cp_async_wait<ST - 2>();
@@ -391,11 +392,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         const int next = item + stride;
         if constexpr (kOverlap) {
             // (every copy of this item has landed: each slab was waited for before its decode)
-            if (next < n_items) {
-                set_item(next);
-                set_copies();
-                first_slabs();
-            }
+            if (next < n_items) begin_item(next);
         } else {
             cp_async_wait<0>();
         }
@@ -422,9 +419,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         item = next;
         if (item >= n_items) break;
         if constexpr (!kOverlap) {
-            set_item(item);  // (its first barrier: every thread has read the fold)
-            set_copies();
-            first_slabs();
+            begin_item(item);  // (set_item's first barrier: every thread has read the fold)
         }
     }
 }
