@@ -13,8 +13,9 @@
 // site by accumulator group: blocks per (group g, rows of fn, token) stage the columns of their eight
 // partial sums (64c + 8g + l), eight lanes run each chain, and the last block of a token to finish (a
 // ticket per token) folds the partial sums it needs, forms pre, the collapsed row and, when asked, its
-// RMSNorm. k_hc_mix (a few tokens, decode) is shaped for latency; k_hc_mix_many (prefill) is the
-// one-row-per-block kernel of session 3. The Sinkhorn (k_hc_coef: 39 dependent normalizations,
+// RMSNorm. k_hc_mix (a few tokens, decode) is shaped for latency. From 9 tokens (decode batches,
+// prefill) k_hc_part_chains makes every partial sum with a thread per (chain, row, tokens), and
+// k_hc_mix_many, a block per token, folds them and goes on as the last block does. The Sinkhorn (k_hc_coef: 39 dependent normalizations,
 // ~15 us) and post are needed only by hc_expand, after the sublayer: k_hc_coef runs on a side stream,
 // overlapped with the sublayer, unless post or comb are captured or injected.
 //
@@ -456,111 +457,81 @@ __global__ void __launch_bounds__(kMixThreads) k_hc_mix(MixArgs a) {
     })
 }
 
-// ---- many tokens (prefill): k_hc_mix_many ----------------------------------------------------------
-// One block per (group g, row r, token) of 256 threads; the last of a token's blocks folds every row,
-// writes m (k_hc_coef reads it) and pre, and makes the collapsed row and its norm.
+// ---- many tokens (decode batches of 9+, prefill): k_hc_part_chains, then k_hc_mix_many ---------------
 constexpr int kManyThreads = 256;
 
 struct ManyArgs : SiteArgs {
     double* m = nullptr;  // [T][R]
 };
 
-// The partial sums of many tokens at once (hc 2 and 4: R + 1 = 9 or 25 rows): thread (chain k, slot s)
-// of a block of 8 tokens owns chain k (columns 64c + k, P[k/8][k%8]) of every row for tokens s and s + 4,
-// so each x value is loaded once for all R + 1 dots and each fn value once per block (the 4 slots meet it
-// in L1). Then k_hc_mix_many's tail alone (tail_only), a block per token. The per-(group, row, token)
-// blocks staged a token's x again for every row with 8 of 256 threads at work: 6.0 ms a site at 2048
-// tokens. Taken from 256 tokens (hc_site): below, T / 8 blocks leave most SMs idle.
-constexpr int kPartTokens = 8;
-template <int R1>  // R + 1
-__global__ void __launch_bounds__(256) k_hc_part_tiled(const float* __restrict__ X, const double* __restrict__ fn,
-                                                     int n, int T, double* __restrict__ part) {
+// The partial sums of the site's two long dots, a thread per (chain k, row r, TPT tokens): part[t][r][k]
+// = the fma chain of fn_r[64c + k] x v[64c + k] over the chunks c (row R: v x v), P[k / 8][k % 8] of
+// cdot64. A block is the 64 chains of one row for 4 TPT tokens (the four token slots meet each fn value
+// in L1): at 128 tokens 25 x 16 blocks. Each chain is a sequential walk of n / 64 steps, so what bounds
+// it is how many loads are in flight, not the FMAs: 33 us a site at 128 tokens, 552 at 2048 (H200,
+// perf.md "Session 19"), where the per-(group, row, token) blocks of 8 working threads took 388 us at
+// 128 and an 8-token block of all rows (a thread every row's chain) 760 us at 2048.
+template <int TPT>
+__global__ void __launch_bounds__(256) k_hc_part_chains(const float* __restrict__ X, const double* __restrict__ fn,
+                                                       int n, int T, int R, double* __restrict__ part) {
     pdl_enter();
     const int k = static_cast<int>(threadIdx.x) & 63, s = static_cast<int>(threadIdx.x) >> 6;
-    const int t0 = static_cast<int>(blockIdx.x) * kPartTokens + s, t1 = t0 + 4;
-    const float* x0 = X + static_cast<int64_t>(t0 < T ? t0 : T - 1) * n;
-    const float* x1 = X + static_cast<int64_t>(t1 < T ? t1 : T - 1) * n;
-    double a0[R1], a1[R1];  // rows 0..R-1: cdot64(fn_r, v); row R: cdot64(v, v)
+    const int r = static_cast<int>(blockIdx.y);  // r == R: v x v
+    const int tb = static_cast<int>(blockIdx.x) * 4 * TPT;
+    const float* x[TPT];
 #pragma unroll
-    for (int r = 0; r < R1; ++r) a0[r] = a1[r] = 0.0;
-    const int nch = (n + 63) / 64;
-#pragma unroll 2
-    for (int c = 0; c < nch; ++c) {
-        const int i = 64 * c + k;
-        if (i < n) {
-            const double v0 = static_cast<double>(__ldg(x0 + i)), v1 = static_cast<double>(__ldg(x1 + i));
-#pragma unroll
-            for (int r = 0; r < R1 - 1; ++r) {
-                const double f = __ldg(fn + static_cast<int64_t>(r) * n + i);
-                a0[r] = dfma(f, v0, a0[r]);
-                a1[r] = dfma(f, v1, a1[r]);
-            }
-            a0[R1 - 1] = dfma(v0, v0, a0[R1 - 1]);
-            a1[R1 - 1] = dfma(v1, v1, a1[R1 - 1]);
-        }
+    for (int u = 0; u < TPT; ++u) {
+        const int t = tb + s + 4 * u;
+        x[u] = X + static_cast<int64_t>(t < T ? t : T - 1) * n;
     }
+    const double* f = r < R ? fn + static_cast<int64_t>(r) * n : nullptr;
+    double acc[TPT];
 #pragma unroll
-    for (int r = 0; r < R1; ++r) {
-        if (t0 < T) part[(static_cast<int64_t>(t0) * R1 + r) * 64 + k] = a0[r];
-        if (t1 < T) part[(static_cast<int64_t>(t1) * R1 + r) * 64 + k] = a1[r];
+    for (int u = 0; u < TPT; ++u) acc[u] = 0.0;
+    // Steps of B chunks: every load of a step's chunks issued before its first fma (left to itself the
+    // compiler put each fn load just ahead of its fma, and every chunk waited a memory latency: 90 us a
+    // site whether 32 or 128 tokens). A last chunk shorter than 64 is tested element by element.
+    constexpr int B = 8;
+    const int nfull = n / 64;
+    auto steps = [&](int c0, auto nb_, auto last_) {
+        constexpr int nb = decltype(nb_)::value;
+        double w[nb], v[nb][TPT];
+#pragma unroll
+        for (int j = 0; j < nb; ++j) {
+            const int i = 64 * (c0 + j) + k;
+            const bool in = !decltype(last_)::value || i < n;
+#pragma unroll
+            for (int u = 0; u < TPT; ++u) v[j][u] = in ? static_cast<double>(__ldg(x[u] + i)) : 0.0;
+            w[j] = in && f != nullptr ? __ldg(f + i) : 0.0;
+        }
+#pragma unroll
+        for (int j = 0; j < nb; ++j) {
+            if (decltype(last_)::value && 64 * (c0 + j) + k >= n) continue;
+#pragma unroll
+            for (int u = 0; u < TPT; ++u) acc[u] = dfma(f != nullptr ? w[j] : v[j][u], v[j][u], acc[u]);
+        }
+    };
+    int c = 0;
+    for (; c + B <= nfull; c += B) steps(c, std::integral_constant<int, B>{}, std::false_type{});
+    for (; c < nfull; ++c) steps(c, std::integral_constant<int, 1>{}, std::false_type{});
+    if (n % 64 != 0) steps(nfull, std::integral_constant<int, 1>{}, std::true_type{});
+#pragma unroll
+    for (int u = 0; u < TPT; ++u) {
+        const int t = tb + s + 4 * u;
+        if (t < T) part[(static_cast<int64_t>(t) * (R + 1) + r) * 64 + k] = acc[u];
     }
 }
 
-__global__ void __launch_bounds__(kManyThreads) k_hc_mix_many(ManyArgs a, bool vec, bool tail_only) {
+// A block per token after k_hc_part_chains: folds every row's partial sums, writes m (k_hc_coef reads it)
+// and pre, and makes the collapsed row and its norm.
+__global__ void __launch_bounds__(kManyThreads) k_hc_mix_many(ManyArgs a, bool vec) {
     pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
-    const int g = static_cast<int>(blockIdx.x), r = static_cast<int>(blockIdx.y), t = static_cast<int>(blockIdx.z);
+    const int t = static_cast<int>(blockIdx.x);
     const int tid = static_cast<int>(threadIdx.x);
-    const int n = a.n, R = a.R, nch = (n + 63) / 64;
-    double* fs = reinterpret_cast<double*>(sm);          // [nch][8]
-    float* xs = reinterpret_cast<float*>(fs + 8 * nch);  // [nch][8]
+    const int n = a.n, R = a.R;
+    double* fs = reinterpret_cast<double*>(sm);
     const float* x = a.X + static_cast<int64_t>(t) * n;
-    const double* f = a.fn + static_cast<int64_t>(r) * n;
-    if (!tail_only) {  // (k_hc_part_tiled made the partial sums)
-        // stage columns 64c + 8g + l (l < 8) of x and of fn row r: 16-byte pieces when the rows allow it
-        if (vec) {
-#pragma unroll 4
-            for (int q = tid; q < 6 * nch; q += kManyThreads) {
-                const int c = q / 6, k = q % 6, col = 64 * c + 8 * g;
-                if (k < 2) {
-                    *reinterpret_cast<float4*>(xs + 8 * c + 4 * k) = __ldg(reinterpret_cast<const float4*>(x + col + 4 * k));
-                } else {
-                    const int h = k - 2;
-                    *reinterpret_cast<double2*>(fs + 8 * c + 2 * h) = __ldg(reinterpret_cast<const double2*>(f + col + 2 * h));
-                }
-            }
-        } else {
-            for (int q = tid; q < 8 * nch; q += kManyThreads) {
-                const int i = 64 * (q / 8) + 8 * g + q % 8;
-                xs[q] = i < n ? x[i] : 0.0f;
-                fs[q] = i < n ? f[i] : 0.0;
-            }
-        }
-        __syncthreads();
-        if (tid < 8) {  // partial sums P[g][tid] of cdot64(fn_r, v) and cdot64(v, v)
-            double pd = 0.0, ps = 0.0;
-#pragma unroll 8
-            for (int c = 0; c < nch; ++c) {
-                if (64 * c + 8 * g + tid < n) {
-                    const double v = static_cast<double>(xs[8 * c + tid]);
-                    ps = dfma(v, v, ps);
-                    pd = dfma(fs[8 * c + tid], v, pd);
-                }
-            }
-            double* pt = a.part + static_cast<int64_t>(t) * (R + 1) * 64;
-            pt[64 * r + 8 * g + tid] = pd;
-            if (r == 0) pt[64 * R + 8 * g + tid] = ps;
-        }
-        // the last of the token's 8R blocks goes on (the classic ticket: fence, then count)
-        __shared__ bool last;
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) last = atomicAdd(a.tickets + t, 1u) == static_cast<unsigned>(8 * R - 1);
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-        if (tid == 0) a.tickets[t] = 0u;  // ready for the next launch
-    }
     // (the tail is one block: every loop below keeps its loads independent of its stores, so they
     // stay in flight together; a loop that reloads after each store pays the L2 latency per element)
     const int hc = a.hc, D = a.D;
@@ -671,11 +642,8 @@ HcPath hc_path(const Step& s, int layer, int S_PRE, int hc, int D, int R, const 
         smem = mix_bytes(hc, D, norm_w != nullptr);
         if (smem <= 200 * 1024) return HcPath::few;
     }
-    const size_t nch = (static_cast<size_t>(n) + 63) / 64;
-    const size_t stage = nch * 8 * (sizeof(double) + sizeof(float));
-    const size_t tail = (static_cast<size_t>(R) + 1) * 64 * sizeof(double) + (static_cast<size_t>(R) + hc) * sizeof(double) +
-                        (64 + static_cast<size_t>(D) + 4) * sizeof(float);
-    smem = std::max(stage, tail);
+    smem = (static_cast<size_t>(R) + 1) * 64 * sizeof(double) + (static_cast<size_t>(R) + hc) * sizeof(double) +
+           (64 + static_cast<size_t>(D) + 4) * sizeof(float);  // k_hc_mix_many's
     return smem <= 96 * 1024 ? HcPath::many : HcPath::general;
 }
 }  // namespace
@@ -737,17 +705,16 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
         static_cast<SiteArgs&>(a) = sa;
         a.m = m;
         const bool vec = n % 64 == 0 && aligned16(X) && aligned16(w.fn);
+        // (tokens a thread: enough blocks to keep the SMs' loads in flight at 9-63 tokens, fewer x
+        // loads per fma from 64 and from 256)
+        const int tpt = T >= 256 ? 4 : (T >= 64 ? 2 : 1);
+        auto kc = tpt == 4 ? k_hc_part_chains<4> : (tpt == 2 ? k_hc_part_chains<2> : k_hc_part_chains<1>);
+        GLM_LAUNCH(kc, dim3(static_cast<unsigned>((T + 4 * tpt - 1) / (4 * tpt)), static_cast<unsigned>(R + 1)), 256, 0, X,
+                   w.fn, n, T, R, sa.part);
+        check_launch("hc_part_chains");
         auto k = k_hc_mix_many;
         allow_smem(k, 96 * 1024);
-        // (from 256 tokens: T / 8 blocks; at b32 and b64 the per-row blocks were faster, 2928 and 3277 tok/s
-        // against 2366 and 3000, b128 even, b256 4083 -> 4328, prefill 512 6931 -> 7512, 2048 7615 -> 8270)
-        constexpr int kR2 = (2 + 2) * 2 + 1, kR4 = (2 + 4) * 4 + 1;  // R + 1 = (2 + hc) hc + 1
-        auto kp = T < 256 ? nullptr : hc == 4 ? k_hc_part_tiled<kR4> : (hc == 2 ? k_hc_part_tiled<kR2> : nullptr);
-        if (kp) {
-            GLM_LAUNCH(kp, static_cast<unsigned>((T + kPartTokens - 1) / kPartTokens), 256, 0, X, w.fn, n, T, sa.part);
-            check_launch("hc_part_tiled");
-        }
-        GLM_LAUNCH(k, kp ? dim3(1, 1, T) : dim3(8, R, T), kManyThreads, smem, a, vec, kp != nullptr);
+        GLM_LAUNCH(k, static_cast<unsigned>(T), kManyThreads, smem, a, vec);
         check_launch("hc_mix_many");
     } else {
         m = s.scratch.d<double>(static_cast<size_t>(T) * R);
