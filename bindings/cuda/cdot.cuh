@@ -192,17 +192,28 @@ GLM_DEV void load_n(const float* p, float (&v)[N]) {
 }
 
 // One leaf of NR x NC tiled dots: v[r][c] = the fma chain, from +0, over the n chunks ch of a_r * b_c,
-// chunk ch's NR values of a at A(ch) and NC values of b at B(ch) (consecutive in shared memory).
-template <int NR, int NC, class PA, class PB>
+// chunk ch's NR values of a at A(ch) and NC values of b at B(ch) (consecutive in shared memory). N > 0:
+// n is N, known when compiled (every chunk unrolled: no address arithmetic or branch a chunk); N = 0:
+// n >= 1 at run time, four chunks an iteration. The first chunk is peeled (fma(a, b, +0), as the chain
+// starts), which keeps a select per accumulator out of the loop.
+template <int N, int NR, int NC, class PA, class PB>
 GLM_DEV void leaf_chain(float (&v)[NR][NC], int n, PA&& A, PB&& B) {
-    for (int ch = 0; ch < n; ++ch) {
+    auto chunk = [&](int ch, bool first) {
         float a[NR], b[NC];
         load_n<NR>(A(ch), a);
         load_n<NC>(B(ch), b);
 #pragma unroll
         for (int r = 0; r < NR; ++r)
 #pragma unroll
-            for (int c = 0; c < NC; ++c) v[r][c] = fma_(a[r], b[c], ch == 0 ? 0.0f : v[r][c]);
+            for (int c = 0; c < NC; ++c) v[r][c] = fma_(a[r], b[c], first ? 0.0f : v[r][c]);
+    };
+    chunk(0, true);
+    if constexpr (N > 0) {
+#pragma unroll
+        for (int ch = 1; ch < N; ++ch) chunk(ch, false);
+    } else {
+#pragma unroll 4
+        for (int ch = 1; ch < n; ++ch) chunk(ch, false);
     }
 }
 

@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kTileThreads) k_idx_scores_tiled(const float* 
     const int tm = tid >> 4, tn = tid & 15;  // rows 4 tm.., pools 4 tn..
     float dots[4][4];
     cdot_tree_walk<4, 4>(dots, [&](int k, float (&v)[4][4]) {
-        leaf_chain<4, 4>(v, C, [&](int cc) { return As + (64 * cc + k) * kTileRows + 4 * tm; },
+        leaf_chain<C, 4, 4>(v, C, [&](int cc) { return As + (64 * cc + k) * kTileRows + 4 * tm; },
                          [&](int cc) { return Bs + (64 * cc + k) * kTilePools + 4 * tn; });
     });
     __syncthreads();  // (S overwrites As)

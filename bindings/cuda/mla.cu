@@ -95,7 +95,11 @@ __global__ void __launch_bounds__(256) k_mla_scores(const float* __restrict__ q_
 // each thread 2 heads x 4 positions, each dot made whole by cdot_tree_walk (partial k: the fma chain
 // over the chunks 64c + k; elements past r are zeros, which leave every partial as it is). The latent
 // rows of a row's selection are read once per 32 heads instead of once per head, from shared memory.
+// C: the chunks of r (r <= 64 C), known when compiled: every leaf's chain unrolled (ncu at a 2048-token
+// prefill with C at run time: FFMA 31 % of the instructions, the rest the chunk loop's addresses,
+// branches and moves).
 constexpr int kAttnHeads = 32, kAttnPos = 64, kAttnThreads = 256;
+template <int C>
 __global__ void __launch_bounds__(kAttnThreads) k_mla_scores_tiled(const float* __restrict__ q_abs, int nh, int r,
                                                                    const int* __restrict__ sel,
                                                                    const int64_t* __restrict__ sel_off,
@@ -109,7 +113,7 @@ __global__ void __launch_bounds__(kAttnThreads) k_mla_scores_tiled(const float* 
     const int j0 = static_cast<int>(blockIdx.x) * kAttnPos, h0 = static_cast<int>(blockIdx.z) * kAttnHeads;
     const int ns = sel_n[t];
     if (j0 >= ns) return;  // uniform over the block
-    const int C = (r + 63) / 64, R = 64 * C;
+    constexpr int R = 64 * C;
     float* Qs = sm;                          // [R][32]
     float* Cs = sm + R * kAttnHeads;         // [R][64]
     const int tid = static_cast<int>(threadIdx.x);
@@ -134,7 +138,7 @@ __global__ void __launch_bounds__(kAttnThreads) k_mla_scores_tiled(const float* 
     const int th = tid >> 4, tp = tid & 15;  // heads 2 th.., positions 4 tp..
     float dots[2][4];
     cdot_tree_walk<2, 4>(dots, [&](int k, float (&v)[2][4]) {
-        leaf_chain<2, 4>(v, C, [&](int c) { return Qs + (64 * c + k) * kAttnHeads + 2 * th; },
+        leaf_chain<C, 2, 4>(v, C, [&](int c) { return Qs + (64 * c + k) * kAttnHeads + 2 * th; },
                          [&](int c) { return Cs + (64 * c + k) * kAttnPos + 4 * tp; });
     });
     float* out = scores + sel_off[t] * nh;
@@ -287,7 +291,7 @@ __global__ void __launch_bounds__(kOlatThreads) k_mla_olat_tiled(const float* __
             __syncthreads();
         }
         const int i = j & 7;
-        leaf_chain<2, 4>(v, nc, [&](int c) { return Ps + (8 * c + i) * kOlatHeads + 2 * th; },
+        leaf_chain<0, 2, 4>(v, nc, [&](int c) { return Ps + (8 * c + i) * kOlatHeads + 2 * th; },
                          [&](int c) { return Cs + (8 * c + i) * kOlatCols + 4 * tc; });
     });
 #pragma unroll
@@ -427,7 +431,10 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
         // prefill-sized steps: the tiled kernel (unless attn_tiled is off); else positions per warp: one while the grid is small
         // (latency), four once it is large (q_abs reuse)
         if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && r <= 512) {
-            auto k = k_mla_scores_tiled;
+            static const decltype(&k_mla_scores_tiled<1>) kByChunks[] = {
+                k_mla_scores_tiled<1>, k_mla_scores_tiled<2>, k_mla_scores_tiled<3>, k_mla_scores_tiled<4>,
+                k_mla_scores_tiled<5>, k_mla_scores_tiled<6>, k_mla_scores_tiled<7>, k_mla_scores_tiled<8>};
+            auto k = kByChunks[(r + 63) / 64 - 1];
             const size_t smem = static_cast<size_t>((r + 63) / 64) * 64 * (kAttnHeads + kAttnPos) * 4;
             allow_smem(k, smem);
             GLM_LAUNCH(k, dim3(blocks(max_ns, kAttnPos), T, static_cast<unsigned>((nh + kAttnHeads - 1) / kAttnHeads)),
