@@ -261,8 +261,14 @@ bool lanes_applies(const LinArgs& a, bool expert) {
     return (a.row0 + a.woff + a.R) * (a.C / 32 + 1) < (int64_t{1} << 31);
 }
 // (expert items of kLanesItem pairs only when the engine option expert_tile asks for them: moe.cu)
+// Only where its blocks fill half the SMs: matrices of few rows (KDA's low-rank and gate projections, the
+// router, the indexer's and MLA's down-projections: 32-1536 rows) made 1-48 blocks of 32 rows x 128 tokens
+// at 128 tokens, each walking the whole K alone on its SM (H200, slice FP8: the ten BF16 ones were 1.57
+// ms of a b128 step); the register-tiled kernel's 32 x 16 blocks are eight times as many.
 bool lanes_chosen(const LinArgs& a, bool expert) {
-    return launch_options().lanes && !expert && lanes_applies(a, expert) && a.T >= kLanesMinT;
+    if (!(launch_options().lanes && !expert && lanes_applies(a, expert) && a.T >= kLanesMinT)) return false;
+    const int64_t bn = a.T >= 128 ? 128 : 64, rows = bn == 128 ? ln_rows<128>() : ln_rows<64>();
+    return (a.R + rows - 1) / rows * ((a.T + bn - 1) / bn) >= sm_count() / 2;
 }
 // One growing device buffer per device for the re-laid x (launches are in stream order on stream 0).
 float* lanes_scratch(int64_t floats) {
