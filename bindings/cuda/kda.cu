@@ -133,14 +133,28 @@ __global__ void __launch_bounds__(256) k_kda_rec(const float* __restrict__ qs, c
     const SegDev& sg = segs[sgi];
     const int P = H * d;
     float* col = sg.S + (static_cast<int64_t>(h) * d + j) * d;
+    // Elements 64c + 8g .. + 7 of a d-vector (a column of S, a row of kn, qs or eg), 0 past d: two 16-byte
+    // loads where d is whole chunks (every such vector then starts 16-byte aligned), else one at a time.
+    // (The eight threads of a column read each token's kn, qs and eg again: 48 scalar loads a thread a
+    // token, 1.5 KB a column, were what a b128 step's 0.92 ms went to.)
+    const bool whole = d % 64 == 0;
+    auto rows8 = [&](const float* p, int c, float (&v)[8]) {
+        const int i0 = 64 * c + 8 * g;
+        if (whole) {
+            const float4 a = *reinterpret_cast<const float4*>(p + i0), b = *reinterpret_cast<const float4*>(p + i0 + 4);
+            v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        } else {
+#pragma unroll
+            for (int l = 0; l < 8; ++l) v[l] = i0 + l < d ? p[i0 + l] : 0.0f;
+        }
+    };
     float S[NC][8];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) rows8(col, c, S[c]);
 #pragma unroll
     for (int c = 0; c < NC; ++c)
 #pragma unroll
-        for (int l = 0; l < 8; ++l) {
-            const int i = 64 * c + 8 * g + l;
-            S[c][l] = (live && i < d) ? col[i] : 0.0f;
-        }
+        for (int l = 0; l < 8; ++l) S[c][l] = live ? S[c][l] : 0.0f;
     const int ntok = live ? sg.n : 0;
     const int nmax = warp_max_int(ntok);
     for (int tt = 0; tt < nmax; ++tt) {
@@ -150,7 +164,13 @@ __global__ void __launch_bounds__(256) k_kda_rec(const float* __restrict__ qs, c
         const float* kr = kn + rowo;
         const float* qr = qs + rowo;
         const float* er = eg + rowo;
-        float acc[8];
+        float acc[8], kv[NC][8], ev[NC][8], qv[NC][8];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            rows8(kr, c, kv[c]);
+            rows8(er, c, ev[c]);
+            rows8(qr, c, qv[c]);
+        }
         zero8(acc);
         // S[i][j] *= expf(g_i); pred = cdot(kn, S[:, j])
 #pragma unroll
@@ -159,8 +179,8 @@ __global__ void __launch_bounds__(256) k_kda_rec(const float* __restrict__ qs, c
             for (int l = 0; l < 8; ++l) {
                 const int i = 64 * c + 8 * g + l;
                 if (act_t && i < d) {
-                    S[c][l] = fmul(S[c][l], er[i]);
-                    if (!nm.seq) acc[l] = ffma(kr[i], S[c][l], acc[l]);
+                    S[c][l] = fmul(S[c][l], ev[c][l]);
+                    if (!nm.seq) acc[l] = ffma(kv[c][l], S[c][l], acc[l]);
                 }
             }
         const float pred = nm.seq ? seq_column_dot<NC>(kr, S, g, d, act_t) : group_fold(acc);
@@ -174,8 +194,8 @@ __global__ void __launch_bounds__(256) k_kda_rec(const float* __restrict__ qs, c
             for (int l = 0; l < 8; ++l) {
                 const int i = 64 * c + 8 * g + l;
                 if (act_t && i < d) {
-                    S[c][l] = ffma(kr[i], u, S[c][l]);
-                    if (!nm.seq) acc[l] = ffma(qr[i], S[c][l], acc[l]);
+                    S[c][l] = ffma(kv[c][l], u, S[c][l]);
+                    if (!nm.seq) acc[l] = ffma(qv[c][l], S[c][l], acc[l]);
                 }
             }
         const float oj = nm.seq ? seq_column_dot<NC>(qr, S, g, d, act_t) : group_fold(acc);
