@@ -9,15 +9,16 @@
 //   collapsed[d]  = bf16(cdot64(pre, [X_0[d], ..., X_{hc-1}[d]]))
 //   streams X'_j[d] = bf16(cdot64([post_j, C_0j, ..., C_{hc-1,j}], [u[d], X_0[d], ..., X_{hc-1}[d]]))
 //
-// The fused paths (canonical dots, no injection into pre or collapsed) split the two long dots of a
-// site by accumulator group: blocks per (group g, rows of fn, token) stage the columns of their eight
-// partial sums (64c + 8g + l), eight lanes run each chain, and the last block of a token to finish (a
-// ticket per token) folds the partial sums it needs, forms pre, the collapsed row and, when asked, its
-// RMSNorm. k_hc_mix (a few tokens, decode) is shaped for latency. From 9 tokens (decode batches,
-// prefill) k_hc_part_chains makes every partial sum with a thread per (chain, row, tokens), and
-// k_hc_mix_many, a block per token, folds them and goes on as the last block does. The Sinkhorn (k_hc_coef: 39 dependent normalizations,
-// ~15 us) and post are needed only by hc_expand, after the sublayer: k_hc_coef runs on a side stream,
-// overlapped with the sublayer, unless post or comb are captured or injected.
+// The fused paths (canonical dots, no injection into pre or collapsed). Up to 8 tokens (decode),
+// k_hc_mix, shaped for latency, splits the two long dots of a site by accumulator group: blocks per
+// (group g, rows of fn, token) stage the columns of their eight partial sums (64c + 8g + l), eight lanes
+// run each chain, and the last block of a token to finish (a ticket per token) folds the partial sums
+// it needs, forms pre, the collapsed row and, when asked, its RMSNorm. From 9 tokens (decode batches,
+// prefill) k_hc_part_chains makes every partial sum, a thread per (chain, row, tokens), and
+// k_hc_mix_many, a block per token, folds them and goes on as that last block does. The Sinkhorn
+// (k_hc_coef: 39 dependent normalizations, ~15 us) and post are needed only by hc_expand, after the
+// sublayer: k_hc_coef runs on a side stream, overlapped with the sublayer, unless post or comb are
+// captured or injected.
 //
 // The general path: k_hc_m, one block of 64 threads per (token, row of fn) for the two long dots
 // (block64_dot); k_hc_coef: one block per token, one thread per coefficient (hc <= 16);
@@ -530,12 +531,11 @@ __global__ void __launch_bounds__(kManyThreads) k_hc_mix_many(ManyArgs a, bool v
     const int t = static_cast<int>(blockIdx.x);
     const int tid = static_cast<int>(threadIdx.x);
     const int n = a.n, R = a.R;
-    double* fs = reinterpret_cast<double*>(sm);
     const float* x = a.X + static_cast<int64_t>(t) * n;
-    // (the tail is one block: every loop below keeps its loads independent of its stores, so they
-    // stay in flight together; a loop that reloads after each store pays the L2 latency per element)
+    // (every loop below keeps its loads independent of its stores, so they stay in flight together; a
+    // loop that reloads after each store pays the L2 latency per element)
     const int hc = a.hc, D = a.D;
-    double* P = fs;                  // [R + 1][64]
+    double* P = reinterpret_cast<double*>(sm);  // [R + 1][64]
     double* mt = P + 64 * (R + 1);   // [R]
     double* pre_s = mt + R;          // [hc]
     float* Q = reinterpret_cast<float*>(pre_s + hc);  // [64]
