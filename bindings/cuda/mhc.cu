@@ -673,7 +673,7 @@ bool hc_site(Step& s, int layer, bool ffn, const HcW& w, const float* X, double*
         sa.rms_eps = c.rms_norm_eps;
         sa.hc_eps = c.hc_eps;
         sa.part = s.scratch.d<double>(static_cast<size_t>(T) * (R + 1) * 64);
-        sa.tickets = s.E.hc_tickets(T);
+        if (path == HcPath::few) sa.tickets = s.E.hc_tickets(T);  // (k_hc_mix's last-block tickets)
         sa.pre = pre;
         sa.collapsed = collapsed;
         sa.norm_w = norm ? norm_w : nullptr;

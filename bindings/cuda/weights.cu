@@ -265,9 +265,12 @@ bool lanes_applies(const LinArgs& a, bool expert) {
 // router, the indexer's and MLA's down-projections: 32-1536 rows) made 1-48 blocks of 32 rows x 128 tokens
 // at 128 tokens, each walking the whole K alone on its SM; the register-tiled kernel's 32 x 16 blocks are
 // eight times as many (H200, slice FP8: the ten BF16 launches of a b128 step 1.57 -> 0.30 ms).
+// Tokens a lane-pass block: 128 for dense launches from 128 tokens (each decoded weight serves them all,
+// 32 rows), else 64 (64 rows).
+int lanes_bn(const LinArgs& a, bool expert) { return !expert && a.T >= 128 ? 128 : 64; }
 bool lanes_chosen(const LinArgs& a, bool expert) {
     if (!(launch_options().lanes && !expert && lanes_applies(a, expert) && a.T >= kLanesMinT)) return false;
-    const int64_t bn = a.T >= 128 ? 128 : 64, rows = bn == 128 ? ln_rows<128>() : ln_rows<64>();
+    const int64_t bn = lanes_bn(a, expert), rows = bn == 128 ? ln_rows<128>() : ln_rows<64>();
     return (a.R + rows - 1) / rows * ((a.T + bn - 1) / bn) >= sm_count() / 2;
 }
 // One growing device buffer per device for the re-laid x (launches are in stream order on stream 0).
@@ -323,16 +326,15 @@ void launch_lanes_bn(const LinArgs& a, dim3 grid) {
         GLM_LAUNCH(k, grid, kLnThreads, smem, b);
     }
 }
-// 128 tokens a block (32 rows) from 128 tokens: each decoded weight serves them all; 64 x 64 below.
-// FP8 by the hardware conversion where the integer decode was chosen and passed the check (launch_gemm).
-// Expert items of kLanesItem pairs: 64 x 64.
+// The block's tokens by lanes_bn (expert items of kLanesItem pairs: 64 x 64). FP8 by the hardware
+// conversion where the integer decode was chosen and passed the check (launch_gemm).
 template <int FMT, bool EXPERT>
 void launch_lanes(const LinArgs& a, dim3 grid) {
     if constexpr (FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4) {
         const int path = FMT == W_FP8 && a.dec == kDecInt && a.hw8 ? kDecHw : a.dec;
         with_dec<FMT, true>(path, [&](auto dec) {
             constexpr int DEC = decltype(dec)::value;
-            if (!EXPERT && a.T >= 128) launch_lanes_bn<FMT, false, DEC, 128>(a, grid);
+            if (lanes_bn(a, EXPERT) == 128) launch_lanes_bn<FMT, false, DEC, 128>(a, grid);
             else launch_lanes_bn<FMT, EXPERT, DEC, 64>(a, grid);
         });
     }
