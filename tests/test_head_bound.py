@@ -101,8 +101,8 @@ def make(case: str, R: int, C: int, T: int, seed: int):
 CASES = [
     ("random", 300, 96, 5, False, True),
     ("random", 37, 100, 3, False, True),
-    ("random", 150, 64, 12, False, True),   # the token-tile shapes of the product kernel: 2, 4, 8 a warp,
-    ("random", 150, 64, 30, False, True),   # then two warps a row tile
+    ("random", 150, 64, 12, False, True),   # the token-tile shapes of the product kernel: one warp a row tile
+    ("random", 150, 64, 30, False, True),   # up to 8 tokens, then two warps with 1, 2, 4 or 8 tiles each
     ("random", 150, 64, 50, False, True),
     ("random", 140, 160, 70, False, True),  # (160 columns: a partial pipeline stage)
     ("extremes", 200, 64, 4, False, True),

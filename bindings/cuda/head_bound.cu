@@ -218,15 +218,22 @@ __global__ void __launch_bounds__(HbShape<NTW, NH>::threads) k_hb_product(const 
             if (sg * kHbKs + s >= KS) break;
             const uint4 h4 = ws[s * 64 + lane], l4 = ws[s * 64 + 32 + lane];
             const uint32_t ah[4] = {h4.x, h4.y, h4.z, h4.w}, al[4] = {l4.x, l4.y, l4.z, l4.w};
+            uint32_t bh[NTW][2], bl[NTW][2];
 #pragma unroll
             for (int j = 0; j < NTW; ++j) {
                 const uint2 bh2 = xs[j * (kHbKs * 64) + s * 64 + lane], bl2 = xs[j * (kHbKs * 64) + s * 64 + 32 + lane];
-                const uint32_t bh[2] = {bh2.x, bh2.y}, bl[2] = {bl2.x, bl2.y};
-                mma_s8_16832(acc[j][0], ah, bh);
-                mma_s8_16832(acc[j][1], ah, bl);
-                mma_s8_16832(acc[j][1], al, bh);
-                mma_s8_16832(acc[j][2], al, bl);
+                bh[j][0] = bh2.x, bh[j][1] = bh2.y, bl[j][0] = bl2.x, bl[j][1] = bl2.y;
             }
+            // the cross limbs' second product after every tile's first three: a product waits for the
+            // previous one into the same accumulator (ncu: most stalls were that wait)
+#pragma unroll
+            for (int j = 0; j < NTW; ++j) {
+                mma_s8_16832(acc[j][0], ah, bh[j]);
+                mma_s8_16832(acc[j][1], ah, bl[j]);
+                mma_s8_16832(acc[j][2], al, bl[j]);
+            }
+#pragma unroll
+            for (int j = 0; j < NTW; ++j) mma_s8_16832(acc[j][1], al, bh[j]);
         }
     }
     // epilogue: the interval of each (row, token), and each token's largest lower end over the block
@@ -404,11 +411,14 @@ void run(const HeadBound& hb, const Lin& W, const float* x, int n, int D, const 
     // gamma(m) = m u / (1 - m u), u = 2^-24, m = ceil(D / 64) + 6 roundings on a term's path
     const double m = static_cast<double>((D + 63) / 64 + 6), u = 0x1p-24;
     const HbStats st{hb.Ew.as<int>(), b.Ex, hb.n2.as<double>(), hb.l1.as<double>(), b.n2x, b.l1x, m * u / (1.0 - m * u)};
-    // token tiles a warp holds: as many as the rows need, up to 8; past 64 tokens two warps share a row tile
+    // token tiles a warp holds: from 16 tokens two warps share a row tile, each with half the tokens:
+    // sixteen warps a block (one block an SM: its three stages take 120 KB), where eight warps of
+    // twice the tiles left the tensor products' latencies exposed (ncu at 32 tokens: 0.5 eligible warps
+    // a scheduler, 36 % of the DRAM bandwidth)
     if (n <= 8) launch_product<1, 1>(hb, R, n, st, b);
-    else if (n <= 16) launch_product<2, 1>(hb, R, n, st, b);
-    else if (n <= 32) launch_product<4, 1>(hb, R, n, st, b);
-    else if (n <= 64) launch_product<8, 1>(hb, R, n, st, b);
+    else if (n <= 16) launch_product<1, 2>(hb, R, n, st, b);
+    else if (n <= 32) launch_product<2, 2>(hb, R, n, st, b);
+    else if (n <= 64) launch_product<4, 2>(hb, R, n, st, b);
     else launch_product<8, 2>(hb, R, n, st, b);
     {
         auto k = k_hb_select;
