@@ -340,9 +340,10 @@ void launch_lanes(const LinArgs& a, dim3 grid) {
     }
 }
 
-// The streaming kernel: one token row (or expert items of one pair) whose rows can be copied.
+// The streaming kernel: one token row (or expert items of one pair) whose rows can be copied, heads
+// (if any) of whole units of eight rows (a thread's two rows share their x loads).
 bool stream_applies(const LinArgs& a, bool expert) {
-    return rows_copyable(a, expert) && a.xhs % 4 == 0 && (expert ? a.tile_pairs == 1 : a.T == 1);
+    return rows_copyable(a, expert) && a.xhs % 4 == 0 && (a.rh >= a.R || a.rh % kSmRows == 0) && (expert ? a.tile_pairs == 1 : a.T == 1);
 }
 // ... with x staged per block: every row of the launch reads row 0 of X (one token and no head-blocked
 // x; experts: every routed pair p < min(p_split, max_items) has p / xdiv = 0 and at most one shared pair),
@@ -351,7 +352,7 @@ bool stream_xs_applies(const LinArgs& a, bool expert, int minb) {
     if (!stream_applies(a, expert)) return false;
     const bool one_x = expert ? (a.ldx == 0 || (std::min(a.p_split, a.max_items) <= a.xdiv && a.max_items <= a.p_split + 1))
                               : !(a.rh < a.R && a.xhs != 0);
-    const size_t ring = static_cast<size_t>(kSmWarps) * (minb == 1 ? 5 : 2) * 4 * (1024 + 64);
+    const size_t ring = static_cast<size_t>(sm_ring_bound(minb, true));
     return one_x && minb <= 2 && a.C <= 4096 && (static_cast<size_t>(a.C) * 4 + ring) * static_cast<size_t>(minb) <= 220 * 1024;
 }
 
@@ -364,7 +365,7 @@ void launch_sm_dec(const LinArgs& a, dim3 g) {
     b.early = launch_options().stream_early && !EXPERT;  // (an A/B switch: off by default)
     // every unit's block resident at once: at most MINB blocks per SM (expert launches: as many units
     // as the largest work list could hold; blocks past the device's count of units exit at once)
-    const int64_t units = (a.R + 3) / 4 * (EXPERT ? static_cast<int64_t>(a.max_items) * g.z : 1);
+    const int64_t units = (a.R + kSmRows - 1) / kSmRows * (EXPERT ? static_cast<int64_t>(a.max_items) * g.z : 1);
     const unsigned blocks =
         static_cast<unsigned>(std::min<int64_t>((units + kSmWarps - 1) / kSmWarps, static_cast<int64_t>(MINB) * sm_count()));
     GLM_LAUNCH(k, blocks, kSmThreads, smem, b);
