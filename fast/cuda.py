@@ -80,6 +80,7 @@ _ENV_OPTIONS = {
     "GLM_IDX_TILED": ("idx_tiled", lambda v: v != "0"),
     "GLM_ATTN_TILED": ("attn_tiled", lambda v: v != "0"),
     "GLM_HEAD_BOUND": ("head_bound", lambda v: v != "0"),
+    "GLM_PAIRS": ("pairs", lambda v: v != "0"),
 }
 
 

@@ -35,9 +35,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not AVAILABLE, reason=NO_CUDA)
 needs_gpu = pytest.mark.skipif(EMU, reason=EMU_SLOW)
 
 
-@pytest.mark.parametrize("batch", [3, 8])
+@pytest.mark.parametrize("batch", [3, 8, 16])
 def test_batched_few_pairs_per_expert(tmp_path, batch):
-    """Batches whose pairs are few against the experts (4 T k <= E) run one pair per expert item."""
+    """Batches whose pairs are few against the experts (4 T k <= E) run one pair per expert item; from
+    2 T k >= E, items of up to 8 pairs, which the few-pair kernel takes (FP8, under 2.5 pairs an entry)."""
     from tools.zoo import make_checkpoint
     path = str(tmp_path / "experts-64")
     make_checkpoint("tiny", "fp8", path, hidden_size=128, moe_intermediate_size=64, n_routed_experts=64)
@@ -376,6 +377,12 @@ LINEAR_EMU_CASES = [
     # expert items of 4 and 3 pairs (64-row tiles of 8 slots): three row blocks, the last partial; FP8 17
     # chunks (slabs of 2: 6 steady, then the general loop)
     ("emu-fp8-experts-gemm4", "fp8", 130, 1088, 4, True, True, False),
+    # the few-pair kernel's items of 8 and 1, 2, and 3 pairs (computed as 8 and 1, 2, 4 slots): three
+    # 64-row blocks (the last of 2 rows), 9 chunks (two whole slabs and one of 1, an odd 128-column scale
+    # block)
+    ("emu-fp8-experts-pairs9", "fp8", 130, 576, 9, True, True, True),
+    ("emu-fp8-experts-pairs2", "fp8", 130, 576, 2, True, True, False),
+    ("emu-fp8-experts-pairs3", "fp8", 130, 576, 3, True, True, False),
     ("emu-bf16-experts-gemm3", "bf16", 40, 320, 3, True, True, False),
     # items of 8 computing their pairs rounded up to a power of two: 8 + 2 and 8 + 1 pairs
     ("emu-fp8-experts-gemm10", "fp8", 70, 320, 10, True, True, False),
@@ -460,7 +467,9 @@ def test_linear_kernels_match_cpu(case):
     # the lane-pass kernel: several tokens, BF16 / FP8 / MXFP4 rows of whole chunks (dense: 64 x 64 tiles
     # below 128 tokens, 32 x 128 from there; experts: items of 64 pairs, x rows in lane order)
     lanes = ["lanes"] if C % 64 == 0 and T > 1 and release != "f32" else []
-    kernels = ["auto", "register"] + occ + wide + stream + tiled + gemm + lanes + (variants if staged else [])
+    # the few-pair kernel: FP8 expert items of up to 8 pairs (the test's items of 8: a last one of T % 8)
+    pairs = ["pairs"] if expert and release == "fp8" and C % 64 == 0 else []
+    kernels = ["auto", "register"] + occ + wide + stream + tiled + gemm + lanes + pairs + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data);
     # MXFP4: the software decode and the f16-pair placement (scales <= 240)
     # (scales past the fold exclude the placement: auto takes the other, 'int' is refused)
@@ -472,7 +481,7 @@ def test_linear_kernels_match_cpu(case):
     for kernel in kernels:
         full = ("auto", "register", "register:occ5", "register:occ6", "register:w4", "register:w2", "stream:1", "stream:2",
                 "stream:3", "stream:1x",
-                "stream:2x", "tiled", "tiled:1", "gemm", "gemm:8", "lanes",
+                "stream:2x", "tiled", "tiled:1", "gemm", "gemm:8", "lanes", "pairs",
                 "staged:4:1", "staged:2:0")
         for decode in decodes if kernel in full else ("auto",):
             got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert, decode=decode)
@@ -492,6 +501,9 @@ def test_linear_kernels_match_cpu(case):
     if not lanes:
         with pytest.raises(ValueError, match="lanes kernel does not apply"):
             cu.linear(release, data, scale, X, round=rnd, kernel="lanes", expert=expert)
+    if not pairs:
+        with pytest.raises(ValueError, match="pairs kernel does not apply"):
+            cu.linear(release, data, scale, X, round=rnd, kernel="pairs", expert=expert)
     if not wide:
         with pytest.raises(ValueError, match="wide register kernel does not apply"):
             cu.linear(release, data, scale, X, round=rnd, kernel="register:w4", expert=expert)
@@ -605,14 +617,14 @@ def test_engine_options(tmp_path, monkeypatch):
     from fast.cuda import _ENV_OPTIONS
     defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0,
                 "pinned_logits": True, "gemm": True, "lanes": True, "idx_tiled": True, "attn_tiled": True,
-                "head_bound": True}
+                "head_bound": True, "pairs": True}
     assert sorted(name for name, _ in _ENV_OPTIONS.values()) == sorted(defaults)   # (an A/B variable each)
     for var in _ENV_OPTIONS:
         monkeypatch.delenv(var, raising=False)
     assert CudaEngine(path).options["cuda"] == defaults
     flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8,
                "pinned_logits": False, "gemm": False, "lanes": False, "idx_tiled": False, "attn_tiled": False,
-               "head_bound": False}
+               "head_bound": False, "pairs": False}
     eng, ref = CudaEngine(path, cuda_options=flipped), fast.Engine(path, device="cpu")
     assert eng.options["cuda"] == flipped and "'expert_tile': 8" in repr(eng)
     V = eng.config.vocab_size

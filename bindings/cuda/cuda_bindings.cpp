@@ -102,7 +102,8 @@ constexpr FlagOption kFlagOptions[] = {{"pdl", &EngineOptions::pdl},
                                        {"lanes", &EngineOptions::lanes},
                                        {"idx_tiled", &EngineOptions::idx_tiled},
                                        {"attn_tiled", &EngineOptions::attn_tiled},
-                                       {"head_bound", &EngineOptions::head_bound}};
+                                       {"head_bound", &EngineOptions::head_bound},
+                                       {"pairs", &EngineOptions::pairs}};
 
 // From a dict of some of their names; unknown names and wrong types are refused.
 EngineOptions options_from_dict(const py::dict& d) {

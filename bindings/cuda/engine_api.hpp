@@ -60,6 +60,7 @@ struct EngineOptions {
     bool idx_tiled = true;      // prefill-sized indexer scoring as a tiled product (k_idx_scores_tiled)
     bool attn_tiled = true;     // prefill-sized mla.scores and mla.o_lat as tiled products (k_mla_scores_tiled, k_mla_olat_tiled)
     bool head_bound = true;     // greedy-only steps: the argmax from bounds on the logits and the candidates' exact logits
+    bool pairs = true;          // FP8 routed-expert items of up to 8 pairs take the few-pair kernel (k_linear_pairs)
 };
 
 class Engine {

@@ -325,6 +325,7 @@ ExpertTable make_table(EngineCore& E_, const std::vector<Lin>& ls, const std::st
     t.R = ref->R;
     t.C = ref->C;
     t.int_decode = true;
+    t.E = static_cast<int>(ls.size());
     for (const Lin& l : ls) t.int_decode = t.int_decode && (l.empty() || l.int_decode);
     std::vector<const void*> d(ls.size(), nullptr), s(ls.size(), nullptr);
     for (size_t e = 0; e < ls.size(); ++e) {

@@ -21,6 +21,7 @@
 #include "lin_staged.cuh"
 #include "lin_tiled.cuh"
 #include "lin_gemm.cuh"
+#include "lin_pairs.cuh"
 #include "lin_lanes.cuh"
 #include "lin_stream.cuh"
 
@@ -223,6 +224,35 @@ void launch_gemm_tg(const LinArgs& a, dim3 grid) {
     }
     GLM_LAUNCH(k, grid, kGmThreads, smem, a);
 }
+// The few-pair expert kernel (lin_pairs.cuh): FP8 routed-expert items of up to 8 pairs (the engine's
+// items of 8: decode batches), rows of whole chunks that can be copied, each block's 64 rows in one
+// 128-row scale block. The engine takes it (option pairs) where the launch's pairs (the shared expert's
+// included) average under 2.5 an entry of the tables. H200, slice FP8, the option off and on by turns
+// (docs/perf.md, "Session 20"): b32 5054 -> 5532 tok/s, b64 6942 -> 7083, but b128 8623 -> 8401 and b256
+// 9735 -> 9170: from ~3.6 pairs an expert, the register-tiled kernel's decode once for 8 slots wins.
+bool pairs_applies(const LinArgs& a, bool expert) {
+    return expert && a.fmt == W_FP8 && a.tile_pairs > 1 && a.tile_pairs <= kPrPairs && rows_copyable(a, true) &&
+           a.rh >= a.R && a.row0 % kPrRows == 0;
+}
+bool pairs_chosen(const LinArgs& a, bool expert) {
+    return launch_options().pairs && pairs_applies(a, expert) &&
+           2 * static_cast<int64_t>(a.max_items) < 5 * static_cast<int64_t>(a.experts);
+}
+template <int FMT>
+void launch_pairs(const LinArgs& a, dim3 grid) {
+    if constexpr (FMT == W_FP8) {
+        with_dec<FMT, true>(a.dec, [&](auto dec) {
+            auto k = k_linear_pairs<FMT, decltype(dec)::value>;
+            constexpr size_t smem = static_cast<size_t>(pr_smem_bytes<FMT>());
+            allow_smem(k, smem);
+            dim3 g = grid;
+            g.x = static_cast<unsigned>((a.R + kPrRows - 1) / kPrRows);
+            g.y = item_grid_y(g, 8);
+            GLM_LAUNCH(k, g, kPrThreads, smem, a);
+        });
+    }
+}
+
 // The register-tiled kernel decodes FP8 by the hardware conversion where the integer decode was chosen
 // and the conversion passed the engine's check (both exact there): beside its 16 FMAs per decoded weight
 // the conversion unit is not the limit it is in one-token kernels, and it takes fewer instructions
@@ -490,6 +520,14 @@ struct GemmLaunch {
     }
 };
 template <int FMT, bool EXPERT>
+struct PairsLaunch {
+    static bool run(const LinArgs& a, dim3 grid, const LinChoice&) {
+        if (!pairs_applies(a, EXPERT)) return false;
+        launch_pairs<FMT>(a, grid);
+        return true;
+    }
+};
+template <int FMT, bool EXPERT>
 struct LanesLaunch {
     static bool run(const LinArgs& a, dim3 grid, const LinChoice&) {
         if (!lanes_applies(a, EXPERT)) return false;
@@ -659,6 +697,8 @@ const LinKernel kLinKernels[] = {
     several_token_kernel<LinKind::Gemm, gemm_applies, GemmLaunch>("gemm", "gemm kernel"),
     // "lanes" (dense launches of several tokens)
     several_token_kernel<LinKind::Lanes, lanes_applies, LanesLaunch>("lanes", "lanes kernel"),
+    // "pairs" (FP8 routed-expert items of up to 8 pairs)
+    several_token_kernel<LinKind::Pairs, pairs_applies, PairsLaunch>("pairs", "pairs kernel"),
 };
 
 const LinKernel& lin_kernel(LinKind kind) {
@@ -781,6 +821,9 @@ void launch_fmt(const LinArgs& a, dim3 grid) {
         const LinKind k = a.choice.kind;
         if (k == LinKind::Lanes || (k == LinKind::Auto && lanes_chosen(a, EXPERT))) {
             if (LanesLaunch<FMT, EXPERT>::run(a, grid, a.choice)) return;
+        }
+        if (k == LinKind::Pairs || (k == LinKind::Auto && pairs_chosen(a, EXPERT))) {
+            if (PairsLaunch<FMT, EXPERT>::run(a, grid, a.choice)) return;
         }
         if (k == LinKind::Gemm || (k == LinKind::Auto && gemm_chosen(a, EXPERT))) {
             if (GemmLaunch<FMT, EXPERT>::run(a, grid, a.choice)) return;
@@ -918,6 +961,7 @@ LinArgs expert_args(const ExpertTable& W, const int* items, const int* n_items, 
     a.xdiv = xdiv;
     a.p_split = p_split;
     a.tile_pairs = tile;
+    a.experts = W.E;
     return a;
 }
 }  // namespace
@@ -1182,7 +1226,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         // one expert (the matrix), each token row its own work item of one pair
         const void* tab[2] = {dd, ds};
         check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
-        const int tile = gemm8 ? 8
+        const int tile = gemm8 || kernel == "pairs" ? 8
                          : kernel == "gemm" ? gemm_tile_for(T)
                                             : (kernel == "tiled" ? tile_for(T) : (kernel == "lanes" ? kLanesItem : 1));
         if (kernel == "lanes" && C % 64 == 0 && C <= kLanesRowMax) {  // its x rows in lane order

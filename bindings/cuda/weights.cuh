@@ -56,6 +56,7 @@ struct ExpertTable {
     const void* const* data = nullptr;   // device array [E]
     const void* const* scale = nullptr;  // device array [E]
     bool int_decode = false;             // fp8: the integer decode applies to every expert
+    int E = 0;                           // entries (the routed experts, and the shared one where it is an entry)
 };
 
 // Which one-token kernel a launch uses: a kind of weights.cu's kernel table (kLinKernels, which names,
@@ -70,6 +71,7 @@ enum class LinKind : int {
     Stream,    // k_linear_stream: persistent warps, bps (1, 2 or 3) blocks per SM
     Gemm,      // k_linear_gemm: several tokens, register tiles of rows x tokens x chains (never one token)
     Lanes,     // k_linear_lanes: dense, several tokens, one lane's chains at a time (never one token)
+    Pairs,     // k_linear_pairs: FP8 routed-expert items of up to 8 pairs, weights decoded into registers
 };
 struct LinChoice {
     LinKind kind = LinKind::Auto;
@@ -112,6 +114,7 @@ struct LinArgs {
     float* Y2 = nullptr;
     int max_items = 0;
     int tile_pairs = 1;                        // pairs per work item (at most)
+    int experts = 0;                           // expert launches: the tables' entries (the few-pair kernel's rule)
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
     LinChoice choice;                          // a kernel forced by a test or benchmark
     int dec = 0;                               // fp8 / mxfp4 decode path (weights.cu: Dec)

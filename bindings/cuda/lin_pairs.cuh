@@ -1,0 +1,241 @@
+// The few-pair expert kernel (k_linear_pairs: routed-expert items of up to eight pairs, FP8).
+// Part of weights.cu's translation unit (included there once, inside its anonymous namespace, so
+// that every kernel keeps one definition and its name); not a header for other files.
+#pragma once
+
+namespace glm::cuda {
+namespace {
+
+// ---- the few-pair expert kernel -----------------------------------------------------------------
+//
+// Decode batches leave most routed experts one to four pairs (b32: ~1.5 a chosen expert, b128 ~3.6).
+// The register-tiled kernel (lin_gemm.cuh) decodes each weight once into a transposed shared-memory
+// tile that 8 or 16 tokens then read, which pays for itself from ~8 pairs; with one or two pairs the
+// decode, its scalar transposed stores and the loads back are most of its instructions (a b32 step's
+// experts ran at ~2.3 TB/s, a b128 step's at ~1.7). Here the raw rows arrive by cp.async as there, and
+// each weight is decoded straight into the register of the one thread that multiplies it:
+//
+//   * a block: 64 rows x an item's pairs (up to 8); 512 threads, 16 warps;
+//   * a thread owns chains 4q .. 4q + 3 (q = lane % 16) of two rows, i and i + 8 (i = a + 4 (lane / 16),
+//     a = warp % 4 + 16 (warp / 4)): per chunk one 32-bit load of each row's four codes (a warp's two
+//     half-warp rows lie 16 banks apart: rows four apart, 272-byte rows), the item's x rows read as
+//     16-byte pieces (a quarter warp 128 contiguous bytes), 8 FMAs a pair: each the next step of its
+//     chain in chunk order (cdot's P[g][l], k = 8g + l);
+//   * the fold in registers: an output's 64 chains lie in the 16 lanes of one half warp, lane q holding
+//     g = q / 2, l = 4 (q % 2) .. + 3, so cdot's accumulator tree (P[g] += P[g + w], w = 4, 2, 1) is a
+//     shuffle down by 8, 4, 2 lanes, its lane tree's first step (w = 4) one by 1 lane, and its last two
+//     steps (w = 2, 1) adds within lane 0: every addition the canonical fold's own.
+//
+// An item computes its pairs rounded up to a power of two (the slab loop specialised on the count, as
+// the register-tiled kernel's items of 8 do); the next item's first slabs are requested before the
+// fold, which needs no shared memory.
+constexpr int kPrThreads = 512;
+constexpr int kPrRows = 64;   // rows per block
+constexpr int kPrPairs = 8;   // pair slots per item
+constexpr int kPrSlab = 4;    // chunks per slab
+constexpr int kPrStages = 6;  // cp.async stages (five slabs in flight: 80 KB of weights an SM)
+template <int FMT>
+constexpr int pr_wraw() {  // bytes per staged raw row (+16: rows four apart 16 banks apart)
+    return kPrSlab * chunk_bytes<FMT>() + 16;
+}
+constexpr int kPrXRow = kPrSlab * 64 + 4;  // floats per staged x row
+template <int FMT>
+constexpr int pr_stage_bytes() {
+    return kPrRows * pr_wraw<FMT>() + kPrPairs * kPrXRow * 4;
+}
+template <int FMT>
+constexpr int pr_smem_bytes() {
+    return kPrStages * pr_stage_bytes<FMT>();
+}
+
+// Four FP8 codes (bytes 0..3 of v: four consecutive columns) times the chunk's multiplier m
+// (fp8_mult of its scale), as decode_raw8 decodes them.
+template <int DEC>
+GLM_DEV void decode4_fp8(uint32_t v, float m, float (&w)[4]) {
+    if constexpr (DEC == kDecInt) {
+        w[0] = e4m3_int<0>(v);
+        w[1] = e4m3_int<1>(v);
+        w[2] = e4m3_int<2>(v);
+        w[3] = e4m3_int<3>(v);
+    } else {
+        e4m3x2<DEC == kDecHw>(v & 0xFFFFu, w[0], w[1]);
+        e4m3x2<DEC == kDecHw>(v >> 16, w[2], w[3]);
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) w[c] = fmul(w[c], m);
+}
+
+template <int FMT, int DEC>
+__global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
+    static_assert(FMT == W_FP8, "FP8 experts");
+    pdl_enter();
+    GLM_DYN_SMEM(unsigned char, sm);
+    constexpr int CB = chunk_bytes<FMT>(), WRAW = pr_wraw<FMT>(), SB = pr_stage_bytes<FMT>();
+    constexpr int S = kPrSlab, ST = kPrStages, BM = kPrRows, BN = kPrPairs;
+    constexpr int PPR = S * CB / 16;                            // 16-byte pieces of a raw row per slab
+    constexpr int NWP = BM * PPR / kPrThreads;                  // weight pieces a thread copies per slab
+    constexpr int XPR = S * 64 / 4;                             // pieces of an x row per slab
+    static_assert(BM * PPR % kPrThreads == 0 && BN * XPR == kPrThreads, "whole copies");
+    __shared__ const unsigned char* rowp[BM];
+    __shared__ const float* xrow[BN];
+    const int64_t C = a.C;
+    const int nchunks = static_cast<int>(C / 64);
+    const int nst = (nchunks + S - 1) / S;
+    const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+    const int q = lane & 15;                                    // chains 4q .. 4q + 3
+    const int r0 = (warp & 3) + 16 * (warp >> 2) + 4 * (lane >> 4), r1 = r0 + 8;
+    const int row_base = static_cast<int>(blockIdx.x) * BM;
+    const int64_t rb = row_bytes(FMT, C);
+    auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
+        return a.row0 + static_cast<int64_t>(r < a.R ? r : a.R - 1);
+    };
+    // the block's rows lie in one 128-row scale block (pairs_applies: row0 % 64 == 0)
+    const int64_t srow = (abs_row(row_base) / 128) * ((C + 127) / 128);
+    const int n_items = *a.n_items;
+    const int stride = static_cast<int>(gridDim.y);
+    int item = static_cast<int>(blockIdx.y);
+    if (item >= n_items) return;
+    const void* scale = nullptr;
+    int start = 0, cnt = 0;
+    auto set_item = [&](int it) {
+        const ExpertItem e = expert_item(a, it);
+        scale = e.scale, start = e.start, cnt = e.cnt;
+        __syncthreads();  // every thread is done with the previous item's rows and x pointers
+        if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(e.data) + abs_row(row_base + tid) * rb;
+        if (tid < BN) xrow[tid] = a.X + pair_xrow(a, a.pairs[start + (tid < cnt ? tid : cnt - 1)]) * a.ldx;
+        __syncthreads();
+    };
+    // this thread's pieces: weight piece p = tid + n * threads (row p / PPR, bytes 16 (p % PPR)); x piece
+    // tid (pair slot tid / XPR, floats 4 (tid % XPR)), copied for the item's pairs only
+    const unsigned char* wsrc[NWP];
+    int wdst[NWP];
+    const float* xsrc = nullptr;
+    int xdst = 0;
+    bool xlive = false;
+    auto set_copies = [&] {
+#pragma unroll
+        for (int n = 0; n < NWP; ++n) {
+            const int p = tid + n * kPrThreads;
+            wsrc[n] = rowp[p / PPR] + 16 * (p % PPR);
+            wdst[n] = (p / PPR) * WRAW + 16 * (p % PPR);
+        }
+        const int j = tid / XPR;
+        xsrc = xrow[j] + 4 * (tid % XPR);
+        xdst = BM * WRAW + 4 * (j * kPrXRow + 4 * (tid % XPR));
+        xlive = j < cnt;
+    };
+    const uint32_t sm_s = smem_u32(sm);
+    auto issue = [&](int s) {  // slab s's copies (a last slab of fewer chunks: only its own pieces)
+        const int c0 = s * S, nc = nchunks - c0 < S ? nchunks - c0 : S;
+        const uint32_t buf = sm_s + static_cast<uint32_t>((s % ST) * SB);
+#pragma unroll
+        for (int n = 0; n < NWP; ++n) {
+            const int p = tid + n * kPrThreads;
+            if (nc == S || p % PPR < nc * CB / 16) cp_async16_s(buf + wdst[n], wsrc[n] + static_cast<int64_t>(c0) * CB);
+        }
+        if (xlive && (nc == S || tid % XPR < nc * 16)) cp_async16_s(buf + xdst, xsrc + 64 * static_cast<int64_t>(c0));
+    };
+    auto begin_item = [&](int it) {  // its rows and pairs staged, its first ST - 1 slabs requested
+        set_item(it);
+        set_copies();
+        for (int s = 0; s < ST - 1; ++s) {
+            if (s < nst) issue(s);
+            cp_async_commit();
+        }
+    };
+    // the multipliers of slab s's two 128-column scale blocks
+    auto mults = [&](int s, float (&m)[S / 2]) {
+#pragma unroll
+        for (int h = 0; h < S / 2; ++h) {
+            int cb = (s * S) / 2 + h;
+            cb = cb < (nchunks + 1) / 2 ? cb : (nchunks + 1) / 2 - 1;
+            m[h] = fp8_mult<DEC>(__ldg(static_cast<const float*>(scale) + srow + cb));
+        }
+    };
+
+    float acc[2][4][BN];  // [row r0, r1][chain 4q + c][pair slot]
+    auto slabs = [&](auto np_) {
+        constexpr int NP = decltype(np_)::value;
+        float m[S / 2];
+        mults(0, m);
+        for (int s = 0; s < nst; ++s) {
+            cp_async_wait<ST - 2>();
+            __syncthreads();  // slab s landed for every thread's copies; slab s - 1's stage is free
+            if (s + ST - 1 < nst) issue(s + ST - 1);
+            cp_async_commit();
+            const unsigned char* buf = sm + (s % ST) * SB;
+            const float* xs = reinterpret_cast<const float*>(buf + BM * WRAW);
+            const int nc = nchunks - s * S < S ? nchunks - s * S : S;
+            auto chunk = [&](int u) {
+                const uint32_t v0 = *reinterpret_cast<const uint32_t*>(buf + r0 * WRAW + u * CB + 4 * q);
+                const uint32_t v1 = *reinterpret_cast<const uint32_t*>(buf + r1 * WRAW + u * CB + 4 * q);
+                float w0[4], w1[4];
+                decode4_fp8<DEC>(v0, m[u / 2], w0);
+                decode4_fp8<DEC>(v1, m[u / 2], w1);
+#pragma unroll
+                for (int j = 0; j < NP; ++j) {
+                    const float4 x = *reinterpret_cast<const float4*>(xs + j * kPrXRow + 64 * u + 4 * q);
+                    const float xv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        acc[0][c][j] = ffma(w0[c], xv[c], acc[0][c][j]);
+                        acc[1][c][j] = ffma(w1[c], xv[c], acc[1][c][j]);
+                    }
+                }
+            };
+            if (nc == S) {
+#pragma unroll
+                for (int u = 0; u < S; ++u) chunk(u);
+            } else {
+#pragma unroll 1
+                for (int u = 0; u < nc; ++u) chunk(u);
+            }
+            if (s + 1 < nst) mults(s + 1, m);
+        }
+    };
+    begin_item(item);
+    for (;;) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+#pragma unroll
+                for (int j = 0; j < BN; ++j) acc[r][c][j] = 0.0f;
+        with_pow2<BN>(cnt, slabs);
+        const int fstart = start, fcnt = cnt;
+        const int next = item + stride;
+        // (set_item's first barrier: every thread is done with this item's last slab before the next
+        // item's copies refill the stages)
+        if (next < n_items) begin_item(next);
+        // the fold, in registers (above): lanes q < 8 take q + 8 (w = 4), q < 4 take q + 4 (w = 2), q < 2
+        // take q + 2 (w = 1); then the lanes of P[0]: lane 0's l = 0..3 take lane 1's l = 4..7, then l += l + 2,
+        // then l = 0 += l = 1
+        float* const Y = blockIdx.z != 0 ? a.Y2 : a.Y;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int j = 0; j < BN; ++j) {
+                if (j >= fcnt) break;  // (block-uniform)
+                float v[4];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) v[c] = acc[r][c][j];
+#pragma unroll
+                for (int d = 8; d >= 1; d >>= 1) {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        const float o = __shfl_down_sync(kFull, v[c], d);
+                        if (q < d) v[c] = add(v[c], o);
+                    }
+                }
+                const float y = add(add(v[0], v[2]), add(v[1], v[3]));
+                const int row = row_base + (r ? r1 : r0);
+                if (q == 0 && row < a.R) Y[static_cast<int64_t>(a.pairs[fstart + j]) * a.ldy + row] = a.round ? bf16r(y) : y;
+            }
+        }
+        item = next;
+        if (item >= n_items) break;
+    }
+}
+
+}  // namespace
+}  // namespace glm::cuda
