@@ -67,8 +67,8 @@ GLM_DEV void decode4_fp8(uint32_t v, float m, float (&w)[4]) {
 
 template <int FMT, int DEC>
 __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
-    static_assert(FMT == W_FP8, "FP8 experts");
     pdl_enter();
+    static_assert(FMT == W_FP8, "FP8 experts");
     GLM_DYN_SMEM(unsigned char, sm);
     constexpr int CB = chunk_bytes<FMT>(), WRAW = pr_wraw<FMT>(), SB = pr_stage_bytes<FMT>();
     constexpr int S = kPrSlab, ST = kPrStages, BM = kPrRows, BN = kPrPairs;
