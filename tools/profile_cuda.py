@@ -79,7 +79,9 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             if a.prefill:
                 c = eng.new_cache()
-                eng.prefill([int(v) for v in rng.integers(0, V, a.prefill)], c)
+                # as tools/bench_throughput.py times it: the greedy token of the last row on the device
+                # (eng.prefill returns every row's logits: a 154880-wide head over all rows and its copy)
+                eng.step([(c, [int(v) for v in rng.integers(0, V, a.prefill)], None, "argmax")])
                 c.close()
             else:
                 toks = decode_step(toks)

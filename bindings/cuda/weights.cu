@@ -238,10 +238,13 @@ bool pairs_chosen(const LinArgs& a, bool expert) {
     return launch_options().pairs && pairs_applies(a, expert) &&
            2 * static_cast<int64_t>(a.max_items) < 5 * static_cast<int64_t>(a.experts);
 }
+// (FP8 by the hardware conversion where the integer decode was chosen and the conversion passed the
+// engine's check, as launch_gemm: 2.5 instructions a weight against 3.75)
 template <int FMT>
 void launch_pairs(const LinArgs& a, dim3 grid) {
     if constexpr (FMT == W_FP8) {
-        with_dec<FMT, true>(a.dec, [&](auto dec) {
+        const int path = a.dec == kDecInt && a.hw8 ? kDecHw : a.dec;
+        with_dec<FMT, true>(path, [&](auto dec) {
             auto k = k_linear_pairs<FMT, decltype(dec)::value>;
             constexpr size_t smem = static_cast<size_t>(pr_smem_bytes<FMT>());
             allow_smem(k, smem);
