@@ -582,10 +582,12 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
     """The register-tiled and lane-pass kernels' engine paths at widths of whole chunks (tiny at hidden 128,
     expert width 64, MLA latent, nope and value widths 64). A 200-token prefill (400 pairs over 8 experts)
     in one step: the routed experts average 50 pairs, so their work items hold 16 pairs through the
-    register-tiled kernel (T k >= 16 E; 32 rows x 16 pairs a block), and the dense projections take the
-    lane-pass kernel (128+ tokens); with expert_tile=64 the expert items hold 64 pairs through the lane-pass
-    kernel (x rows in lane order, h written so by the activation); with the option lanes off the dense
-    projections take the register-tiled kernel. MLA's head-blocked W_UK^T and W_UV (heads of whole 32-row
+    register-tiled kernel (T k >= 16 E; 32 rows x 16 pairs a block), and so do the dense projections (at
+    these widths the lane-pass kernel's blocks would not fill half the SMs, and 200 tokens would leave its
+    second 128-token tile mostly empty: weights.cu, lanes_chosen; its dense engine path at real widths:
+    tests/test_long_context.py's 8K slice prefill); with expert_tile=64 the expert items hold 64 pairs
+    through the lane-pass kernel (x rows in lane order, h written so by the activation); the option lanes
+    off changes nothing here. MLA's head-blocked W_UK^T and W_UV (heads of whole 32-row
     blocks, each block's x its head's) take the register-tiled kernel from 16 rows. Every stage of every
     position = the CPU engine's, each way; expert_tile=16 forces the items on a 40-token step (items of 16,
     16 and fewer), expert_tile=8 items of 8 (64 rows x 8 pairs), and with the option gemm off the tiled

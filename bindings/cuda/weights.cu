@@ -300,11 +300,16 @@ bool lanes_applies(const LinArgs& a, bool expert) {
 // eight times as many (H200, slice FP8: the ten BF16 launches of a b128 step 1.57 -> 0.30 ms).
 // Tokens a lane-pass block: 128 for dense launches from 128 tokens (each decoded weight serves them all,
 // 32 rows), else 64 (64 rows).
+// Nor where its last token tile is mostly empty: a block costs its BN columns whatever it holds, and the
+// lane-pass kernel was 1.10-1.17x as fast as the register-tiled one (16-token tiles) at 128 tokens
+// (tools/bench_gemm.py, FP8 q|k|v, o_proj: docs/perf.md "Session 21"), so it is taken where its columns are
+// at most 1.1x the register-tiled kernel's: b160 computed 256 columns (7.6k tok/s against b128's 8.3k).
 int lanes_bn(const LinArgs& a, bool expert) { return !expert && a.T >= 128 ? 128 : 64; }
 bool lanes_chosen(const LinArgs& a, bool expert) {
     if (!(launch_options().lanes && !expert && lanes_applies(a, expert) && a.T >= kLanesMinT)) return false;
     const int64_t bn = lanes_bn(a, expert), rows = bn == 128 ? ln_rows<128>() : ln_rows<64>();
-    return (a.R + rows - 1) / rows * ((a.T + bn - 1) / bn) >= sm_count() / 2;
+    const int64_t cols = (a.T + bn - 1) / bn * bn, gemm_cols = (a.T + 15) / 16 * 16;
+    return 10 * cols <= 11 * gemm_cols && (a.R + rows - 1) / rows * ((a.T + bn - 1) / bn) >= sm_count() / 2;
 }
 // One growing device buffer per device for the re-laid x (launches are in stream order on stream 0).
 float* lanes_scratch(int64_t floats) {
