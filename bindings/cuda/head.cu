@@ -66,11 +66,23 @@ GLM_DEV int block_argmax(const float* __restrict__ x, int n, float* sv, int* si)
     const int t = static_cast<int>(threadIdx.x);
     float v = 0.0f;
     int iv = -1;
-    for (int i = t; i < n; i += kArgmaxThreads) {
-        const float a = x[i];
-        if (argmax_better(a, i, v, iv)) {
-            v = a;
-            iv = i;
+    // eight loads in flight before their comparisons, which stay in index order: one row of 154880
+    // logits is one block, and a load at a time left its latency 151 times on the step's path
+    constexpr int U = 8;
+    for (int i0 = t; i0 < n; i0 += U * kArgmaxThreads) {
+        float a[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u * kArgmaxThreads;
+            a[u] = i < n ? x[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u * kArgmaxThreads;
+            if (i < n && argmax_better(a[u], i, v, iv)) {
+                v = a[u];
+                iv = i;
+            }
         }
     }
     sv[t] = v;
