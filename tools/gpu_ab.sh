@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# tools/gpu_ab.sh: builds of fast._cuda against each other, by turns, in one device call (issue 19's
+# method: docs/perf.md). Each build is a module built elsewhere for the device's Python and carried in
+# as .variants/NAME.so or .variants/NAME.so.xz (xz: three builds fit a run's 64 MiB carry); fast/_core
+# must import (carried in, or built). Per round, per build: tools/bench_throughput.py --no-peer in its
+# own process (two untimed passes of each shape, the median of 5 timed ones), one line of tok/s each.
+#
+#   bash tools/gpu_ab.sh                          # every build in .variants, 2 rounds, b32 b128 + prefill 2048
+#   BUILDS="base new" ROUNDS=3 BATCHES=1,32 PREFILL="" bash tools/gpu_ab.sh
+#   TEST_BUILD=new bash tools/gpu_ab.sh           # then the GPU tests (and the slice test) with that build
+#   PROFILE="32 128" bash tools/gpu_ab.sh         # then a kernel profile (PDL off) of each build at these batches
+#
+# Environment: OUT (default /tmp/gpu_ab), GLM_SLICE_DIR (default /tmp/slice: slice-fp8 is made there
+# when absent, in the background, as gpu_check makes it), BUILDS (default: every .variants/NAME.so[.xz],
+# sorted), ROUNDS (2), BATCHES (32,128), PREFILL (2048; "" for none), TEST_BUILD, PROFILE.
+# The build under test is copied over fast/_cuda*.so (what was there is put back at the end).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+START=$(date +%s)
+elapsed() { echo $(( $(date +%s) - START )); }
+OUT=${OUT:-/tmp/gpu_ab}
+SLICE=${GLM_SLICE_DIR:-/tmp/slice}
+mkdir -p "$OUT"
+TARGET=$(python3 -c "import sysconfig; print('fast/_cuda' + sysconfig.get_config_var('EXT_SUFFIX'))")
+[ -f "$TARGET" ] && cp "$TARGET" "$OUT/_cuda.saved"
+restore() { [ -f "$OUT/_cuda.saved" ] && cp "$OUT/_cuda.saved" "$TARGET"; }
+trap restore EXIT
+
+src_of() {  # the carried file of build $1
+  if [ -f ".variants/$1.so.xz" ]; then echo ".variants/$1.so.xz"; elif [ -f ".variants/$1.so" ]; then echo ".variants/$1.so"; fi
+}
+use() {  # put build $1 in place as fast._cuda
+  local f; f=$(src_of "$1")
+  [ -n "$f" ] || { echo "no .variants/$1.so or .variants/$1.so.xz"; exit 2; }
+  case "$f" in *.xz) xz -dc "$f" > "$TARGET" ;; *) cp "$f" "$TARGET" ;; esac
+}
+if [ -z "${BUILDS:-}" ]; then
+  BUILDS=$(ls .variants 2>/dev/null | sed -nE 's/^(.*)\.so(\.xz)?$/\1/p' | sort -u | tr '\n' ' ')
+fi
+[ -n "$BUILDS" ] || { echo "no builds: carry .variants/NAME.so or .variants/NAME.so.xz"; exit 2; }
+echo "builds: $BUILDS; rounds ${ROUNDS:-2}; batches ${BATCHES:-32,128}; prefill ${PREFILL-2048}; $(nvidia-smi -L | head -1)"
+
+MAKE_PID=""
+if [ ! -f "$SLICE/slice-fp8/config.json" ]; then
+  ( NUMBA_NUM_THREADS=2 OMP_NUM_THREADS=2 python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers 2 --experts 288 \
+      --releases fp8 --workers $(( $(nproc) / 4 + 1 )) > "$OUT/slice_make.log" 2>&1 ) &
+  MAKE_PID=$!
+fi
+if [ -n "${TEST_BUILD:-}" ]; then  # (while the slice is made: the tests do not read it)
+  use "$TEST_BUILD"
+  timeout 300 python3 -m pytest tests/test_fast_cuda.py tests/test_head_bound.py -m gpu -q -p no:cacheprovider \
+    -k "not slice and not exhaustive" > "$OUT/pytest.log" 2>&1
+  echo "GPU tests ($TEST_BUILD): exit $? at $(elapsed) s: $(tail -1 "$OUT/pytest.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+fi
+[ -n "$MAKE_PID" ] && { wait "$MAKE_PID"; tail -1 "$OUT/slice_make.log"; }
+if [ -n "${TEST_BUILD:-}" ]; then
+  use "$TEST_BUILD"
+  GLM_SLICE_DIR="$SLICE" timeout 200 python3 -m pytest tests/test_fast_cuda.py -q -p no:cacheprovider -k slice > "$OUT/pytest_slice.log" 2>&1
+  echo "slice test ($TEST_BUILD): exit $? at $(elapsed) s: $(tail -1 "$OUT/pytest_slice.log")"
+fi
+
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  for b in $BUILDS; do
+    use "$b"
+    log="$OUT/ab_${b}_$round.log"
+    python3 tools/bench_throughput.py --checkpoint "$SLICE/slice-fp8" --no-peer --batches "${BATCHES:-32,128}" \
+      --prefill "${PREFILL-2048}" > "$log" 2>&1
+    echo "round $round $b (at $(elapsed) s): $(grep -E 'engine (decode|prefill)' "$log" \
+      | sed -E 's/.*engine (decode|prefill) ([^:]*):.* ([0-9.]+) tok\/s/\2 \3/' | tr '\n' ' ')"
+  done
+done
+
+for b in ${PROFILE:+$BUILDS}; do
+  use "$b"
+  for B in $PROFILE; do
+    GLM_PDL=0 timeout 120 python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-fp8" --batch "$B" --steps 3 \
+      > "$OUT/profile_${b}_b$B.log" 2>&1
+    echo "== profile $b b$B (PDL off)"; grep -E "wall per step|device busy" "$OUT/profile_${b}_b$B.log"
+    grep -E "^  k_|^  Memcpy" "$OUT/profile_${b}_b$B.log" | head -12
+  done
+done
+echo "done at $(elapsed) s"
