@@ -9,6 +9,16 @@ best case), the warp-stall reasons summed over the instructions, and the hottest
 consecutive instructions executed equally often), each with its length, executions and opcodes. Session
 12 read the register-tiled GEMM this way (docs/engine_cuda.md): the chunk loop 83 instructions per 64
 FFMAs, the slab's decode 142 a warp, its copies 50, its barrier 29.
+
+    python tools/ncu_blocks.py K.csv --lines SASS.txt [--top 24]
+
+adds where they go by source line: SASS.txt is `nvdisasm --print-line-info` of the cubin the profiled
+module was built from (`cuobjdump -xelf all weights.cu.o` gives it; the kernels are built with -lineinfo).
+Each kernel of the export is matched to the disassembled function with the same instruction sequence
+(opcode for opcode), so no name has to agree; then its executed instructions and stall samples are summed
+per file and line. nvdisasm and cuobjdump come with the CUDA toolkit, or from PyPI's nvidia-cuda-nvdisasm
+and nvidia-cuda-cuobjdump wheels (`pip download --no-deps`, then unzip: a machine without a GPU reads
+a profile this way). Session 21 read the lane-pass kernel so (docs/perf.md).
 """
 from __future__ import annotations
 
@@ -78,16 +88,78 @@ def summary(k: Kernel, n_blocks: int = 6, n_ops: int = 14) -> dict:
             "stalls": stalls.most_common(), "blocks": hot}
 
 
+_FUNC = re.compile(r"^\.text\.(\S+):")
+_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
+_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def read_disasm(path: str) -> dict[str, list[tuple[str, tuple[str, int] | None]]]:
+    """nvdisasm --print-line-info output: each function's instructions in order, as (opcode, (file, line)),
+    the line the last line-info comment before it names (None before the first)."""
+    funcs: dict[str, list] = {}
+    cur: list | None = None
+    where = None
+    with open(path) as f:
+        for text in f:
+            m = _FUNC.match(text)
+            if m:
+                cur = funcs.setdefault(m.group(1), [])
+                where = None
+                continue
+            if cur is None:
+                continue
+            m = _LINE.search(text)
+            if m:
+                where = (m.group(1), int(m.group(2)))
+                continue
+            m = _INSN.match(text)
+            if m:
+                cur.append((opcode(m.group(2)), where))
+    return funcs
+
+
+def by_line(k: Kernel, funcs: dict) -> tuple[str, Counter, Counter, Counter] | None:
+    """The function whose instructions are k's, opcode for opcode, and k's executed instructions, FFMAs
+    and stall samples summed per (file, line); None where no function matches."""
+    ops = [op for _, op, _, _ in k.rows]
+    for name, insns in funcs.items():
+        if len(insns) == len(ops) and all(o == i[0] for o, i in zip(ops, insns)):
+            ex, ff, st = Counter(), Counter(), Counter()
+            for (_, op, n, stalls), (_, where) in zip(k.rows, insns):
+                ex[where] += n
+                st[where] += sum(stalls.values())
+                if op == "FFMA":
+                    ff[where] += n
+            return name, ex, ff, st
+    return None
+
+
+def source_text(where: tuple[str, int] | None) -> str:
+    if where is None:
+        return ""
+    try:
+        with open(where[0]) as f:
+            for i, text in enumerate(f, 1):
+                if i == where[1]:
+                    return text.strip()[:70]
+    except OSError:
+        pass
+    return ""
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv")
     p.add_argument("--blocks", type=int, default=6)
     p.add_argument("--ops", type=int, default=14)
+    p.add_argument("--lines", default=None, help="nvdisasm --print-line-info of the profiled module's cubin")
+    p.add_argument("--top", type=int, default=24, help="source lines shown with --lines")
     a = p.parse_args(argv)
     kernels = read(a.csv)
     if not kernels:
         print(f"{a.csv}: no kernel in it (an ncu --page source --csv export?)", file=sys.stderr)
         return 1
+    funcs = read_disasm(a.lines) if a.lines else {}
     for k in kernels:
         s = summary(k, a.blocks, a.ops)
         total = s["instructions"] or 1
@@ -98,6 +170,18 @@ def main(argv=None) -> int:
         for n, length, mix in s["blocks"]:
             print(f"  block of {length} executed {n:,} times ({n * length / total:.1%}): "
                   + " ".join(f"{op} {c}" for op, c in mix.most_common(10)))
+        if a.lines:
+            found = by_line(k, funcs)
+            if found is None:
+                print(f"  no function of {a.lines} has this kernel's {len(k.rows)} instructions")
+                continue
+            name, ex, ff, st = found
+            samples = sum(st.values()) or 1
+            print(f"  by source line ({name[:60]}...):")
+            for where, n in ex.most_common(a.top):
+                loc = f"{where[0].split('/')[-1]}:{where[1]}" if where else "?"
+                print(f"    {loc:24s} {n / total:6.1%} (FFMA {ff[where] / total:5.1%}), stalls {st[where] / samples:5.1%}"
+                      f"  {source_text(where)}")
     return 0
 
 
