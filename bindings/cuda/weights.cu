@@ -238,13 +238,20 @@ bool pairs_chosen(const LinArgs& a, bool expert) {
     return launch_options().pairs && pairs_applies(a, expert) &&
            2 * static_cast<int64_t>(a.max_items) < 5 * static_cast<int64_t>(a.experts);
 }
-// (FP8 by the hardware conversion where the integer decode was chosen and the conversion passed the
-// engine's check, as launch_gemm: 2.5 instructions a weight against 3.75)
+// The decode path of the several-token kernels (register-tiled, lane-pass, few-pair): FP8 by the hardware
+// conversion where the integer decode was chosen and the conversion passed the engine's check (both exact
+// there); beside the FMAs each decoded weight feeds, the conversion unit is not the limit it is in the
+// one-token kernels, and it takes fewer instructions (2.5 a weight against 3.75). H200: bench_gemm T = 2048
+// q|k|v, mla.o_proj, kda.o_proj 18.5 / 20.8 / 20.0 -> 19.2 / 22.0 / 20.9 TFLOP/s, prefill 2048 8441 -> 8586
+// tok/s (register-tiled); few-pair experts at 32 tokens gate 909 -> 828 us (docs/perf.md, "Session 21").
+template <int FMT>
+int several_token_dec(const LinArgs& a) {
+    return FMT == W_FP8 && a.dec == kDecInt && a.hw8 ? kDecHw : a.dec;
+}
 template <int FMT>
 void launch_pairs(const LinArgs& a, dim3 grid) {
     if constexpr (FMT == W_FP8) {
-        const int path = a.dec == kDecInt && a.hw8 ? kDecHw : a.dec;
-        with_dec<FMT, true>(path, [&](auto dec) {
+        with_dec<FMT, true>(several_token_dec<FMT>(a), [&](auto dec) {
             auto k = k_linear_pairs<FMT, decltype(dec)::value>;
             constexpr size_t smem = static_cast<size_t>(pr_smem_bytes<FMT>());
             allow_smem(k, smem);
@@ -256,15 +263,10 @@ void launch_pairs(const LinArgs& a, dim3 grid) {
     }
 }
 
-// The register-tiled kernel decodes FP8 by the hardware conversion where the integer decode was chosen
-// and the conversion passed the engine's check (both exact there): beside its 16 FMAs per decoded weight
-// the conversion unit is not the limit it is in one-token kernels, and it takes fewer instructions
-// (H200, bench_gemm T = 2048: q|k|v, mla.o_proj, kda.o_proj 18.5 / 20.8 / 20.0 -> 19.2 / 22.0 / 20.9
-// TFLOP/s; prefill 2048 8441 -> 8586 tok/s).
+// (FP8 decoded as several_token_dec says)
 template <int FMT, bool EXPERT>
 void launch_gemm(const LinArgs& a, dim3 grid) {
-    const int path = FMT == W_FP8 && a.dec == kDecInt && a.hw8 ? kDecHw : a.dec;
-    with_dec<FMT, true>(path, [&](auto dec) {
+    with_dec<FMT, true>(several_token_dec<FMT>(a), [&](auto dec) {
         constexpr int DEC = decltype(dec)::value;
         // expert items of up to 8 pairs: 64 rows x 8 pairs; of 16 and dense launches: 32 rows x 16 tokens
         if (EXPERT && a.tile_pairs <= 8) launch_gemm_tg<FMT, EXPERT, DEC, 2>(a, grid);
@@ -308,8 +310,8 @@ int lanes_bn(const LinArgs& a, bool expert) { return !expert && a.T >= 128 ? 128
 bool lanes_chosen(const LinArgs& a, bool expert) {
     if (!(launch_options().lanes && !expert && lanes_applies(a, expert) && a.T >= kLanesMinT)) return false;
     const int64_t bn = lanes_bn(a, expert), rows = bn == 128 ? ln_rows<128>() : ln_rows<64>();
-    const int64_t cols = (a.T + bn - 1) / bn * bn, gemm_cols = (a.T + 15) / 16 * 16;
-    return 10 * cols <= 11 * gemm_cols && (a.R + rows - 1) / rows * ((a.T + bn - 1) / bn) >= sm_count() / 2;
+    const int64_t tiles = (a.T + bn - 1) / bn, gemm_cols = (a.T + 15) / 16 * 16;
+    return 10 * tiles * bn <= 11 * gemm_cols && (a.R + rows - 1) / rows * tiles >= sm_count() / 2;
 }
 // One growing device buffer per device for the re-laid x (launches are in stream order on stream 0).
 float* lanes_scratch(int64_t floats) {
@@ -364,13 +366,12 @@ void launch_lanes_bn(const LinArgs& a, dim3 grid) {
         GLM_LAUNCH(k, grid, kLnThreads, smem, b);
     }
 }
-// The block's tokens by lanes_bn (expert items of kLanesItem pairs: 64 x 64). FP8 by the hardware
-// conversion where the integer decode was chosen and passed the check (launch_gemm).
+// The block's tokens by lanes_bn (expert items of kLanesItem pairs: 64 x 64); FP8 decoded as
+// several_token_dec says.
 template <int FMT, bool EXPERT>
 void launch_lanes(const LinArgs& a, dim3 grid) {
     if constexpr (FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4) {
-        const int path = FMT == W_FP8 && a.dec == kDecInt && a.hw8 ? kDecHw : a.dec;
-        with_dec<FMT, true>(path, [&](auto dec) {
+        with_dec<FMT, true>(several_token_dec<FMT>(a), [&](auto dec) {
             constexpr int DEC = decltype(dec)::value;
             if (lanes_bn(a, EXPERT) == 128) launch_lanes_bn<FMT, false, DEC, 128>(a, grid);
             else launch_lanes_bn<FMT, EXPERT, DEC, 64>(a, grid);
