@@ -11,7 +11,7 @@
 #   PROFILE="32 128" bash tools/gpu_ab.sh         # then a kernel profile (PDL off) of each build at these batches
 #
 # Environment: OUT (default /tmp/gpu_ab), GLM_SLICE_DIR (default /tmp/slice: slice-fp8 is made there
-# when absent, in the background, as gpu_check makes it), BUILDS (default: every .variants/NAME.so[.xz],
+# when absent, in the background, as gpu_check makes it, with its SLICE_LAYERS and SLICE_EXPERTS), BUILDS (default: every .variants/NAME.so[.xz],
 # sorted), ROUNDS (2), BATCHES (32,128), PREFILL (2048; "" for none), TEST_BUILD, PROFILE.
 # The build under test is copied over fast/_cuda*.so (what was there is put back at the end).
 set -u -o pipefail
@@ -43,7 +43,7 @@ echo "builds: $BUILDS; rounds ${ROUNDS:-2}; batches ${BATCHES:-32,128}; prefill 
 
 MAKE_PID=""
 if [ ! -f "$SLICE/slice-fp8/config.json" ]; then
-  ( NUMBA_NUM_THREADS=2 OMP_NUM_THREADS=2 python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers 2 --experts 288 \
+  ( NUMBA_NUM_THREADS=2 OMP_NUM_THREADS=2 python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers "${SLICE_LAYERS:-2}" --experts "${SLICE_EXPERTS:-288}" \
       --releases fp8 --workers $(( $(nproc) / 4 + 1 )) > "$OUT/slice_make.log" 2>&1 ) &
   MAKE_PID=$!
 fi

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import linecache
 import re
 import sys
 from collections import Counter
@@ -135,16 +136,7 @@ def by_line(k: Kernel, funcs: dict) -> tuple[str, Counter, Counter, Counter] | N
 
 
 def source_text(where: tuple[str, int] | None) -> str:
-    if where is None:
-        return ""
-    try:
-        with open(where[0]) as f:
-            for i, text in enumerate(f, 1):
-                if i == where[1]:
-                    return text.strip()[:70]
-    except OSError:
-        pass
-    return ""
+    return linecache.getline(where[0], where[1]).strip()[:70] if where else ""
 
 
 def main(argv=None) -> int:
