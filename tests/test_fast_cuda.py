@@ -153,13 +153,14 @@ def test_decode_weight_bytes_leave_out_the_dense_indexer_query(cuda_engines):
 
 
 def test_device_argmax_rule():
-    """The greedy rule on the device is np.argmax's: the lowest index of the maximum, a NaN first. Rows up
-    to 20000 (a thread's elements are taken eight loads at a time, 8192 apart: rows of one, two and three
-    such rounds, ties across them)."""
+    """The greedy rule on the device is np.argmax's: the lowest index of the maximum, a NaN first. A row is
+    cut into segments (a block each, 16-byte loads where n % 4 == 0), their winners folded: rows of one to
+    many segments, the vocabulary's length, several rows at once (fewer segments a row), ties and NaNs
+    across segments."""
     cu = cuda_module()
     rng = np.random.default_rng(5)
-    for trial in range(60):
-        n = int(rng.integers(1, 5000)) if trial % 4 else int(rng.integers(5000, 20000))
+
+    def row(n, trial):
         x = rng.integers(-2, 3, n).astype(np.float32)  # many ties
         if trial % 3 == 0:
             x[rng.integers(0, n, 2)] = np.nan
@@ -167,7 +168,18 @@ def test_device_argmax_rule():
             x[:] = -np.inf
         if trial % 7 == 0:
             x[x == 0] = -0.0
+        if trial % 11 == 0:  # one maximum, late: no tie decides it
+            x[rng.integers(n // 2, n)] = 7.0
+        return x
+
+    for trial in range(60):
+        n = int(rng.integers(1, 5000)) if trial % 4 else int(rng.integers(5000, 160000))
+        x = row(n, trial)
         assert cu.argmax(x) == int(np.argmax(x)), trial
+    for trial, (rows, n) in enumerate([(2, 154880), (3, 4099), (33, 20000), (130, 2051), (7, 1)]):
+        x = np.stack([row(n, trial + r) for r in range(rows)])
+        got = cu.argmax(x)
+        assert got.tolist() == [int(np.argmax(r)) for r in x], (rows, n)
 
 
 def test_kept_logits_stay_intact(cuda_engines, engines):
@@ -386,9 +398,13 @@ LINEAR_EMU_CASES = [
     ("emu-fp8-experts-pairs2", "fp8", 130, 576, 2, True, True, False),
     ("emu-fp8-experts-pairs3", "fp8", 130, 576, 3, True, True, False),
     ("emu-bf16-experts-gemm3", "bf16", 40, 320, 3, True, True, False),
-    # items of 8 computing their pairs rounded up to a power of two: 8 + 2 and 8 + 1 pairs
+    # items of 8 computing their pairs rounded up to a count of 1, 2, 3, 4, 6, 8 (with_count): 8 + 2, 8 + 1,
+    # 8 + 3, 8 + 5 (as 6) and 8 + 7 (as 8) pairs
     ("emu-fp8-experts-gemm10", "fp8", 70, 320, 10, True, True, False),
     ("emu-mxfp4-experts-gemm9", "mxfp4", 33, 256, 9, True, True, False),
+    ("emu-fp8-experts-gemm11", "fp8", 70, 320, 11, True, True, False),
+    ("emu-fp8-experts-gemm13", "fp8", 64, 256, 13, True, True, False),
+    ("emu-mxfp4-experts-gemm15", "mxfp4", 33, 256, 15, True, True, False),
     # blocks of several expert items (300 pairs: 38 items of 8 for one 64-row block in the emulation's 4 SMs,
     # whose launches give a 64-row matrix 32 blocks; 19 items of 16 for two 32-row blocks, 16 each):
     # FP8 items of 8 copy the next item in while they fold, items of 16 fold first; MXFP4 both overlap

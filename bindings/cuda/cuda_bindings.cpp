@@ -405,11 +405,17 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         "launches of the scoring and of the selection (0 when reps is 0)}.");
     m.def(
         "argmax",
-        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {
-            if (x.ndim() != 1 || x.size() < 1) bad("argmax: a non-empty 1-D array");
-            return translate([&] { return argmax_device(x.data(), static_cast<int>(x.size())); });
+        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x) -> py::object {
+            if ((x.ndim() != 1 && x.ndim() != 2) || x.size() < 1) bad("argmax: a non-empty 1-D or 2-D array");
+            const int rows = x.ndim() == 2 ? static_cast<int>(x.shape(0)) : 1;
+            const int n = static_cast<int>(x.shape(x.ndim() - 1));
+            const std::vector<int> r = translate([&] { return argmax_device(x.data(), n, rows); });
+            if (x.ndim() == 1) return py::int_(r[0]);
+            return py::array_t<int>(static_cast<py::ssize_t>(r.size()), r.data());
         },
-        py::arg("x"), "The greedy rule of Engine.greedy on the device (np.argmax's: NaN first, then the lowest index).");
+        py::arg("x"),
+        "The greedy rule of Engine.greedy on the device (np.argmax's: NaN first, then the lowest index): an int for "
+        "a row, an array of one index a row for a 2-D array.");
     m.def(
         "head_bound",
         [](const py::array_t<uint16_t, py::array::c_style>& w, const py::array_t<float, py::array::c_style | py::array::forcecast>& x) {

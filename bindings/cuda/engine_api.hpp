@@ -212,7 +212,7 @@ double linear_bench_tokens_device(const std::string& release, int64_t R, int64_t
 double ffma_peak_device(int reps);
 
 // The argmax of n floats on the device (the greedy rule of Engine::greedy), for tests.
-int argmax_device(const float* host, int n);
+std::vector<int> argmax_device(const float* host, int n, int rows);
 // The bounded head over lm_head rows w_bits ([R][C] BF16 bits) and x ([n][C] f32) on the device
 // (head_bound.cu): each (token, row)'s interval [lo, hi] ([n][R]), the greedy tokens, the flag (set: the
 // bounds could not decide, the tokens are not to be used) and each token's candidate count; usable is

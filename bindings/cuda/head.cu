@@ -98,13 +98,96 @@ GLM_DEV int block_argmax(const float* __restrict__ x, int n, float* sv, int* si)
     return si[0];
 }
 
-__global__ void __launch_bounds__(kArgmaxThreads) k_argmax(const float* __restrict__ x, int n, int* out) {
+// The greedy choice at the step's end (k_argmax_part, then k_argmax_final): a row of 154880 logits in
+// one block left its load latency ~40 times on the step's path (24 us of a 0.9 ms b1 step), so each row
+// is cut into segments, a block a segment (16-byte loads where the row allows, four in flight), and one
+// warp a row folds the segments' winners. argmax_better is a total order on (value, index), so this tree
+// gives the scan's index.
+constexpr int kPartThreads = 256;
+constexpr int kSegMin = 2048;  // logits a segment at least (two 16-byte loads a thread)
+struct ArgmaxCut {
+    int parts, seg;  // segments a row, logits a segment (a multiple of 4)
+};
+ArgmaxCut argmax_cut(int n, int rows) {
+    const int want = (264 + rows - 1) / rows;  // about two blocks an SM over all the rows
+    const int most = (n + kSegMin - 1) / kSegMin;
+    const int parts = std::max(1, std::min(want, most));
+    const int seg = ((n + parts - 1) / parts + 3) / 4 * 4;
+    return {(n + seg - 1) / seg, seg};
+}
+
+__global__ void __launch_bounds__(kPartThreads) k_argmax_part(const float* __restrict__ x, int n, int seg, bool vec,
+                                                             float* pv, int* pi) {
     pdl_enter();
-    x += static_cast<int64_t>(blockIdx.x) * n;
-    __shared__ float sv[kArgmaxThreads];
-    __shared__ int si[kArgmaxThreads];
-    const int best = block_argmax(x, n, sv, si);
-    if (threadIdx.x == 0) out[blockIdx.x] = best;
+    const int row = static_cast<int>(blockIdx.y), part = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
+    x += static_cast<int64_t>(row) * n;
+    const int lo = part * seg, hi = n - lo < seg ? n : lo + seg;
+    float v = 0.0f;
+    int iv = -1;
+    auto take = [&](float a, int i) {
+        if (argmax_better(a, i, v, iv)) v = a, iv = i;
+    };
+    if (vec) {  // (lo and hi multiples of 4 but the row's last segment's end)
+        constexpr int U = 4;
+        for (int i0 = lo + 4 * t; i0 < hi; i0 += 4 * U * kPartThreads) {
+            float4 a[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int i = i0 + 4 * u * kPartThreads;
+                a[u] = i < hi ? __ldcg(reinterpret_cast<const float4*>(x + i)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int i = i0 + 4 * u * kPartThreads;
+                if (i < hi) take(a[u].x, i), take(a[u].y, i + 1), take(a[u].z, i + 2), take(a[u].w, i + 3);
+            }
+        }
+    } else {
+        for (int i = lo + t; i < hi; i += kPartThreads) take(x[i], i);
+    }
+    __shared__ float sv[kPartThreads];
+    __shared__ int si[kPartThreads];
+    sv[t] = v;
+    si[t] = iv;
+    __syncthreads();
+    for (int w = kPartThreads / 2; w >= 1; w /= 2) {
+        if (t < w && argmax_better(sv[t + w], si[t + w], sv[t], si[t])) {
+            sv[t] = sv[t + w];
+            si[t] = si[t + w];
+        }
+        __syncthreads();
+    }
+    if (t == 0) {
+        const int64_t o = static_cast<int64_t>(row) * gridDim.x + part;
+        pv[o] = sv[0];
+        pi[o] = si[0];
+    }
+}
+
+// a warp a row: the winners of its parts segments
+__global__ void __launch_bounds__(32) k_argmax_final(const float* __restrict__ pv, const int* __restrict__ pi, int parts,
+                                                    int* out) {
+    pdl_enter();
+    const int row = static_cast<int>(blockIdx.x), t = static_cast<int>(threadIdx.x);
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    float v = 0.0f;
+    int iv = -1;
+    for (int p = t; p < parts; p += 32) {
+        const int64_t o = static_cast<int64_t>(row) * parts + p;
+        if (argmax_better(pv[o], pi[o], v, iv)) v = pv[o], iv = pi[o];
+    }
+    sv[t] = v;
+    si[t] = iv;
+    __syncwarp();
+    for (int w = 16; w >= 1; w /= 2) {
+        if (t < w && argmax_better(sv[t + w], si[t + w], sv[t], si[t])) {
+            sv[t] = sv[t + w];
+            si[t] = si[t + w];
+        }
+        __syncwarp();
+    }
+    if (t == 0) out[row] = si[0];
 }
 
 // The greedy token of each row and, where slot[row] >= 0 (every row when slot is null: slot = row), its
@@ -150,9 +233,24 @@ __global__ void __launch_bounds__(kArgmaxThreads) k_argmax_logprob(const float* 
 
 }  // namespace
 
-void argmax_into(const float* logits, int n, int* out, int rows) {
-    auto k = k_argmax;
-    GLM_LAUNCH(k, static_cast<unsigned>(rows), kArgmaxThreads, 0, logits, n, out);
+size_t argmax_scratch_bytes(int n, int rows) {
+    const ArgmaxCut c = argmax_cut(n, rows);
+    return static_cast<size_t>(rows) * c.parts * (sizeof(float) + sizeof(int));
+}
+
+void argmax_into(const float* logits, int n, int* out, int rows, void* scratch) {
+    const ArgmaxCut c = argmax_cut(n, rows);
+    float* pv = static_cast<float*>(scratch);
+    int* pi = reinterpret_cast<int*>(pv + static_cast<size_t>(rows) * c.parts);
+    const bool vec = n % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+    {
+        auto k = k_argmax_part;
+        GLM_LAUNCH(k, dim3(static_cast<unsigned>(c.parts), static_cast<unsigned>(rows)), kPartThreads, 0, logits, n,
+                   c.seg, vec, pv, pi);
+        check_launch("argmax");
+    }
+    auto k = k_argmax_final;
+    GLM_LAUNCH(k, static_cast<unsigned>(rows), 32, 0, pv, pi, c.parts, out);
     check_launch("argmax");
 }
 
@@ -162,13 +260,14 @@ void argmax_logprob_into(const float* logits, int n, int* out, float* lp, const 
     check_launch("argmax_logprob");
 }
 
-int argmax_device(const float* host, int n) {
-    if (n < 1) throw std::invalid_argument("argmax: needs at least one value");
-    DBuf x(static_cast<size_t>(n) * sizeof(float)), r(sizeof(int));
-    check(cudaMemcpy(x.p, host, static_cast<size_t>(n) * sizeof(float), cudaMemcpyHostToDevice), "argmax");
-    argmax_into(x.as<float>(), n, r.as<int>());
-    int idx = -1;
-    check(cudaMemcpy(&idx, r.p, sizeof(int), cudaMemcpyDeviceToHost), "argmax");
+std::vector<int> argmax_device(const float* host, int n, int rows) {
+    if (n < 1 || rows < 1) throw std::invalid_argument("argmax: needs at least one value a row");
+    const size_t total = static_cast<size_t>(n) * rows;
+    DBuf x(total * sizeof(float)), r(static_cast<size_t>(rows) * sizeof(int)), part(argmax_scratch_bytes(n, rows));
+    check(cudaMemcpy(x.p, host, total * sizeof(float), cudaMemcpyHostToDevice), "argmax");
+    argmax_into(x.as<float>(), n, r.as<int>(), rows, part.p);
+    std::vector<int> idx(static_cast<size_t>(rows), -1);
+    check(cudaMemcpy(idx.data(), r.p, idx.size() * sizeof(int), cudaMemcpyDeviceToHost), "argmax");
     return idx;
 }
 
