@@ -22,17 +22,13 @@ GLM_DEV ExpertItem expert_item(const LinArgs& a, int item) {
     return {(second ? a.dtab2 : a.dtab)[e], (second ? a.stab2 : a.stab)[e], a.items[3 * item + 1],
             a.items[3 * item + 2], second};
 }
-// f(integral_constant<int, m>) for m the least of 1, 2, 3, 4, 6, 8 that is >= n (n <= N, N one of them):
-// code unrolled for a block-uniform count of pairs, in six variants. (Powers of two only computed a
-// decode batch's experts of 3, 5, 6 or 7 pairs as 4 or 8: at b128, ~3.6 pairs an expert, ~9 % more
-// of the instructions per weight by a count of the decode's ~5 and one FMA a pair.)
+// f(integral_constant<int, m>) for m the least power of two >= n (at most N, a power of two): code
+// unrolled for a block-uniform count, in few variants.
 template <int N, class F>
-GLM_DEV void with_count(int n, F&& f) {
-    static_assert(N == 1 || N == 2 || N == 3 || N == 4 || N == 6 || N == 8, "a count of the list");
+GLM_DEV void with_pow2(int n, F&& f) {
     if constexpr (N > 1) {
-        constexpr int M = N == 8 ? 6 : (N == 6 ? 4 : N - 1);  // the next smaller count
-        if (n <= M) {
-            with_count<M>(n, f);
+        if (n <= N / 2) {
+            with_pow2<N / 2>(n, f);
             return;
         }
     }

@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         // pairs rounded up to a power of two, not all 8 slots: decode batches leave most experts one to
         // four pairs. (The slab loop is specialised, not each chunk: eight variants of every chunk cost
         // whole items 2-6 %, bench_gemm on the H200 at 256-512 tokens.)
-        if constexpr (EXPERT && TG == 2) with_count<TT>(cnt, slabs);
+        if constexpr (EXPERT && TG == 2) with_pow2<TT>(cnt, slabs);
         else slabs(std::integral_constant<int, TT>{});
         const int fstart = start, fcnt = cnt;  // the item folded
         const int next = item + stride;

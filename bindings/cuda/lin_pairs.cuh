@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
             for (int c = 0; c < 4; ++c)
 #pragma unroll
                 for (int j = 0; j < BN; ++j) acc[r][c][j] = 0.0f;
-        with_count<BN>(cnt, slabs);
+        with_pow2<BN>(cnt, slabs);
         const int fstart = start, fcnt = cnt;
         const int next = item + stride;
         // (set_item's first barrier: every thread is done with this item's last slab before the next
