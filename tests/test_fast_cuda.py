@@ -398,8 +398,8 @@ LINEAR_EMU_CASES = [
     ("emu-fp8-experts-pairs2", "fp8", 130, 576, 2, True, True, False),
     ("emu-fp8-experts-pairs3", "fp8", 130, 576, 3, True, True, False),
     ("emu-bf16-experts-gemm3", "bf16", 40, 320, 3, True, True, False),
-    # items of 8 computing their pairs rounded up to a count of 1, 2, 3, 4, 6, 8 (with_count): 8 + 2, 8 + 1,
-    # 8 + 3, 8 + 5 (as 6) and 8 + 7 (as 8) pairs
+    # items of 8 computing their pairs rounded up to a power of two: 8 + 2, 8 + 1, 8 + 3 (as 4), 8 + 5 (as 8)
+    # and 8 + 7 pairs
     ("emu-fp8-experts-gemm10", "fp8", 70, 320, 10, True, True, False),
     ("emu-mxfp4-experts-gemm9", "mxfp4", 33, 256, 9, True, True, False),
     ("emu-fp8-experts-gemm11", "fp8", 70, 320, 11, True, True, False),
