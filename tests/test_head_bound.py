@@ -61,6 +61,7 @@ def intervals(w: np.ndarray, x: np.ndarray):
     B = (gamma * n2w[None, :]) * n2x[:, None]
     B = B + np.ldexp(l1x[:, None], Ew[None, :] - Q - 1)
     B = B + np.ldexp(l1w[None, :], Ex[:, None] - Q - 1)
+    B = B + np.ldexp(float(32 * ((w.shape[1] + 31) // 32)), Ex[:, None] + Ew[None, :] - 2 * Q - 2)  # (w - w^)(x - x^)
     B = B * (1.0 + 2.0 ** -30) + 2.0 ** -120
     lo = np.nextafter((A - B).astype(np.float32), np.float32(-np.inf))
     hi = np.nextafter((A + B).astype(np.float32), np.float32(np.inf))

@@ -8,8 +8,10 @@
 //      is exactly the dot of the rounded vectors.
 //   2. B bounds |canonical logit - A|: the canonical cdot's own error, gamma(ceil(K/64) + 6) sum|w x| <=
 //      gamma ||w||_2 ||x||_2 (every term passes one FMA per chain step and six folds), plus the rounding of
-//      the vectors, 2^(E_w - 14) ||x||_1 + 2^(E_x - 14) ||w^||_1; in double, widened by 2^-30 and one float
-//      step each way as floats [lo, hi] (a step keeps every hi and each token's largest lo).
+//      the vectors: w x - w^ x^ = (w - w^) x^ + w^ (x - x^) + (w - w^)(x - x^), each element moved by at
+//      most half a step, so 2^(E_w - 14) ||x^||_1 + 2^(E_x - 14) ||w^||_1 + K 2^(E_w - 14) 2^(E_x - 14)
+//      (K = 32 KS columns, padding included: its elements are exact zeros); in double, widened by 2^-30
+//      and one float step each way as floats [lo, hi] (a step keeps every hi and each token's largest lo).
 //   3. The canonical argmax r* has logit >= every other, so A_r* + B_r* >= max_j (A_j - B_j): only rows
 //      whose upper end reaches the largest lower end can win. Their canonical logits (group_dot, the same
 //      association as every linear kernel) are computed and the best taken by np.argmax's rule.
@@ -255,6 +257,7 @@ __global__ void __launch_bounds__(HbShape<NTW, NH>::threads) k_hb_product(const 
                     double B = dmul(dmul(st.gamma, st.n2w[r]), st.n2x[t]);
                     B = dadd(B, ldexp(st.l1x[t], ew - kHbQ - 1));
                     B = dadd(B, ldexp(st.l1w[r], ex - kHbQ - 1));
+                    B = dadd(B, ldexp(static_cast<double>(32 * KS), ew + ex - 2 * kHbQ - 2));
                     B = dadd(dmul(B, 1.0 + 0x1p-30), 0x1p-120);
                     const float lof = nextafterf(static_cast<float>(dsub(A, B)), -INFINITY);
                     const float hif = nextafterf(static_cast<float>(dadd(A, B)), INFINITY);
