@@ -33,7 +33,8 @@ CAP = LIMITS["cap"]  # candidates a token keeps (kHbCap)
 
 def quantize(v: np.ndarray):
     """Per row: exponent E (2^E > max|v|), integers q = rint(v 2^(13 - E)), ||v||_2 as the device sums it
-    (lane l of a warp takes columns l, l + 32, ...; then a butterfly over the 32 lanes), ||v^||_1."""
+    (lane l of a warp takes columns l, l + 32, ...; then a butterfly over the 32 lanes), ||v^||_1, and the
+    low limbs lo = q - 128 floor((q + 64) / 128) with their ||lo||_2."""
     v = v.astype(np.float64)
     n, C = v.shape
     mx = np.abs(v).max(axis=1)
@@ -46,15 +47,16 @@ def quantize(v: np.ndarray):
     for o in (16, 8, 4, 2, 1):
         part = part + part[:, np.arange(32) ^ o]
     l1 = np.ldexp(np.abs(q).sum(axis=1).astype(np.float64), E - Q)
-    return E, q, np.sqrt(part[:, 0]), l1
+    lo = q - 128 * ((q + 64) >> 7)
+    return E, q, np.sqrt(part[:, 0]), l1, lo, np.sqrt((lo * lo).sum(axis=1).astype(np.float64))
 
 
 def intervals(w: np.ndarray, x: np.ndarray):
     """[lo, hi] of every (token, row): A = the rounded vectors' exact dot, B = the canonical cdot's error
     bound plus the rounding's, as head_bound.cu's k_hb_product computes them."""
-    Ew, qw, n2w, l1w = quantize(w)
-    Ex, qx, n2x, l1x = quantize(x)
-    S = qx @ qw.T  # exact (int64)
+    Ew, qw, n2w, l1w, low, lo2w = quantize(w)
+    Ex, qx, n2x, l1x, lox, lo2x = quantize(x)
+    S = qx @ qw.T - lox @ low.T  # exact (int64): the limb products but lo lo
     A = np.ldexp(S.astype(np.float64), Ex[:, None] + Ew[None, :] - 2 * Q)
     m, u = float((w.shape[1] + 63) // 64 + 6), 2.0 ** -24
     gamma = m * u / (1.0 - m * u)
@@ -62,6 +64,7 @@ def intervals(w: np.ndarray, x: np.ndarray):
     B = B + np.ldexp(l1x[:, None], Ew[None, :] - Q - 1)
     B = B + np.ldexp(l1w[None, :], Ex[:, None] - Q - 1)
     B = B + np.ldexp(float(32 * ((w.shape[1] + 31) // 32)), Ex[:, None] + Ew[None, :] - 2 * Q - 2)  # (w - w^)(x - x^)
+    B = B + np.ldexp(lo2w[None, :] * lo2x[:, None], Ex[:, None] + Ew[None, :] - 2 * Q)  # the lo lo products
     B = B * (1.0 + 2.0 ** -30) + 2.0 ** -120
     lo = np.nextafter((A - B).astype(np.float32), np.float32(-np.inf))
     hi = np.nextafter((A + B).astype(np.float32), np.float32(np.inf))

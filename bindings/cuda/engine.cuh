@@ -358,7 +358,7 @@ class ActiveOptions {
 struct HeadBound {
     bool tried = false, usable = false;
     int KS = 0;          // 32-column steps of a row
-    DBuf wq, Ew, n2, l1;  // limbs in fragment order; per row: exponent, ||w||_2, ||w^||_1
+    DBuf wq, Ew, n2, l1, lo2;  // limbs in fragment order; per row: exponent, ||w||_2, ||w^||_1, ||lo_w||_2
     double n2max = 0.0;  // the largest ||w||_2
     Engine::HeadBoundStats stats;
 };

@@ -3,15 +3,19 @@
 //
 //   1. W (lm_head) and x (final_norm) are rounded to integers once per row: q = rint(v 2^(13 - E)) with
 //      2^E > max|v| of the row, |q| <= 2^13, split q = 128 hi + lo (hi in [-64, 64], lo in [-64, 63]).
-//      The integer tensor cores give S = sum q_w q_x exactly (the four limb products into three int32
-//      accumulators: hi hi, hi lo + lo hi, lo lo; integer sums have no order), so A = S 2^(E_w + E_x - 26)
-//      is exactly the dot of the rounded vectors.
+//      The integer tensor cores give S = sum (q_w q_x - lo_w lo_x) exactly (three limb products into two
+//      int32 accumulators: hi hi, hi lo + lo hi; integer sums have no order), so A = S 2^(E_w + E_x - 26)
+//      is the dot of the rounded vectors but for the lo lo products, which B bounds instead
+//      (|sum lo_w lo_x| <= ||lo_w||_2 ||lo_x||_2: a fourth product was a quarter of the product kernel's
+//      tensor work, and its accumulator's chain of waits).
 //   2. B bounds |canonical logit - A|: the canonical cdot's own error, gamma(ceil(K/64) + 6) sum|w x| <=
 //      gamma ||w||_2 ||x||_2 (every term passes one FMA per chain step and six folds), plus the rounding of
 //      the vectors: w x - w^ x^ = (w - w^) x^ + w^ (x - x^) + (w - w^)(x - x^), each element moved by at
 //      most half a step, so 2^(E_w - 14) ||x^||_1 + 2^(E_x - 14) ||w^||_1 + K 2^(E_w - 14) 2^(E_x - 14)
-//      (K = 32 KS columns, padding included: its elements are exact zeros); in double, widened by 2^-30
-//      and one float step each way as floats [lo, hi] (a step keeps every hi and each token's largest lo).
+//      (K = 32 KS columns, padding included: its elements are exact zeros), plus the lo lo products left out
+//      of S, ||lo_w||_2 ||lo_x||_2 2^(E_w + E_x - 26); in double, widened by 2^-30 (which also covers the
+//      rounding of each double operation, the square roots' included) and one float step each way as
+//      floats [lo, hi] (a step keeps every hi and each token's largest lo).
 //   3. The canonical argmax r* has logit >= every other, so A_r* + B_r* >= max_j (A_j - B_j): only rows
 //      whose upper end reaches the largest lower end can win. Their canonical logits (group_dot, the same
 //      association as every linear kernel) are computed and the best taken by np.argmax's rule.
@@ -58,13 +62,14 @@ GLM_DEV void hb_split(double v, int E, int8_t& hi, int8_t& lo) {
     lo = static_cast<int8_t>(q - 128 * h);
 }
 
-// One warp per row of n (rows past n and columns past C stay zero): the exponent, ||v||_2 and
-// ||v^||_1 (the rounded row's 1-norm) in double, and the limbs in fragment order. frag(r, k) is the
+// One warp per row of n (rows past n and columns past C stay zero): the exponent, ||v||_2, ||v^||_1 (the
+// rounded row's 1-norm) and ||lo||_2 (its low limbs', in integer units) in double, and the limbs in
+// fragment order. frag(r, k) is the
 // byte offset of (row r, column k, limb 0); limb 1 lies `limb` bytes after it. bad: set when a value is
 // not finite.
 template <class Get, class Frag>
 GLM_DEV void hb_quant_row(int r, int C, Get get, Frag frag, int limb, int8_t* q, int* E_out, double* n2_out,
-                          double* l1_out, int* bad) {
+                          double* l1_out, double* lo2_out, int* bad) {
     const int lane = static_cast<int>(threadIdx.x & 31u);
     double mx = 0.0, ss = 0.0;
     int nonfinite = 0;
@@ -83,7 +88,7 @@ GLM_DEV void hb_quant_row(int r, int C, Get get, Frag frag, int limb, int8_t* q,
         nonfinite |= __shfl_xor_sync(kFull, nonfinite, o);
     }
     const int E = hb_exponent(mx);
-    long long l1 = 0;
+    long long l1 = 0, lo2 = 0;
     if (!nonfinite) {
         for (int k = lane; k < C; k += 32) {
             int8_t hi, lo;
@@ -93,21 +98,26 @@ GLM_DEV void hb_quant_row(int r, int C, Get get, Frag frag, int limb, int8_t* q,
             q[off + limb] = lo;
             const int qq = 128 * hi + lo;
             l1 += qq < 0 ? -qq : qq;
+            lo2 += lo * lo;
         }
     }
 #pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) l1 += __shfl_xor_sync(kFull, l1, o);
+    for (int o = 16; o >= 1; o >>= 1) {
+        l1 += __shfl_xor_sync(kFull, l1, o);
+        lo2 += __shfl_xor_sync(kFull, lo2, o);
+    }
     if (lane == 0) {
         E_out[r] = E;
         n2_out[r] = dsqrt(ss);
         l1_out[r] = ldexp(static_cast<double>(l1), E - kHbQ);
+        lo2_out[r] = dsqrt(static_cast<double>(lo2));  // (the sum is exact: below 2^53)
         if (nonfinite) bad[r] = 1;
     }
 }
 
 // lm_head's rows: A fragments [tile][k-step][limb][lane][4 words].
 __global__ void __launch_bounds__(256) k_hb_quant_w(Lin W, int KS, int8_t* q, int* E, double* n2, double* l1,
-                                                    int* bad) {
+                                                    double* lo2, int* bad) {
     pdl_enter();
     const int r = static_cast<int>((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5);
     if (r >= W.R) return;  // (whole warps)
@@ -116,12 +126,13 @@ __global__ void __launch_bounds__(256) k_hb_quant_w(Lin W, int KS, int8_t* q, in
         r, C, [&](int k) { return decode_elem(W.fmt, W.data, W.scale, W.row0 + r, k, W.C); },
         [&](int rr, int k) { return ((static_cast<int64_t>(rr >> 4) * KS + (k >> 5)) * 2 * 32 * 16) + a_byte(rr & 15, k & 31); },
         512, q, E,
-        n2, l1, bad);
+        n2, l1, lo2, bad);
 }
 
 // The step's x rows (final_norm, [n][D] floats): B fragments [8-token tile][k-step][limb][lane][2 words].
 __global__ void __launch_bounds__(256) k_hb_quant_x(const float* __restrict__ x, int n, int D, int KS, int8_t* q,
-                                                    int* E, double* n2, double* l1, int* bad, double n2w_max) {
+                                                    int* E, double* n2, double* l1, double* lo2, int* bad,
+                                                    double n2w_max) {
     pdl_enter();
     const int t = static_cast<int>((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5);
     if (t >= n) return;
@@ -129,7 +140,7 @@ __global__ void __launch_bounds__(256) k_hb_quant_x(const float* __restrict__ x,
         t, D, [&](int k) { return x[static_cast<int64_t>(t) * D + k]; },
         [&](int tt, int k) { return ((static_cast<int64_t>(tt >> 3) * KS + (k >> 5)) * 2 * 32 * 8) + b_byte(k & 31, tt & 7); },
         256, q, E,
-        n2, l1, bad);
+        n2, l1, lo2, bad);
     // |logit| <= ||w||_2 ||x||_2: far from float's range, or the full head decides
     if ((threadIdx.x & 31u) == 0 && !(dmul(n2[t], n2w_max) < 0x1p100)) bad[t] = 1;
 }
@@ -142,7 +153,7 @@ GLM_DEV float from_order_key(uint32_t k) { return f32_from_bits((k & 0x80000000u
 
 struct HbStats {
     const int *Ew, *Ex;
-    const double *n2w, *l1w, *n2x, *l1x;
+    const double *n2w, *l1w, *lo2w, *n2x, *l1x, *lo2x;
     double gamma;
 };
 
@@ -150,7 +161,7 @@ struct HbStats {
 struct HbBufs {
     int8_t* xq;
     int *Ex, *bad, *cand;
-    double *n2x, *l1x;
+    double *n2x, *l1x, *lo2x;
     uint32_t* thr;
     float *lo, *hi;
 };
@@ -196,11 +207,11 @@ __global__ void __launch_bounds__(HbShape<NTW, NH>::threads) k_hb_product(const 
                 cp_async16(xs + e, reinterpret_cast<const uint4*>(xq + (static_cast<int64_t>(nt0 + j) * KS + ks0) * 64) + c);
         }
     };
-    int acc[NTW][3][4];
+    int acc[NTW][2][4];  // hi hi, hi lo + lo hi
 #pragma unroll
     for (int j = 0; j < NTW; ++j)
 #pragma unroll
-        for (int p = 0; p < 3; ++p)
+        for (int p = 0; p < 2; ++p)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[j][p][i] = 0;
 #pragma unroll
@@ -226,13 +237,12 @@ __global__ void __launch_bounds__(HbShape<NTW, NH>::threads) k_hb_product(const 
                 const uint2 bh2 = xs[j * (kHbKs * 64) + s * 64 + lane], bl2 = xs[j * (kHbKs * 64) + s * 64 + 32 + lane];
                 bh[j][0] = bh2.x, bh[j][1] = bh2.y, bl[j][0] = bl2.x, bl[j][1] = bl2.y;
             }
-            // the cross limbs' second product after every tile's first three: a product waits for the
+            // the cross limbs' second product after every tile's first two: a product waits for the
             // previous one into the same accumulator (ncu: most stalls were that wait)
 #pragma unroll
             for (int j = 0; j < NTW; ++j) {
                 mma_s8_16832(acc[j][0], ah, bh[j]);
                 mma_s8_16832(acc[j][1], ah, bl[j]);
-                mma_s8_16832(acc[j][2], al, bl[j]);
             }
 #pragma unroll
             for (int j = 0; j < NTW; ++j) mma_s8_16832(acc[j][1], al, bh[j]);
@@ -251,13 +261,14 @@ __global__ void __launch_bounds__(HbShape<NTW, NH>::threads) k_hb_product(const 
                 const int i = 2 * h + c, r = tile * 16 + g + 8 * h;
                 if (tile < RT && r < R && t < n) {
                     const long long S = (static_cast<long long>(acc[j][0][i]) << 14) +
-                                        (static_cast<long long>(acc[j][1][i]) << 7) + acc[j][2][i];
+                                        (static_cast<long long>(acc[j][1][i]) << 7);
                     const int ew = st.Ew[r], ex = st.Ex[t];
                     const double A = ldexp(static_cast<double>(S), ew + ex - 2 * kHbQ);
                     double B = dmul(dmul(st.gamma, st.n2w[r]), st.n2x[t]);
                     B = dadd(B, ldexp(st.l1x[t], ew - kHbQ - 1));
                     B = dadd(B, ldexp(st.l1w[r], ex - kHbQ - 1));
                     B = dadd(B, ldexp(static_cast<double>(32 * KS), ew + ex - 2 * kHbQ - 2));
+                    B = dadd(B, ldexp(dmul(st.lo2w[r], st.lo2x[t]), ew + ex - 2 * kHbQ));
                     B = dadd(dmul(B, 1.0 + 0x1p-30), 0x1p-120);
                     const float lof = nextafterf(static_cast<float>(dsub(A, B)), -INFINITY);
                     const float hif = nextafterf(static_cast<float>(dadd(A, B)), INFINITY);
@@ -365,6 +376,7 @@ bool prepare(const Lin& W, HeadBound& hb) {
         hb.Ew = DBuf(static_cast<size_t>(R) * sizeof(int));
         hb.n2 = DBuf(static_cast<size_t>(R) * sizeof(double));
         hb.l1 = DBuf(static_cast<size_t>(R) * sizeof(double));
+        hb.lo2 = DBuf(static_cast<size_t>(R) * sizeof(double));
         bad = DBuf(static_cast<size_t>(R) * sizeof(int));
     } catch (const std::runtime_error&) {  // (cudaMalloc: out of memory, not a sticky error)
         (void)cudaGetLastError();
@@ -372,6 +384,7 @@ bool prepare(const Lin& W, HeadBound& hb) {
         hb.Ew = DBuf();
         hb.n2 = DBuf();
         hb.l1 = DBuf();
+        hb.lo2 = DBuf();
         hb.usable = false;
         return false;
     }
@@ -379,7 +392,7 @@ bool prepare(const Lin& W, HeadBound& hb) {
     check(cudaMemset(bad.p, 0, bad.n), "head bound");
     auto k = k_hb_quant_w;
     GLM_LAUNCH(k, blocks(static_cast<int64_t>(R) * 32, 256), 256, 0, W, hb.KS, hb.wq.as<int8_t>(), hb.Ew.as<int>(),
-               hb.n2.as<double>(), hb.l1.as<double>(), bad.as<int>());
+               hb.n2.as<double>(), hb.l1.as<double>(), hb.lo2.as<double>(), bad.as<int>());
     check_launch("head bound");
     std::vector<int> b(static_cast<size_t>(R));
     std::vector<double> n2(static_cast<size_t>(R));
@@ -407,13 +420,14 @@ void run(const HeadBound& hb, const Lin& W, const float* x, int n, int D, const 
     check(cudaMemsetAsync(d_flag, 0, sizeof(int), 0), "head bound");
     {
         auto k = k_hb_quant_x;
-        GLM_LAUNCH(k, blocks(static_cast<int64_t>(n) * 32, 256), 256, 0, x, n, D, KS, b.xq, b.Ex, b.n2x, b.l1x, b.bad,
-                   hb.n2max);
+        GLM_LAUNCH(k, blocks(static_cast<int64_t>(n) * 32, 256), 256, 0, x, n, D, KS, b.xq, b.Ex, b.n2x, b.l1x, b.lo2x,
+                   b.bad, hb.n2max);
         check_launch("head bound x");
     }
     // gamma(m) = m u / (1 - m u), u = 2^-24, m = ceil(D / 64) + 6 roundings on a term's path
     const double m = static_cast<double>((D + 63) / 64 + 6), u = 0x1p-24;
-    const HbStats st{hb.Ew.as<int>(), b.Ex, hb.n2.as<double>(), hb.l1.as<double>(), b.n2x, b.l1x, m * u / (1.0 - m * u)};
+    const HbStats st{hb.Ew.as<int>(), b.Ex, hb.n2.as<double>(), hb.l1.as<double>(), hb.lo2.as<double>(),
+                     b.n2x, b.l1x, b.lo2x, m * u / (1.0 - m * u)};
     // token tiles a warp holds: from 16 tokens two warps share a row tile, each with half the tokens:
     // sixteen warps a block (one block an SM: its three stages take 120 KB), where eight warps of
     // twice the tiles left the tensor products' latencies exposed (ncu at 32 tokens: 0.5 eligible warps
@@ -458,6 +472,7 @@ void head_argmax_bounded(Step& s, const float* normed, int n, int* d_next, int* 
     b.cand = s.scratch.d<int>(static_cast<size_t>(n) * kHbCap);
     b.n2x = s.scratch.d<double>(static_cast<size_t>(n));
     b.l1x = s.scratch.d<double>(static_cast<size_t>(n));
+    b.lo2x = s.scratch.d<double>(static_cast<size_t>(n));
     b.thr = s.scratch.d<uint32_t>(static_cast<size_t>(n));
     b.lo = nullptr;  // (each token's largest lower end is all the selection needs: thr)
     b.hi = s.scratch.d<float>(static_cast<size_t>(n) * R);
@@ -481,11 +496,11 @@ HeadBoundRun head_bound_device(const uint16_t* w_bits, int R, int C, const float
     r.usable = prepare(W, hb);
     if (!r.usable) return r;
     DBuf xq(xq_bytes(n, hb.KS)), Ex(n * sizeof(int)), bad(n * sizeof(int)), cand(static_cast<size_t>(n) * kHbCap * sizeof(int)),
-        n2x(n * sizeof(double)), l1x(n * sizeof(double)), thr(n * sizeof(uint32_t)),
+        n2x(n * sizeof(double)), l1x(n * sizeof(double)), lo2x(n * sizeof(double)), thr(n * sizeof(uint32_t)),
         lo(static_cast<size_t>(n) * R * sizeof(float)), hi(static_cast<size_t>(n) * R * sizeof(float)),
         out(static_cast<size_t>(2 * n + 1) * sizeof(int));
     const HbBufs b{xq.as<int8_t>(), Ex.as<int>(), bad.as<int>(), cand.as<int>(), n2x.as<double>(), l1x.as<double>(),
-                   thr.as<uint32_t>(), lo.as<float>(), hi.as<float>()};
+                   lo2x.as<double>(), thr.as<uint32_t>(), lo.as<float>(), hi.as<float>()};
     run(hb, W, xd.as<float>(), n, C, b, out.as<int>(), out.as<int>() + n, out.as<int>() + n + 1);
     check(cudaDeviceSynchronize(), "head_bound");
     r.lo.resize(static_cast<size_t>(n) * R);
