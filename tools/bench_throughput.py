@@ -114,9 +114,14 @@ def bench_engine(path: str, batches, prefills, warm: int, reps: int) -> dict:
         def step():
             nonlocal toks
             toks = eng.step([(c, [t], None, "argmax") for c, t in zip(caches, toks)])
+        hb0 = eng.head_bound_stats()
         dt = median_of(step, warm, reps)
         out["decode"][B] = dt
         log(f"  engine decode b{B}: {dt * 1e3:.3f} ms a step, {B / dt:.1f} tok/s")
+        hb = {k: v - hb0.get(k, 0) for k, v in eng.head_bound_stats().items() if k != "max_candidates"}
+        if hb.get("rows"):  # (how tight the bounded head's intervals were on these steps)
+            log(f"    bounded head: {hb['candidates'] / hb['rows']:.2f} candidates a row (at most "
+                f"{eng.head_bound_stats()['max_candidates']} so far), full head on {hb['full_steps']} steps")
         for c in caches:
             c.close()
     for L in prefills:

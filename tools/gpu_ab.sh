@@ -10,7 +10,10 @@
 #   TEST_BUILD=new bash tools/gpu_ab.sh           # then the GPU tests (and the slice test) with that build
 #   PROFILE="32 128" bash tools/gpu_ab.sh         # then a kernel profile (PDL off) of each build at these batches
 #
-# Environment: OUT (default /tmp/gpu_ab), GLM_SLICE_DIR (default /tmp/slice: slice-fp8 is made there
+# Logs go to LOGS (default /tmp/gpu_ab_logs) and are packed at the end into OUT/gpu_ab_logs.tgz (OUT default
+# /tmp/gpu_ab; the device machine returns one file, not a dozen past its count limit), and the summary
+# lines (tests, rounds) are printed again last, so that the tail of the output holds them.
+# Environment: OUT, LOGS, GLM_SLICE_DIR (default /tmp/slice: slice-fp8 is made there
 # when absent, in the background, as gpu_check makes it, with its SLICE_LAYERS and SLICE_EXPERTS), BUILDS (default: every .variants/NAME.so[.xz],
 # sorted), ROUNDS (2), BATCHES (32,128), PREFILL (2048; "" for none), TEST_BUILD, PROFILE.
 # The build under test is copied over fast/_cuda*.so (what was there is put back at the end).
@@ -20,12 +23,20 @@ export PYTHONUNBUFFERED=1
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
 OUT=${OUT:-/tmp/gpu_ab}
+LOGS=${LOGS:-/tmp/gpu_ab_logs}
 SLICE=${GLM_SLICE_DIR:-/tmp/slice}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$LOGS"
+SUMMARY="$LOGS/summary.txt"
+: > "$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
 TARGET=$(python3 -c "import sysconfig; print('fast/_cuda' + sysconfig.get_config_var('EXT_SUFFIX'))")
-[ -f "$TARGET" ] && cp "$TARGET" "$OUT/_cuda.saved"
-restore() { [ -f "$OUT/_cuda.saved" ] && cp "$OUT/_cuda.saved" "$TARGET"; }
-trap restore EXIT
+[ -f "$TARGET" ] && cp "$TARGET" "$LOGS/_cuda.saved"
+finish() {
+  [ -f "$LOGS/_cuda.saved" ] && cp "$LOGS/_cuda.saved" "$TARGET"
+  echo "== summary"; cat "$SUMMARY"
+  tar czf "$OUT/gpu_ab_logs.tgz" -C "$LOGS" --exclude _cuda.saved . 2>/dev/null
+}
+trap finish EXIT
 
 src_of() {  # the carried file of build $1
   if [ -f ".variants/$1.so.xz" ]; then echo ".variants/$1.so.xz"; elif [ -f ".variants/$1.so" ]; then echo ".variants/$1.so"; fi
@@ -44,30 +55,30 @@ echo "builds: $BUILDS; rounds ${ROUNDS:-2}; batches ${BATCHES:-32,128}; prefill 
 MAKE_PID=""
 if [ ! -f "$SLICE/slice-fp8/config.json" ]; then
   ( NUMBA_NUM_THREADS=2 OMP_NUM_THREADS=2 python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers "${SLICE_LAYERS:-2}" --experts "${SLICE_EXPERTS:-288}" \
-      --releases fp8 --workers $(( $(nproc) / 4 + 1 )) > "$OUT/slice_make.log" 2>&1 ) &
+      --releases fp8 --workers $(( $(nproc) / 4 + 1 )) > "$LOGS/slice_make.log" 2>&1 ) &
   MAKE_PID=$!
 fi
 if [ -n "${TEST_BUILD:-}" ]; then  # (while the slice is made: the tests do not read it)
   use "$TEST_BUILD"
   timeout 300 python3 -m pytest tests/test_fast_cuda.py tests/test_head_bound.py -m gpu -q -p no:cacheprovider \
-    -k "not slice and not exhaustive" > "$OUT/pytest.log" 2>&1
-  echo "GPU tests ($TEST_BUILD): exit $? at $(elapsed) s: $(tail -1 "$OUT/pytest.log")"
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+    -k "not slice and not exhaustive" > "$LOGS/pytest.log" 2>&1
+  say "GPU tests ($TEST_BUILD): exit $? at $(elapsed) s: $(tail -1 "$LOGS/pytest.log")"
+  grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -20 | tee -a "$SUMMARY"
 fi
-[ -n "$MAKE_PID" ] && { wait "$MAKE_PID"; tail -1 "$OUT/slice_make.log"; }
+[ -n "$MAKE_PID" ] && { wait "$MAKE_PID"; tail -1 "$LOGS/slice_make.log"; }
 if [ -n "${TEST_BUILD:-}" ]; then
   use "$TEST_BUILD"
-  GLM_SLICE_DIR="$SLICE" timeout 200 python3 -m pytest tests/test_fast_cuda.py -q -p no:cacheprovider -k slice > "$OUT/pytest_slice.log" 2>&1
-  echo "slice test ($TEST_BUILD): exit $? at $(elapsed) s: $(tail -1 "$OUT/pytest_slice.log")"
+  GLM_SLICE_DIR="$SLICE" timeout 200 python3 -m pytest tests/test_fast_cuda.py -q -p no:cacheprovider -k slice > "$LOGS/pytest_slice.log" 2>&1
+  say "slice test ($TEST_BUILD): exit $? at $(elapsed) s: $(tail -1 "$LOGS/pytest_slice.log")"
 fi
 
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for b in $BUILDS; do
     use "$b"
-    log="$OUT/ab_${b}_$round.log"
+    log="$LOGS/ab_${b}_$round.log"
     python3 tools/bench_throughput.py --checkpoint "$SLICE/slice-fp8" --no-peer --batches "${BATCHES:-32,128}" \
       --prefill "${PREFILL-2048}" > "$log" 2>&1
-    echo "round $round $b (at $(elapsed) s): $(grep -E 'engine (decode|prefill)' "$log" \
+    say "round $round $b (at $(elapsed) s): $(grep -E 'engine (decode|prefill)' "$log" \
       | sed -E 's/.*engine (decode|prefill) ([^:]*):.* ([0-9.]+) tok\/s/\2 \3/' | tr '\n' ' ')"
   done
 done
@@ -76,9 +87,9 @@ for b in ${PROFILE:+$BUILDS}; do
   use "$b"
   for B in $PROFILE; do
     GLM_PDL=0 timeout 120 python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-fp8" --batch "$B" --steps 3 \
-      > "$OUT/profile_${b}_b$B.log" 2>&1
-    echo "== profile $b b$B (PDL off)"; grep -E "wall per step|device busy" "$OUT/profile_${b}_b$B.log"
-    grep -E "^  k_|^  Memcpy" "$OUT/profile_${b}_b$B.log" | head -12
+      > "$LOGS/profile_${b}_b$B.log" 2>&1
+    echo "== profile $b b$B (PDL off)"; grep -E "wall per step|device busy" "$LOGS/profile_${b}_b$B.log"
+    grep -E "^  k_|^  Memcpy" "$LOGS/profile_${b}_b$B.log" | head -12
   done
 done
 echo "done at $(elapsed) s"
