@@ -60,6 +60,18 @@ namespace {
 using num::argmax_better;
 constexpr int kArgmaxThreads = 1024;
 
+// The winner of sv[0..n), si[0..n) into element 0 (n a power of two: the block's threads, every one of
+// which calls it; their candidates written, and a barrier since).
+GLM_DEV void tree_argmax(float* sv, int* si, int t, int n) {
+    for (int w = n / 2; w >= 1; w /= 2) {
+        if (t < w && argmax_better(sv[t + w], si[t + w], sv[t], si[t])) {
+            sv[t] = sv[t + w];
+            si[t] = si[t + w];
+        }
+        __syncthreads();
+    }
+}
+
 // The argmax of x[0..n) over a block of kArgmaxThreads threads (sv, si: that many elements of shared
 // memory each), on every thread.
 GLM_DEV int block_argmax(const float* __restrict__ x, int n, float* sv, int* si) {
@@ -88,13 +100,7 @@ GLM_DEV int block_argmax(const float* __restrict__ x, int n, float* sv, int* si)
     sv[t] = v;
     si[t] = iv;
     __syncthreads();
-    for (int w = kArgmaxThreads / 2; w >= 1; w /= 2) {
-        if (t < w && argmax_better(sv[t + w], si[t + w], sv[t], si[t])) {
-            sv[t] = sv[t + w];
-            si[t] = si[t + w];
-        }
-        __syncthreads();
-    }
+    tree_argmax(sv, si, t, kArgmaxThreads);
     return si[0];
 }
 
@@ -150,13 +156,7 @@ __global__ void __launch_bounds__(kPartThreads) k_argmax_part(const float* __res
     sv[t] = v;
     si[t] = iv;
     __syncthreads();
-    for (int w = kPartThreads / 2; w >= 1; w /= 2) {
-        if (t < w && argmax_better(sv[t + w], si[t + w], sv[t], si[t])) {
-            sv[t] = sv[t + w];
-            si[t] = si[t + w];
-        }
-        __syncthreads();
-    }
+    tree_argmax(sv, si, t, kPartThreads);
     if (t == 0) {
         const int64_t o = static_cast<int64_t>(row) * gridDim.x + part;
         pv[o] = sv[0];
@@ -179,14 +179,8 @@ __global__ void __launch_bounds__(32) k_argmax_final(const float* __restrict__ p
     }
     sv[t] = v;
     si[t] = iv;
-    __syncwarp();
-    for (int w = 16; w >= 1; w /= 2) {
-        if (t < w && argmax_better(sv[t + w], si[t + w], sv[t], si[t])) {
-            sv[t] = sv[t + w];
-            si[t] = si[t + w];
-        }
-        __syncwarp();
-    }
+    __syncthreads();
+    tree_argmax(sv, si, t, 32);
     if (t == 0) out[row] = si[0];
 }
 
