@@ -96,6 +96,13 @@ def make(case: str, R: int, C: int, T: int, seed: int):
         x *= 1e8
     elif case == "nonfinite_x":
         x[0, 7] = np.inf
+    elif case == "cross":  # one large element a vector, the rest exactly half a rounding step (rint: to 0):
+        # the rounding errors' products, K 2^(E_w-14) 2^(E_x-14) in all, are what moves the logit from A, and
+        # a bound without that term (before session 22) does not bracket it
+        w[:] = 2.0 ** -15  # E_w = -1
+        w[:, 0] = (1 + np.arange(R) / 64) * 0.25
+        x[:] = 2.0 ** -14  # E_x = 0
+        x[:, 0] = 0.75
     wb = bf16(w)
     xb = bf16_bits_to_f32(bf16(x))
     return wb, np.ascontiguousarray(xb, np.float32)
@@ -114,6 +121,7 @@ CASES = [
     ("crowd", 2100, 32, 2, True, True),
     ("huge", 64, 64, 2, True, True),
     ("nonfinite_x", 64, 64, 2, True, True),
+    ("cross", 16, 32768, 2, False, True),
     ("random", 3000, 4096, 9, False, False),
     ("outliers", 2000, 4096, 70, False, False),
 ]
