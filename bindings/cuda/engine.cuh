@@ -227,6 +227,7 @@ void head_argmax_bounded(Step& s, const float* normed, int n, int* d_next, int* 
 // head.cu: the greedy token of each of `rows` rows of n logits, on the device (scratch: device memory of
 // argmax_scratch_bytes(n, rows) for the segments' winners)
 size_t argmax_scratch_bytes(int n, int rows);
+int sm_count();  // weights.cu: streaming multiprocessors of the current device (once)
 void argmax_into(const float* logits, int n, int* out, int rows, void* scratch);
 // head.cu: as argmax_into, and where slot[row] >= 0 (every row when slot is null: slot = row) the token's
 // log-probability (oracle.sampling.log_softmax's value, bit for bit; NaN for a row with a NaN or an

@@ -115,7 +115,7 @@ struct ArgmaxCut {
     int parts, seg;  // segments a row, logits a segment (a multiple of 4)
 };
 ArgmaxCut argmax_cut(int n, int rows) {
-    const int want = (264 + rows - 1) / rows;  // about two blocks an SM over all the rows
+    const int want = (2 * sm_count() + rows - 1) / rows;  // about two blocks an SM over all the rows
     const int most = (n + kSegMin - 1) / kSegMin;
     const int parts = std::max(1, std::min(want, most));
     const int seg = ((n + parts - 1) / parts + 3) / 4 * 4;

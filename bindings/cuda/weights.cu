@@ -55,9 +55,6 @@ void flush_l2() {
     check(cudaMemsetAsync(buf, 0, n, 0), "L2 flush");
 }
 
-namespace {
-
-// Streaming multiprocessors of the current device (once).
 int sm_count() {
     static int n = [] {
         int dev = 0;
@@ -67,6 +64,8 @@ int sm_count() {
     }();
     return n;
 }
+
+namespace {
 
 // What the shared-memory kernels (staged, tiled, streaming) need to copy rows by 16-byte pieces: whole
 // chunks, 16-byte aligned weight rows and x rows.
