@@ -224,11 +224,10 @@ const float* head_normed(Step& s, const float* X, const std::vector<int>& rows);
 void head_logits(Step& s, const float* normed, const std::vector<int>& rows, float* logits);            // head.cu
 bool head_bound_applies(Step& s, int rows);                                                                      // head_bound.cu
 void head_argmax_bounded(Step& s, const float* normed, int n, int* d_next, int* d_flag, int* d_count);  // head_bound.cu
-// head.cu: the greedy token of each of `rows` rows of n logits, on the device (scratch: device memory of
-// argmax_scratch_bytes(n, rows) for the segments' winners)
-size_t argmax_scratch_bytes(int n, int rows);
+// head.cu: the greedy token of each of `rows` rows of n logits, on the device (the segments' winners in
+// the step's scratch)
+void argmax_into(Step& s, const float* logits, int n, int* out, int rows);
 int sm_count();  // weights.cu: streaming multiprocessors of the current device (once)
-void argmax_into(const float* logits, int n, int* out, int rows, void* scratch);
 // head.cu: as argmax_into, and where slot[row] >= 0 (every row when slot is null: slot = row) the token's
 // log-probability (oracle.sampling.log_softmax's value, bit for bit; NaN for a row with a NaN or an
 // infinity) into lp[slot[row]]

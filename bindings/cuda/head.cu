@@ -225,13 +225,12 @@ __global__ void __launch_bounds__(kArgmaxThreads) k_argmax_logprob(const float* 
     }
 }
 
-}  // namespace
-
 size_t argmax_scratch_bytes(int n, int rows) {
     const ArgmaxCut c = argmax_cut(n, rows);
     return static_cast<size_t>(rows) * c.parts * (sizeof(float) + sizeof(int));
 }
 
+// scratch: device memory of argmax_scratch_bytes(n, rows), the segments' winners
 void argmax_into(const float* logits, int n, int* out, int rows, void* scratch) {
     const ArgmaxCut c = argmax_cut(n, rows);
     float* pv = static_cast<float*>(scratch);
@@ -246,6 +245,12 @@ void argmax_into(const float* logits, int n, int* out, int rows, void* scratch) 
     auto k = k_argmax_final;
     GLM_LAUNCH(k, static_cast<unsigned>(rows), 32, 0, pv, pi, c.parts, out);
     check_launch("argmax");
+}
+
+}  // namespace
+
+void argmax_into(Step& s, const float* logits, int n, int* out, int rows) {
+    argmax_into(logits, n, out, rows, s.scratch.dev(argmax_scratch_bytes(n, rows)));
 }
 
 void argmax_logprob_into(const float* logits, int n, int* out, float* lp, const int* slot, int rows) {

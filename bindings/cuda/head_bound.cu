@@ -361,16 +361,14 @@ __global__ void __launch_bounds__(256) k_hb_exact(Lin W, const float* __restrict
             float acc[8];
             zero8(acc);
 #pragma unroll 4
-            for (int base = 8 * g; base < (c < nc ? D : 0); base += 64) {
-                const uint4 wq = __ldg(reinterpret_cast<const uint4*>(wr + base));
-                const float4 x0 = *reinterpret_cast<const float4*>(xt + base), x1 = *reinterpret_cast<const float4*>(xt + base + 4);
+            for (int col = 8 * g; col < (c < nc ? D : 0); col += 64) {
+                const uint4 wq = __ldg(reinterpret_cast<const uint4*>(wr + col));
+                const float4 x0 = *reinterpret_cast<const float4*>(xt + col), x1 = *reinterpret_cast<const float4*>(xt + col + 4);
                 const uint32_t wv[4] = {wq.x, wq.y, wq.z, wq.w};
                 const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
-                for (int l = 0; l < 8; ++l) {
-                    const float w = f32_from_bits(l % 2 ? wv[l / 2] & 0xFFFF0000u : wv[l / 2] << 16);
-                    acc[l] = fma_(w, xv[l], acc[l]);
-                }
+                for (int l = 0; l < 8; ++l)
+                    acc[l] = fma_(bf16_to_f32(static_cast<uint16_t>(wv[l / 2] >> (16 * (l % 2)))), xv[l], acc[l]);
             }
             v = group_fold(acc);
         } else {
@@ -450,7 +448,7 @@ bool prepare(const Lin& W, HeadBound& hb) {
 // The greedy tokens of n rows of x ([n][D] floats), the flag and each row's candidate count.
 void run(const HeadBound& hb, const Lin& W, const float* x, int n, int D, const HbBufs& b, int* d_next, int* d_flag,
          int* count) {
-    const int R = static_cast<int>(W.R), KS = hb.KS, NT = (n + 7) / 8;
+    const int R = static_cast<int>(W.R), KS = hb.KS;
     const size_t nb = static_cast<size_t>(n) * sizeof(int);
     check(cudaMemsetAsync(b.xq, 0, xq_bytes(n, KS), 0), "head bound");
     check(cudaMemsetAsync(b.bad, 0, nb, 0), "head bound");

@@ -709,7 +709,7 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
     if (gio) {  // the greedy loop: the next token stays on the device
         float* logits = s.scratch.d<float>(V);
         head_forward(s, X, hrows, logits);
-        argmax_into(logits, static_cast<int>(V), gio->next, 1, s.scratch.dev(argmax_scratch_bytes(static_cast<int>(V), 1)));
+        argmax_into(s, logits, static_cast<int>(V), gio->next, 1);
         s.mark("end");
         check(cudaGetLastError(), "step");
         for (const Segment& g : s.segs) g.seq->length += g.n;
@@ -739,8 +739,7 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
             ++st.full_steps;
             float* logits = s.scratch.d<float>(n * V);
             head_logits(s, normed, trows, logits);
-            argmax_into(logits, static_cast<int>(V), d_next, static_cast<int>(n),
-                        s.scratch.dev(argmax_scratch_bytes(static_cast<int>(V), static_cast<int>(n))));
+            argmax_into(s, logits, static_cast<int>(V), d_next, static_cast<int>(n));
             check(cudaMemcpy(out.tokens.data(), d_next, n * sizeof(int), cudaMemcpyDeviceToHost), "tokens");
         }
         out.tokens.resize(n);
@@ -752,9 +751,7 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
         if (!trows.empty()) {
             d_next = s.scratch.d<int>(trows.size());
             if (n_lp == 0) {
-                const int nt = static_cast<int>(trows.size());
-                argmax_into(logits + hrows.size() * V, static_cast<int>(V), d_next, nt,
-                            s.scratch.dev(argmax_scratch_bytes(static_cast<int>(V), nt)));
+                argmax_into(s, logits + hrows.size() * V, static_cast<int>(V), d_next, static_cast<int>(trows.size()));
             } else {
                 d_lp = s.scratch.d<float>(static_cast<size_t>(n_lp));
                 argmax_logprob_into(logits + hrows.size() * V, static_cast<int>(V), d_next, d_lp,
