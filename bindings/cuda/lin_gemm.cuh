@@ -140,6 +140,8 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     static_assert(BM * BN == kGmThreads, "the fold: one output per thread");
     static_assert(BM >= 32, "a warp's decode tasks are 32 rows of one column group");
     static_assert(gm_smem_bytes<FMT, TG>() <= 227 * 1024, "shared memory");
+    __shared__ const unsigned char* rowp[BM];
+    __shared__ const float* xrow[BN];
     float* const Wt = reinterpret_cast<float*>(sm + ST * SBYTES);  // [2][S * 64][WS]
     float* const Xt = Wt + 2 * S * 64 * WS;                         // [2][S * 64][XS]
     const int64_t C = a.C;
@@ -184,12 +186,26 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     const int stride = EXPERT ? static_cast<int>(gridDim.y) : 1;
     int item = EXPERT ? static_cast<int>(blockIdx.y) : 0;
     if (item >= n_items) return;
-    // The copies are one stream of slabs over the block's items (slab g of the stream in stage g % ST),
-    // ST - 1 slabs ahead of the decode. With kOverlap (the fold buffer past the stages) the stream runs
-    // on across an item's end: the next item's first slabs are in flight while this one's last are
-    // multiplied and folded, so the bytes in flight do not drain at each item's end. Else the fold
-    // reuses the stages: the stream stops at the item's end and takes the next item after the fold.
-    // Each thread finds its own pieces' addresses from the item table (no shared tables, no barrier).
+    // the item in hand (block_work); set_item also stages its rows' and tokens' addresses
+    const void* data = nullptr;
+    const void* scale = nullptr;
+    int start = 0, cnt = 0;
+    auto set_item = [&](int it) {
+        const BlockWork bw = block_work<EXPERT>(a, it, static_cast<int>(blockIdx.y), BN);
+        data = bw.data, scale = bw.scale, start = bw.start, cnt = bw.cnt;
+        // (the previous item's copies are issued and, where the fold shares their memory, its fold read)
+        __syncthreads();
+        if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(data) + abs_row(row_base + tid) * rb;
+        if (tid < BN) {  // slots past cnt compute the last token again (not stored)
+            const int j = tid < cnt ? tid : cnt - 1;
+            int64_t xr;
+            if constexpr (EXPERT) xr = pair_xrow(a, a.pairs[start + j]);
+            else xr = static_cast<int64_t>(start) + j;
+            // (head-blocked: the block's rows lie in one head, gemm_applies; its x is that head's)
+            xrow[tid] = a.X + xr * a.ldx + (EXPERT ? 0 : static_cast<int64_t>(row_base / a.rh) * a.xhs);
+        }
+        __syncthreads();
+    };
     // This thread's 16-byte pieces of a whole slab (the same in every slab but for the column offset):
     // weight piece p (< BM * PPR) is row p / PPR, bytes 16 (p % PPR); x piece p is token p / (16 S),
     // floats 4 (p % (16 S)). Destinations are 32-bit shared addresses within a stage. A last slab of
@@ -201,81 +217,46 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     int wdst[NWP];
     const float* xsrc[NXP];
     int xdst[NXP];
-#pragma unroll
-    for (int n = 0; n < NWP; ++n) {
-        const int p = tid + n * kGmThreads, i = p / PPR < BM ? p / PPR : BM - 1;
-        wdst[n] = kWAll || p < BM * PPR ? i * WRAW + 16 * (p % PPR) : -1;
-    }
-#pragma unroll
-    for (int n = 0; n < NXP; ++n) {
-        const int p = tid + n * kGmThreads, j = p / (16 * S) < BN ? p / (16 * S) : BN - 1;
-        xdst[n] = kXAll || p < BN * S * 16 ? BM * WRAW + 4 * (j * XROW + 4 * (p % (16 * S))) : -1;
-    }
-    // the item being copied (its slab copy_slab next, the stream's slab copy_g)
-    int copy_item = item, copy_slab = 0, copy_g = 0;
-    const unsigned char* cdata = nullptr;
-    int cstart = 0, ccnt = 0;
-    auto row_src = [&](int i) { return cdata + abs_row(row_base + i) * rb; };
-    auto x_src = [&](int j) {  // slots past cnt compute the last token again (not stored)
-        j = j < ccnt ? j : ccnt - 1;
-        int64_t xr;
-        if constexpr (EXPERT) xr = pair_xrow(a, a.pairs[cstart + j]);
-        else xr = static_cast<int64_t>(cstart) + j;
-        // (head-blocked: the block's rows lie in one head, gemm_applies; its x is that head's)
-        return a.X + xr * a.ldx + (EXPERT ? 0 : static_cast<int64_t>(row_base / a.rh) * a.xhs);
-    };
-    auto set_copies = [&](int it) {
-        const BlockWork bw = block_work<EXPERT>(a, it, static_cast<int>(blockIdx.y), BN);
-        cdata = static_cast<const unsigned char*>(bw.data), cstart = bw.start, ccnt = bw.cnt;
+    auto set_copies = [&] {  // (after set_item)
 #pragma unroll
         for (int n = 0; n < NWP; ++n) {
             const int p = tid + n * kGmThreads, i = p / PPR < BM ? p / PPR : BM - 1;
-            wsrc[n] = row_src(i) + 16 * (p % PPR);
+            wsrc[n] = rowp[i] + 16 * (p % PPR);
+            wdst[n] = kWAll || p < BM * PPR ? i * WRAW + 16 * (p % PPR) : -1;
         }
 #pragma unroll
         for (int n = 0; n < NXP; ++n) {
             const int p = tid + n * kGmThreads, j = p / (16 * S) < BN ? p / (16 * S) : BN - 1;
-            xsrc[n] = x_src(j) + 4 * (p % (16 * S));
+            xsrc[n] = xrow[j] + 4 * (p % (16 * S));
+            xdst[n] = kXAll || p < BN * S * 16 ? BM * WRAW + 4 * (j * XROW + 4 * (p % (16 * S))) : -1;
         }
     };
     const uint32_t sm_s = smem_u32(sm);
     auto chunks_of = [&](int s) { return nchunks - s * S < S ? nchunks - s * S : S; };  // chunks of slab s
-    // the stream's next slab, if it may be copied now (kOverlap, or of the item in hand); one commit a
-    // call whatever it copies
-    auto copy_next = [&] {
-        if (copy_item < n_items && (kOverlap || copy_item == item)) {
-            const int c0 = copy_slab * S, nc = chunks_of(copy_slab);
-            const uint32_t buf = sm_s + static_cast<uint32_t>((copy_g % ST) * SBYTES);
-            if (nc == S) {
+    // slab s's copies; FULL: it has S chunks (no test)
+    auto issue = [&](int s, bool full) {
+        const int c0 = s * S;
+        const int nc = full ? S : chunks_of(s);
+        const uint32_t buf = sm_s + static_cast<uint32_t>((s % ST) * SBYTES);
+        if (full || nc == S) {
 #pragma unroll
-                for (int n = 0; n < NWP; ++n)
-                    if (kWAll || wdst[n] >= 0) cp_async16_s(buf + wdst[n], wsrc[n] + static_cast<int64_t>(c0) * CB);
+            for (int n = 0; n < NWP; ++n)
+                if (kWAll || wdst[n] >= 0) cp_async16_s(buf + wdst[n], wsrc[n] + static_cast<int64_t>(c0) * CB);
 #pragma unroll
-                for (int n = 0; n < NXP; ++n)
-                    if (kXAll || xdst[n] >= 0) cp_async16_s(buf + xdst[n], xsrc[n] + 64 * static_cast<int64_t>(c0));
-            } else {
-                const int ppr = nc * CB / 16;
-                for (int p = tid; p < BM * ppr; p += kGmThreads) {
-                    const int i = p / ppr, q = p - i * ppr;
-                    cp_async16_s(buf + i * WRAW + 16 * q, row_src(i) + static_cast<int64_t>(c0) * CB + 16 * q);
-                }
-                for (int p = tid; p < BN * nc * 16; p += kGmThreads) {
-                    const int j = p / (nc * 16), q = p - j * (nc * 16);
-                    cp_async16_s(buf + BM * WRAW + 4 * (j * XROW + 4 * q), x_src(j) + 64 * static_cast<int64_t>(c0) + 4 * q);
-                }
-            }
-            ++copy_g;
-            if (++copy_slab == nst) {
-                copy_slab = 0;
-                copy_item += stride;
-                if (copy_item < n_items) set_copies(copy_item);
-            }
+            for (int n = 0; n < NXP; ++n)
+                if (kXAll || xdst[n] >= 0) cp_async16_s(buf + xdst[n], xsrc[n] + 64 * static_cast<int64_t>(c0));
+            return;
         }
-        cp_async_commit();
+        const int ppr = nc * CB / 16;
+        for (int p = tid; p < BM * ppr; p += kGmThreads) {
+            const int i = p / ppr, q = p - i * ppr;
+            cp_async16_s(buf + i * WRAW + 16 * q, rowp[i] + static_cast<int64_t>(c0) * CB + 16 * q);
+        }
+        for (int p = tid; p < BN * nc * 16; p += kGmThreads) {
+            const int j = p / (nc * 16), q = p - j * (nc * 16);
+            cp_async16_s(buf + BM * WRAW + 4 * (j * XROW + 4 * q), xrow[j] + 64 * static_cast<int64_t>(c0) + 4 * q);
+        }
     };
-    // the item in hand (block_work)
-    const void* scale = nullptr;
-    int start = 0, cnt = 0;
     // the multipliers of slab s's tasks (decode_raw8; loaded a slab ahead of their decode; chunks past
     // the last read the last chunk's, never used; FULL: none is)
     auto load_scales = [&](int s, float (&sc)[NT], bool full) {
@@ -294,12 +275,11 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             }
         }
     };
-    int g0 = 0;  // the stream's slab 0 of the item in hand
     // raw slab s -> W^T and X^T buffers s & 1 (each weight decoded once, as the other kernels decode
     // it); FULL: every chunk of the slab is there (no test)
     auto decode = [&](int s, const float (&sc)[NT], bool full) {
         const int nc = full ? S : chunks_of(s);
-        const unsigned char* buf = sm + ((g0 + s) % ST) * SBYTES;
+        const unsigned char* buf = sm + (s % ST) * SBYTES;
         float* const W = Wt + (s & 1) * (S * 64 * WS);
         float* const X = Xt + (s & 1) * (S * 64 * XS);
 #pragma unroll
@@ -346,6 +326,15 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     // slab s + ST - 1 then refills, and its transposed buffers, which slab s + 1 then takes); then
     // compute slab s and decode slab s + 1.
     float sc[NT];
+    // item it in hand: its rows and tokens staged, this thread's copies set, its first ST - 1 slabs issued
+    auto begin_item = [&](int it) {
+        set_item(it);
+        set_copies();
+        for (int s = 0; s < ST - 1; ++s) {
+            if (s < nst) issue(s, false);
+            cp_async_commit();
+        }
+    };
     // While slab s, the slab it decodes (s + 1) and the one it refills (s + ST - 1) are whole, the
     // iteration is one branch-free block; the last slabs take the general loop.
     const int nfull = nchunks / S;
@@ -355,7 +344,8 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         for (; s + ST - 1 < nfull; ++s) {
             cp_async_wait<ST - 3>();
             __syncthreads();
-            copy_next();
+            issue(s + ST - 1, true);
+            cp_async_commit();
             const float* W = slab_w(s);
             const float* X = slab_x(s);
 #pragma unroll
@@ -366,7 +356,8 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         for (; s < nst; ++s) {
             cp_async_wait<ST - 3>();
             __syncthreads();
-            copy_next();
+            if (s + ST - 1 < nst) issue(s + ST - 1, false);
+            cp_async_commit();
             if (s + 1 < nst) {
                 decode(s + 1, sc, false);
                 load_scales(s + 2, sc, false);
@@ -378,13 +369,10 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             for (int u = 0; u < nc; ++u) chunk_n(W, X, u, n_);
         }
     };
-    set_copies(item);
-    for (int s = 0; s < ST - 1; ++s) copy_next();
+    // The items. With kOverlap the next item's first slabs are on their way while this one folds
+    // (its fold buffer lies past the stages); else they follow the fold, which reuses the stages.
+    begin_item(item);
     for (;;) {
-        {
-            const BlockWork bw = block_work<EXPERT>(a, item, static_cast<int>(blockIdx.y), BN);
-            scale = bw.scale, start = bw.start, cnt = bw.cnt;
-        }
         load_scales(0, sc, false);
         cp_async_wait<ST - 2>();
         __syncthreads();
@@ -400,8 +388,14 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         // whole items 2-6 %, bench_gemm on the H200 at 256-512 tokens.)
         if constexpr (EXPERT && TG == 2) with_pow2<TT>(cnt, slabs);
         else slabs(std::integral_constant<int, TT>{});
-        g0 += nst;
-        if constexpr (!kOverlap) cp_async_wait<0>();  // (the fold takes the stages' memory)
+        const int fstart = start, fcnt = cnt;  // the item folded
+        const int next = item + stride;
+        if constexpr (kOverlap) {
+            // (every copy of this item has landed: each slab was waited for before its decode)
+            if (next < n_items) begin_item(next);
+        } else {
+            cp_async_wait<0>();
+        }
         // the fold: every chain's sums to red[chain][token][row], then one output a thread
         float* const red = reinterpret_cast<float*>(sm + (kOverlap ? ST * SBYTES : 0));
         __syncthreads();  // every thread is done with the last slab
@@ -415,18 +409,17 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         __syncthreads();
         const int o = tid, slot = o / BM, r = row_base + o % BM;
         const float y = fold64(red + o, BM * BN);
-        if (r < a.R && slot < cnt) {
+        if (r < a.R && slot < fcnt) {
             float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
             int64_t yrow;
-            if constexpr (EXPERT) yrow = a.pairs[start + slot];
-            else yrow = static_cast<int64_t>(start) + slot;
+            if constexpr (EXPERT) yrow = a.pairs[fstart + slot];
+            else yrow = static_cast<int64_t>(fstart) + slot;
             Y[yrow * a.ldy + r] = a.round ? bf16r(y) : y;
         }
-        item += stride;
+        item = next;
         if (item >= n_items) break;
         if constexpr (!kOverlap) {
-            __syncthreads();  // every thread has read the fold before the next item's copies refill the stages
-            for (int s = 0; s < ST - 1; ++s) copy_next();
+            begin_item(item);  // (set_item's first barrier: every thread has read the fold)
         }
     }
 }
