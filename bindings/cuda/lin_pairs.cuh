@@ -27,9 +27,8 @@ namespace {
 //     steps (w = 2, 1) adds within lane 0: every addition the canonical fold's own.
 //
 // An item computes its pairs rounded up to a power of two (the slab loop specialised on the count, as
-// the register-tiled kernel's items of 8 do). The copies are one stream over the block's items, ST - 1
-// slabs ahead of the FMAs across items' ends (until session 22 each item's first slabs were requested
-// after its last was multiplied: the bytes in flight drained and the next item began with a latency).
+// the register-tiled kernel's items of 8 do); the next item's first slabs are requested before the
+// fold, which needs no shared memory.
 constexpr int kPrThreads = 512;
 constexpr int kPrRows = 64;   // rows per block
 constexpr int kPrPairs = 8;   // pair slots per item
@@ -77,6 +76,8 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     constexpr int NWP = BM * PPR / kPrThreads;                  // weight pieces a thread copies per slab
     constexpr int XPR = S * 64 / 4;                             // pieces of an x row per slab
     static_assert(BM * PPR % kPrThreads == 0 && BN * XPR == kPrThreads, "whole copies");
+    __shared__ const unsigned char* rowp[BM];
+    __shared__ const float* xrow[BN];
     const int64_t C = a.C;
     const int nchunks = static_cast<int>(C / 64);
     const int nst = (nchunks + S - 1) / S;
@@ -92,60 +93,56 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     const int64_t srow = (abs_row(row_base) / 128) * ((C + 127) / 128);
     const int n_items = *a.n_items;
     const int stride = static_cast<int>(gridDim.y);
-    if (static_cast<int>(blockIdx.y) >= n_items) return;
-
-    // The copies run ST - 1 slabs ahead of the FMAs as one stream over the block's items (slab g of the
-    // stream in stage g % ST): the next item's first slabs are in flight while this item's last ones are
-    // multiplied, so the weights' bytes in flight do not drain at each item's end (an item is 8 or 16
-    // slabs). Each thread finds its own pieces' addresses from the item table, so a new item needs no
-    // barrier. Weight piece p = tid + n * threads (row p / PPR, bytes 16 (p % PPR)); x piece tid (pair
-    // slot tid / XPR, floats 4 (tid % XPR)), copied for the item's pairs only.
+    int item = static_cast<int>(blockIdx.y);
+    if (item >= n_items) return;
+    const void* scale = nullptr;
+    int start = 0, cnt = 0;
+    auto set_item = [&](int it) {
+        const ExpertItem e = expert_item(a, it);
+        scale = e.scale, start = e.start, cnt = e.cnt;
+        __syncthreads();  // every thread is done with the previous item's rows and x pointers
+        if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(e.data) + abs_row(row_base + tid) * rb;
+        if (tid < BN) xrow[tid] = a.X + pair_xrow(a, a.pairs[start + (tid < cnt ? tid : cnt - 1)]) * a.ldx;
+        __syncthreads();
+    };
+    // this thread's pieces: weight piece p = tid + n * threads (row p / PPR, bytes 16 (p % PPR)); x piece
+    // tid (pair slot tid / XPR, floats 4 (tid % XPR)), copied for the item's pairs only
     const unsigned char* wsrc[NWP];
     int wdst[NWP];
-#pragma unroll
-    for (int n = 0; n < NWP; ++n) {
-        const int p = tid + n * kPrThreads;
-        wdst[n] = (p / PPR) * WRAW + 16 * (p % PPR);
-    }
-    const int xj = tid / XPR;
-    const int xdst = BM * WRAW + 4 * (xj * kPrXRow + 4 * (tid % XPR));
     const float* xsrc = nullptr;
+    int xdst = 0;
     bool xlive = false;
-    int copy_item = static_cast<int>(blockIdx.y), copy_slab = 0, copy_g = 0;
-    auto set_copies = [&](int it) {
-        const ExpertItem e = expert_item(a, it);
+    auto set_copies = [&] {
 #pragma unroll
         for (int n = 0; n < NWP; ++n) {
             const int p = tid + n * kPrThreads;
-            wsrc[n] = static_cast<const unsigned char*>(e.data) + abs_row(row_base + p / PPR) * rb + 16 * (p % PPR);
+            wsrc[n] = rowp[p / PPR] + 16 * (p % PPR);
+            wdst[n] = (p / PPR) * WRAW + 16 * (p % PPR);
         }
-        xlive = xj < e.cnt;
-        xsrc = a.X + pair_xrow(a, a.pairs[e.start + (xlive ? xj : e.cnt - 1)]) * a.ldx + 4 * (tid % XPR);
+        const int j = tid / XPR;
+        xsrc = xrow[j] + 4 * (tid % XPR);
+        xdst = BM * WRAW + 4 * (j * kPrXRow + 4 * (tid % XPR));
+        xlive = j < cnt;
     };
     const uint32_t sm_s = smem_u32(sm);
-    auto copy_next = [&] {  // the stream's next slab (a last slab of fewer chunks: only its own pieces)
-        if (copy_item < n_items) {
-            const int c0 = copy_slab * S, nc = nchunks - c0 < S ? nchunks - c0 : S;
-            const uint32_t buf = sm_s + static_cast<uint32_t>((copy_g % ST) * SB);
+    auto issue = [&](int s) {  // slab s's copies (a last slab of fewer chunks: only its own pieces)
+        const int c0 = s * S, nc = nchunks - c0 < S ? nchunks - c0 : S;
+        const uint32_t buf = sm_s + static_cast<uint32_t>((s % ST) * SB);
 #pragma unroll
-            for (int n = 0; n < NWP; ++n) {
-                const int p = tid + n * kPrThreads;
-                if (nc == S || p % PPR < nc * CB / 16) cp_async16_s(buf + wdst[n], wsrc[n] + static_cast<int64_t>(c0) * CB);
-            }
-            if (xlive && (nc == S || tid % XPR < nc * 16)) cp_async16_s(buf + xdst, xsrc + 64 * static_cast<int64_t>(c0));
-            if (++copy_slab == nst) {
-                copy_slab = 0;
-                copy_item += stride;
-                if (copy_item < n_items) set_copies(copy_item);
-            }
+        for (int n = 0; n < NWP; ++n) {
+            const int p = tid + n * kPrThreads;
+            if (nc == S || p % PPR < nc * CB / 16) cp_async16_s(buf + wdst[n], wsrc[n] + static_cast<int64_t>(c0) * CB);
         }
-        cp_async_commit();
-        ++copy_g;
+        if (xlive && (nc == S || tid % XPR < nc * 16)) cp_async16_s(buf + xdst, xsrc + 64 * static_cast<int64_t>(c0));
     };
-    set_copies(copy_item);
-    for (int s = 0; s < ST - 1; ++s) copy_next();
-
-    const void* scale = nullptr;  // the item being multiplied
+    auto begin_item = [&](int it) {  // its rows and pairs staged, its first ST - 1 slabs requested
+        set_item(it);
+        set_copies();
+        for (int s = 0; s < ST - 1; ++s) {
+            if (s < nst) issue(s);
+            cp_async_commit();
+        }
+    };
     // the multipliers of slab s's two 128-column scale blocks
     auto mults = [&](int s, float (&m)[S / 2]) {
 #pragma unroll
@@ -157,16 +154,16 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     };
 
     float acc[2][4][BN];  // [row r0, r1][chain 4q + c][pair slot]
-    int g = 0;            // the stream's slab being multiplied
     auto slabs = [&](auto np_) {
         constexpr int NP = decltype(np_)::value;
         float m[S / 2];
         mults(0, m);
-        for (int s = 0; s < nst; ++s, ++g) {
+        for (int s = 0; s < nst; ++s) {
             cp_async_wait<ST - 2>();
-            __syncthreads();  // slab g landed for every thread's copies; slab g - 1's stage is free
-            copy_next();
-            const unsigned char* buf = sm + (g % ST) * SB;
+            __syncthreads();  // slab s landed for every thread's copies; slab s - 1's stage is free
+            if (s + ST - 1 < nst) issue(s + ST - 1);
+            cp_async_commit();
+            const unsigned char* buf = sm + (s % ST) * SB;
             const float* xs = reinterpret_cast<const float*>(buf + BM * WRAW);
             const int nc = nchunks - s * S < S ? nchunks - s * S : S;
             auto chunk = [&](int u) {
@@ -196,25 +193,29 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
             if (s + 1 < nst) mults(s + 1, m);
         }
     };
-    float* const Y = blockIdx.z != 0 ? a.Y2 : a.Y;
-    for (int item = static_cast<int>(blockIdx.y); item < n_items; item += stride) {
-        const ExpertItem e = expert_item(a, item);
-        scale = e.scale;
+    begin_item(item);
+    for (;;) {
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
             for (int c = 0; c < 4; ++c)
 #pragma unroll
                 for (int j = 0; j < BN; ++j) acc[r][c][j] = 0.0f;
-        with_pow2<BN>(e.cnt, slabs);
+        with_pow2<BN>(cnt, slabs);
+        const int fstart = start, fcnt = cnt;
+        const int next = item + stride;
+        // (set_item's first barrier: every thread is done with this item's last slab before the next
+        // item's copies refill the stages)
+        if (next < n_items) begin_item(next);
         // the fold, in registers (above): lanes q < 8 take q + 8 (w = 4), q < 4 take q + 4 (w = 2), q < 2
         // take q + 2 (w = 1); then the lanes of P[0]: lane 0's l = 0..3 take lane 1's l = 4..7, then l += l + 2,
         // then l = 0 += l = 1
+        float* const Y = blockIdx.z != 0 ? a.Y2 : a.Y;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
 #pragma unroll
             for (int j = 0; j < BN; ++j) {
-                if (j >= e.cnt) break;  // (block-uniform)
+                if (j >= fcnt) break;  // (block-uniform)
                 float v[4];
 #pragma unroll
                 for (int c = 0; c < 4; ++c) v[c] = acc[r][c][j];
@@ -228,11 +229,12 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
                 }
                 const float y = add(add(v[0], v[2]), add(v[1], v[3]));
                 const int row = row_base + (r ? r1 : r0);
-                if (q == 0 && row < a.R) Y[static_cast<int64_t>(a.pairs[e.start + j]) * a.ldy + row] = a.round ? bf16r(y) : y;
+                if (q == 0 && row < a.R) Y[static_cast<int64_t>(a.pairs[fstart + j]) * a.ldy + row] = a.round ? bf16r(y) : y;
             }
         }
+        item = next;
+        if (item >= n_items) break;
     }
-    cp_async_wait<0>();  // (the stream's last groups are empty commits)
 }
 
 }  // namespace
