@@ -397,9 +397,9 @@ LINEAR_EMU_CASES = [
     ("emu-fp8-experts-pairs9", "fp8", 130, 576, 9, True, True, True),
     ("emu-fp8-experts-pairs2", "fp8", 130, 576, 2, True, True, False),
     ("emu-fp8-experts-pairs3", "fp8", 130, 576, 3, True, True, False),
-    # its copies one stream over a block's items: 12 items (11 of 8, one of 2) for three 64-row blocks in the
-    # emulation's 4 SMs (10 blocks of items), 25 chunks (7 slabs, the last of 1: the stream crosses each
-    # item's end with slabs of the next in flight)
+    # and blocks of several items: 12 items (11 of 8, one of 2) for three 64-row blocks in the emulation's
+    # 4 SMs (10 blocks of items), 25 chunks (7 slabs, the last of 1; each item's first slabs requested
+    # before the previous one folds)
     ("emu-fp8-experts-pairs-items", "fp8", 130, 1600, 90, True, True, False),
     ("emu-bf16-experts-gemm3", "bf16", 40, 320, 3, True, True, False),
     # items of 8 computing their pairs rounded up to a power of two: 8 + 2, 8 + 1, 8 + 3 (as 4), 8 + 5 (as 8)
