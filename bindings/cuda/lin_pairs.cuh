@@ -32,8 +32,8 @@ namespace {
 constexpr int kPrThreads = 512;
 constexpr int kPrRows = 64;   // rows per block
 constexpr int kPrPairs = 8;   // pair slots per item
-constexpr int kPrSlab = 4;    // chunks per slab
-constexpr int kPrStages = 6;  // cp.async stages (five slabs in flight: 80 KB of weights an SM)
+constexpr int kPrSlab = 8;    // chunks per slab (512 contiguous bytes of each row)
+constexpr int kPrStages = 4;  // cp.async stages (three slabs in flight: 96 KB of weights an SM)
 template <int FMT>
 constexpr int pr_wraw() {  // bytes per staged raw row (+16: rows four apart 16 banks apart)
     return kPrSlab * chunk_bytes<FMT>() + 16;
@@ -75,7 +75,8 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     constexpr int PPR = S * CB / 16;                            // 16-byte pieces of a raw row per slab
     constexpr int NWP = BM * PPR / kPrThreads;                  // weight pieces a thread copies per slab
     constexpr int XPR = S * 64 / 4;                             // pieces of an x row per slab
-    static_assert(BM * PPR % kPrThreads == 0 && BN * XPR == kPrThreads, "whole copies");
+    constexpr int NXP = BN * XPR / kPrThreads;                 // x pieces a thread copies per slab
+    static_assert(BM * PPR % kPrThreads == 0 && BN * XPR % kPrThreads == 0, "whole copies");
     __shared__ const unsigned char* rowp[BM];
     __shared__ const float* xrow[BN];
     const int64_t C = a.C;
@@ -106,12 +107,12 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
         __syncthreads();
     };
     // this thread's pieces: weight piece p = tid + n * threads (row p / PPR, bytes 16 (p % PPR)); x piece
-    // tid (pair slot tid / XPR, floats 4 (tid % XPR)), copied for the item's pairs only
+    // p likewise (pair slot p / XPR, floats 4 (p % XPR)), copied for the item's pairs only
     const unsigned char* wsrc[NWP];
     int wdst[NWP];
-    const float* xsrc = nullptr;
-    int xdst = 0;
-    bool xlive = false;
+    const float* xsrc[NXP];
+    int xdst[NXP];
+    bool xlive[NXP];
     auto set_copies = [&] {
 #pragma unroll
         for (int n = 0; n < NWP; ++n) {
@@ -119,10 +120,13 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
             wsrc[n] = rowp[p / PPR] + 16 * (p % PPR);
             wdst[n] = (p / PPR) * WRAW + 16 * (p % PPR);
         }
-        const int j = tid / XPR;
-        xsrc = xrow[j] + 4 * (tid % XPR);
-        xdst = BM * WRAW + 4 * (j * kPrXRow + 4 * (tid % XPR));
-        xlive = j < cnt;
+#pragma unroll
+        for (int n = 0; n < NXP; ++n) {
+            const int p = tid + n * kPrThreads, j = p / XPR;
+            xsrc[n] = xrow[j] + 4 * (p % XPR);
+            xdst[n] = BM * WRAW + 4 * (j * kPrXRow + 4 * (p % XPR));
+            xlive[n] = j < cnt;
+        }
     };
     const uint32_t sm_s = smem_u32(sm);
     auto issue = [&](int s) {  // slab s's copies (a last slab of fewer chunks: only its own pieces)
@@ -133,7 +137,11 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
             const int p = tid + n * kPrThreads;
             if (nc == S || p % PPR < nc * CB / 16) cp_async16_s(buf + wdst[n], wsrc[n] + static_cast<int64_t>(c0) * CB);
         }
-        if (xlive && (nc == S || tid % XPR < nc * 16)) cp_async16_s(buf + xdst, xsrc + 64 * static_cast<int64_t>(c0));
+#pragma unroll
+        for (int n = 0; n < NXP; ++n) {
+            const int p = tid + n * kPrThreads;
+            if (xlive[n] && (nc == S || p % XPR < nc * 16)) cp_async16_s(buf + xdst[n], xsrc[n] + 64 * static_cast<int64_t>(c0));
+        }
     };
     auto begin_item = [&](int it) {  // its rows and pairs staged, its first ST - 1 slabs requested
         set_item(it);
