@@ -224,14 +224,21 @@ __global__ void __launch_bounds__(256) k_kda_rec(const float* __restrict__ qs, c
                 }
         }
     }
+    // The state back as it was read: two 16-byte stores where d is whole chunks (scalar stores, eight
+    // threads 32 bytes apart, had each store of a warp touch 32 sectors for 4 bytes of each).
     if (live) {
 #pragma unroll
-        for (int c = 0; c < NC; ++c)
+        for (int c = 0; c < NC; ++c) {
+            const int i0 = 64 * c + 8 * g;
+            if (whole) {
+                *reinterpret_cast<float4*>(col + i0) = make_float4(S[c][0], S[c][1], S[c][2], S[c][3]);
+                *reinterpret_cast<float4*>(col + i0 + 4) = make_float4(S[c][4], S[c][5], S[c][6], S[c][7]);
+            } else {
 #pragma unroll
-            for (int l = 0; l < 8; ++l) {
-                const int i = 64 * c + 8 * g + l;
-                if (i < d) col[i] = S[c][l];
+                for (int l = 0; l < 8; ++l)
+                    if (i0 + l < d) col[i0 + l] = S[c][l];
             }
+        }
     }
 }
 
