@@ -392,13 +392,13 @@ LINEAR_EMU_CASES = [
     # chunks (slabs of 2: 6 steady, then the general loop)
     ("emu-fp8-experts-gemm4", "fp8", 130, 1088, 4, True, True, False),
     # the few-pair kernel's items of 8 and 1, 2, and 3 pairs (computed as 8 and 1, 2, 4 slots): three
-    # 64-row blocks (the last of 2 rows), 9 chunks (two whole slabs and one of 1, an odd 128-column scale
-    # block)
+    # 64-row blocks (the last of 2 rows), 9 chunks (a whole slab of 8 and one of 1, an odd 128-column
+    # scale block)
     ("emu-fp8-experts-pairs9", "fp8", 130, 576, 9, True, True, True),
     ("emu-fp8-experts-pairs2", "fp8", 130, 576, 2, True, True, False),
     ("emu-fp8-experts-pairs3", "fp8", 130, 576, 3, True, True, False),
     # and blocks of several items: 12 items (11 of 8, one of 2) for three 64-row blocks in the emulation's
-    # 4 SMs (10 blocks of items), 25 chunks (7 slabs, the last of 1; each item's first slabs requested
+    # 4 SMs (10 blocks of items), 25 chunks (4 slabs, the last of 1; each item's first slabs requested
     # before the previous one folds)
     ("emu-fp8-experts-pairs-items", "fp8", 130, 1600, 90, True, True, False),
     ("emu-bf16-experts-gemm3", "bf16", 40, 320, 3, True, True, False),
