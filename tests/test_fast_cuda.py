@@ -38,7 +38,7 @@ needs_gpu = pytest.mark.skipif(EMU, reason=EMU_SLOW)
 @pytest.mark.parametrize("batch", [3, 8, 16])
 def test_batched_few_pairs_per_expert(tmp_path, batch):
     """Batches whose pairs are few against the experts (4 T k <= E) run one pair per expert item; from
-    2 T k >= E, items of up to 8 pairs, which the few-pair kernel takes (FP8, under 2.5 pairs an entry)."""
+    2 T k >= E, items of up to 8 pairs, which the few-pair kernel takes (FP8, under 5 pairs an entry)."""
     from tools.zoo import make_checkpoint
     path = str(tmp_path / "experts-64")
     make_checkpoint("tiny", "fp8", path, hidden_size=128, moe_intermediate_size=64, n_routed_experts=64)
@@ -391,12 +391,14 @@ LINEAR_EMU_CASES = [
     # expert items of 4 and 3 pairs (64-row tiles of 8 slots): three row blocks, the last partial; FP8 17
     # chunks (slabs of 2: 6 steady, then the general loop)
     ("emu-fp8-experts-gemm4", "fp8", 130, 1088, 4, True, True, False),
-    # the few-pair kernel's items of 8 and 1, 2, and 3 pairs (computed as 8 and 1, 2, 4 slots): three
-    # 64-row blocks (the last of 2 rows), 9 chunks (a whole slab of 8 and one of 1, an odd 128-column
-    # scale block)
+    # the few-pair kernel's items of 8 and 1, 2, 3, 4 and 5 pairs (computed as 8 and 1, 2, 3, 4, 6 slots:
+    # each count's fold): three 64-row blocks (the last of 2 rows), 9 chunks (a whole slab of 8 and one of
+    # 1, an odd 128-column scale block)
     ("emu-fp8-experts-pairs9", "fp8", 130, 576, 9, True, True, True),
     ("emu-fp8-experts-pairs2", "fp8", 130, 576, 2, True, True, False),
     ("emu-fp8-experts-pairs3", "fp8", 130, 576, 3, True, True, False),
+    ("emu-fp8-experts-pairs12", "fp8", 130, 576, 12, True, True, False),
+    ("emu-fp8-experts-pairs13", "fp8", 130, 576, 13, True, True, False),
     # and blocks of several items: 12 items (11 of 8, one of 2) for three 64-row blocks in the emulation's
     # 4 SMs (10 blocks of items), 25 chunks (4 slabs, the last of 1; each item's first slabs requested
     # before the previous one folds)

@@ -34,6 +34,22 @@ GLM_DEV void with_pow2(int n, F&& f) {
     }
     f(std::integral_constant<int, N>{});
 }
+// f(integral_constant<int, m>) for m the least of 1, 2, 3, 4, 6, 8 that is >= n (n <= 8): the few-pair
+// kernel's slot counts, fewer wasted slots than powers of two in six variants.
+template <class F>
+GLM_DEV void with_slots8(int n, F&& f) {
+    if (n <= 2) {
+        if (n <= 1) f(std::integral_constant<int, 1>{});
+        else f(std::integral_constant<int, 2>{});
+    } else if (n <= 4) {
+        if (n <= 3) f(std::integral_constant<int, 3>{});
+        else f(std::integral_constant<int, 4>{});
+    } else if (n <= 6) {
+        f(std::integral_constant<int, 6>{});
+    } else {
+        f(std::integral_constant<int, 8>{});
+    }
+}
 // What a several-token block works on: expert item `item` (its matrix and pairs), or, dense, the launch's
 // matrix and tokens [tile * n, + tile) of a.T.
 struct BlockWork {

@@ -22,18 +22,20 @@ namespace {
 //     16-byte pieces (a quarter warp 128 contiguous bytes), 8 FMAs a pair: each the next step of its
 //     chain in chunk order (cdot's P[g][l], k = 8g + l);
 //   * the fold in registers: an output's 64 chains lie in the 16 lanes of one half warp, lane q holding
-//     g = q / 2, l = 4 (q % 2) .. + 3, so cdot's accumulator tree (P[g] += P[g + w], w = 4, 2, 1) is a
-//     shuffle down by 8, 4, 2 lanes, its lane tree's first step (w = 4) one by 1 lane, and its last two
-//     steps (w = 2, 1) adds within lane 0: every addition the canonical fold's own.
+//     g = q / 2, l = 4 (q % 2) .. + 3, so cdot's accumulator tree (P[g] += P[g + w], w = 4, 2, 1) adds
+//     lanes 8, 4, 2 apart, its lane tree's first step (w = 4) lanes 1 apart, and its last two steps (w = 2,
+//     1) are adds within a lane: every addition the canonical fold's own (a butterfly over the outputs:
+//     fold_level).
 //
-// An item computes its pairs rounded up to a power of two (the slab loop specialised on the count, as
-// the register-tiled kernel's items of 8 do); the next item's first slabs are requested before the
-// fold, which needs no shared memory.
+// An item computes its pairs rounded up to 1, 2, 3, 4, 6 or 8 (the slab loop specialised on the count;
+// b128 leaves an expert ~3.6 pairs, so powers of two computed ~20 % more slots than pairs); the next
+// item's first slabs are requested before the fold, which needs no shared memory.
 constexpr int kPrThreads = 512;
 constexpr int kPrRows = 64;   // rows per block
 constexpr int kPrPairs = 8;   // pair slots per item
 constexpr int kPrSlab = 8;    // chunks per slab (512 contiguous bytes of each row)
 constexpr int kPrStages = 4;  // cp.async stages (three slabs in flight: 96 KB of weights an SM)
+constexpr int kPrScaleBlocks = 256;  // 128-column scale blocks of a row at most (C <= 32768: pairs_applies)
 template <int FMT>
 constexpr int pr_wraw() {  // bytes per staged raw row (+16: rows four apart 16 banks apart)
     return kPrSlab * chunk_bytes<FMT>() + 16;
@@ -65,6 +67,34 @@ GLM_DEV void decode4_fp8(uint32_t v, float m, float (&w)[4]) {
     for (int c = 0; c < 4; ++c) w[c] = fmul(w[c], m);
 }
 
+// One step of the few-pair kernel's fold (k_linear_pairs): the lane holds N outputs (v's slots 0 .. N - 1,
+// four values each), its partner is lane ^ d. N even: the lower lane (hi false) keeps slots 0 .. N/2 - 1, the
+// upper the rest (moved to 0 .. N/2 - 1: first, the output in slot 0, moves with them), each adding its
+// partner's values of them; N odd: both add all (the same sums: addition commutes bit for bit), and only
+// the lower lane stores them (mine).
+constexpr int fold_halves(int n) { return n % 2 == 0 ? n / 2 : n; }
+template <int N, int O>
+GLM_DEV void fold_level(float (&v)[O][4], int d, bool hi, int& first, bool& mine) {
+    if constexpr (N % 2 == 0) {
+        constexpr int H = N / 2;
+#pragma unroll
+        for (int i = 0; i < H; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float send = hi ? v[i][c] : v[i + H][c];
+                const float keep = hi ? v[i + H][c] : v[i][c];
+                v[i][c] = add(keep, __shfl_xor_sync(kFull, send, d));
+            }
+        if (hi) first += H;
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) v[i][c] = add(v[i][c], __shfl_xor_sync(kFull, v[i][c], d));
+        mine = mine && !hi;
+    }
+}
+
 template <int FMT, int DEC>
 __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     pdl_enter();
@@ -79,6 +109,11 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     static_assert(BM * PPR % kPrThreads == 0 && BN * XPR % kPrThreads == 0, "whole copies");
     __shared__ const unsigned char* rowp[BM];
     __shared__ const float* xrow[BN];
+    // the item's chunk multipliers (fp8_mult of its rows' scales), one a 128-column block, staged with its
+    // rows: read from global memory a slab ahead, they left each slab's first chunk waiting on a load
+    // (ncu at 128 tokens: 13 % of the stalls long-scoreboard)
+    __shared__ float mult[kPrScaleBlocks];
+    (void)mult;  // (read in the slab loop, a generic lambda, which GCC's set-but-unused warning misses)
     const int64_t C = a.C;
     const int nchunks = static_cast<int>(C / 64);
     const int nst = (nchunks + S - 1) / S;
@@ -96,12 +131,13 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     const int stride = static_cast<int>(gridDim.y);
     int item = static_cast<int>(blockIdx.y);
     if (item >= n_items) return;
-    const void* scale = nullptr;
     int start = 0, cnt = 0;
     auto set_item = [&](int it) {
         const ExpertItem e = expert_item(a, it);
-        scale = e.scale, start = e.start, cnt = e.cnt;
-        __syncthreads();  // every thread is done with the previous item's rows and x pointers
+        start = e.start, cnt = e.cnt;
+        __syncthreads();  // every thread is done with the previous item's rows, x pointers and multipliers
+        for (int b = tid; b < (nchunks + 1) / 2; b += kPrThreads)
+            mult[b] = fp8_mult<DEC>(__ldg(static_cast<const float*>(e.scale) + srow + b));
         if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(e.data) + abs_row(row_base + tid) * rb;
         if (tid < BN) xrow[tid] = a.X + pair_xrow(a, a.pairs[start + (tid < cnt ? tid : cnt - 1)]) * a.ldx;
         __syncthreads();
@@ -151,21 +187,9 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
             cp_async_commit();
         }
     };
-    // the multipliers of slab s's two 128-column scale blocks
-    auto mults = [&](int s, float (&m)[S / 2]) {
-#pragma unroll
-        for (int h = 0; h < S / 2; ++h) {
-            int cb = (s * S) / 2 + h;
-            cb = cb < (nchunks + 1) / 2 ? cb : (nchunks + 1) / 2 - 1;
-            m[h] = fp8_mult<DEC>(__ldg(static_cast<const float*>(scale) + srow + cb));
-        }
-    };
-
     float acc[2][4][BN];  // [row r0, r1][chain 4q + c][pair slot]
     auto slabs = [&](auto np_) {
         constexpr int NP = decltype(np_)::value;
-        float m[S / 2];
-        mults(0, m);
         for (int s = 0; s < nst; ++s) {
             cp_async_wait<ST - 2>();
             __syncthreads();  // slab s landed for every thread's copies; slab s - 1's stage is free
@@ -177,9 +201,10 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
             auto chunk = [&](int u) {
                 const uint32_t v0 = *reinterpret_cast<const uint32_t*>(buf + r0 * WRAW + u * CB + 4 * q);
                 const uint32_t v1 = *reinterpret_cast<const uint32_t*>(buf + r1 * WRAW + u * CB + 4 * q);
+                const float m = mult[(s * S + u) >> 1];
                 float w0[4], w1[4];
-                decode4_fp8<DEC>(v0, m[u / 2], w0);
-                decode4_fp8<DEC>(v1, m[u / 2], w1);
+                decode4_fp8<DEC>(v0, m, w0);
+                decode4_fp8<DEC>(v1, m, w1);
 #pragma unroll
                 for (int j = 0; j < NP; ++j) {
                     const float4 x = *reinterpret_cast<const float4*>(xs + j * kPrXRow + 64 * u + 4 * q);
@@ -198,7 +223,36 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
 #pragma unroll 1
                 for (int u = 0; u < nc; ++u) chunk(u);
             }
-            if (s + 1 < nst) mults(s + 1, m);
+        }
+    };
+    // The fold, in registers: an output's 64 chains lie in the 16 lanes of a half warp (above), and every
+    // step of cdot's trees adds the values of two lanes (q, q ^ d: d = 8, 4, 2 the accumulator tree's w = 4,
+    // 2, 1; d = 1 the lane tree's w = 4) element by element. As a butterfly (fold_level): where the lane's
+    // outputs split evenly, each lane of a pair keeps half of them and takes its partner's values of that
+    // half (one shuffle an element, the elements halving each step), else both take all (the same sums,
+    // one lane stores them). Then the lane tree's last two steps within the lane. (A shuffle tree for each
+    // output, lanes q < d adding, was 11 % of the kernel's instructions at 128 tokens.)
+    auto fold = [&](auto np_, int fstart, int fcnt) {
+        constexpr int NP = decltype(np_)::value, O = 2 * NP;  // output o: row r0 / r1 (o / NP), slot o % NP
+        float v[O][4];
+#pragma unroll
+        for (int o = 0; o < O; ++o)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) v[o][c] = acc[o / NP][c][o % NP];
+        int first = 0;     // the output in this lane's slot 0
+        bool mine = true;  // whether this lane stores its outputs
+        constexpr int N1 = fold_halves(O), N2 = fold_halves(N1), N3 = fold_halves(N2), N4 = fold_halves(N3);
+        fold_level<O>(v, 8, (q & 8) != 0, first, mine);
+        fold_level<N1>(v, 4, (q & 4) != 0, first, mine);
+        fold_level<N2>(v, 2, (q & 2) != 0, first, mine);
+        fold_level<N3>(v, 1, (q & 1) != 0, first, mine);
+        float* const Y = blockIdx.z != 0 ? a.Y2 : a.Y;
+#pragma unroll
+        for (int i = 0; i < N4; ++i) {
+            const int o = first + i, r = o >= NP, j = o - r * NP;
+            const float y = add(add(v[i][0], v[i][2]), add(v[i][1], v[i][3]));
+            const int row = row_base + (r ? r1 : r0);
+            if (mine && j < fcnt && row < a.R) Y[static_cast<int64_t>(a.pairs[fstart + j]) * a.ldy + row] = a.round ? bf16r(y) : y;
         }
     };
     begin_item(item);
@@ -209,37 +263,15 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
             for (int c = 0; c < 4; ++c)
 #pragma unroll
                 for (int j = 0; j < BN; ++j) acc[r][c][j] = 0.0f;
-        with_pow2<BN>(cnt, slabs);
         const int fstart = start, fcnt = cnt;
         const int next = item + stride;
-        // (set_item's first barrier: every thread is done with this item's last slab before the next
-        // item's copies refill the stages)
-        if (next < n_items) begin_item(next);
-        // the fold, in registers (above): lanes q < 8 take q + 8 (w = 4), q < 4 take q + 4 (w = 2), q < 2
-        // take q + 2 (w = 1); then the lanes of P[0]: lane 0's l = 0..3 take lane 1's l = 4..7, then l += l + 2,
-        // then l = 0 += l = 1
-        float* const Y = blockIdx.z != 0 ? a.Y2 : a.Y;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-#pragma unroll
-            for (int j = 0; j < BN; ++j) {
-                if (j >= fcnt) break;  // (block-uniform)
-                float v[4];
-#pragma unroll
-                for (int c = 0; c < 4; ++c) v[c] = acc[r][c][j];
-#pragma unroll
-                for (int d = 8; d >= 1; d >>= 1) {
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        const float o = __shfl_down_sync(kFull, v[c], d);
-                        if (q < d) v[c] = add(v[c], o);
-                    }
-                }
-                const float y = add(add(v[0], v[2]), add(v[1], v[3]));
-                const int row = row_base + (r ? r1 : r0);
-                if (q == 0 && row < a.R) Y[static_cast<int64_t>(a.pairs[fstart + j]) * a.ldy + row] = a.round ? bf16r(y) : y;
-            }
-        }
+        with_slots8(cnt, [&](auto np_) {
+            slabs(np_);
+            // (set_item's first barrier: every thread is done with this item's last slab before the next
+            // item's copies refill the stages)
+            if (next < n_items) begin_item(next);
+            fold(np_, fstart, fcnt);
+        });
         item = next;
         if (item >= n_items) break;
     }

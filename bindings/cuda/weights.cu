@@ -226,16 +226,18 @@ void launch_gemm_tg(const LinArgs& a, dim3 grid) {
 // The few-pair expert kernel (lin_pairs.cuh): FP8 routed-expert items of up to 8 pairs (the engine's
 // items of 8: decode batches), rows of whole chunks that can be copied, each block's 64 rows in one
 // 128-row scale block. The engine takes it (option pairs) where the launch's pairs (the shared expert's
-// included) average under 2.5 an entry of the tables. H200, slice FP8, the option off and on by turns
-// (docs/perf.md, "Session 20"): b32 5054 -> 5532 tok/s, b64 6942 -> 7083, but b128 8623 -> 8401 and b256
-// 9735 -> 9170: from ~3.6 pairs an expert, the register-tiled kernel's decode once for 8 slots wins.
+// included) average under 5 an entry of the tables. H200, slice FP8 (docs/perf.md, "Session 25"): with its
+// fold as a butterfly, its multipliers staged and slots of 3 and 6, b128's four expert launches 8530 us
+// (register-tiled) -> 7836 (here), 8917 -> 9198 tok/s; at b256 (8 pairs an entry) and prefill 512 the
+// register-tiled kernel's decode once for 8 slots stays ahead (10106 against 10107 tok/s, 11810 against
+// 11535). (Session 20, before those: under 2.5, b128 8623 -> 8401 tok/s with it.)
 bool pairs_applies(const LinArgs& a, bool expert) {
     return expert && a.fmt == W_FP8 && a.tile_pairs > 1 && a.tile_pairs <= kPrPairs && rows_copyable(a, true) &&
-           a.rh >= a.R && a.row0 % kPrRows == 0;
+           a.rh >= a.R && a.row0 % kPrRows == 0 && a.C <= 128 * kPrScaleBlocks;
 }
 bool pairs_chosen(const LinArgs& a, bool expert) {
     return launch_options().pairs && pairs_applies(a, expert) &&
-           2 * static_cast<int64_t>(a.max_items) < 5 * static_cast<int64_t>(a.experts);
+           static_cast<int64_t>(a.max_items) < 5 * static_cast<int64_t>(a.experts);
 }
 // The decode path of the several-token kernels (register-tiled, lane-pass, few-pair): FP8 by the hardware
 // conversion where the integer decode was chosen and the conversion passed the engine's check (both exact
