@@ -226,7 +226,7 @@ void launch_gemm_tg(const LinArgs& a, dim3 grid) {
 // The few-pair expert kernel (lin_pairs.cuh): FP8 routed-expert items of up to 8 pairs (the engine's
 // items of 8: decode batches), rows of whole chunks that can be copied, each block's 64 rows in one
 // 128-row scale block. The engine takes it (option pairs) where the launch's pairs (the shared expert's
-// included) average under 5 an entry of the tables. H200, slice FP8 (docs/perf.md, "Session 25"): with its
+// included) average under 5 an entry of the tables. H200, slice FP8 (docs/perf.md, "Session 26"): with its
 // fold as a butterfly, its multipliers staged and slots of 3 and 6, b128's four expert launches 8530 us
 // (register-tiled) -> 7836 (here), 8917 -> 9198 tok/s; at b256 (8 pairs an entry) and prefill 512 the
 // register-tiled kernel's decode once for 8 slots stays ahead (10106 against 10107 tok/s, 11810 against
