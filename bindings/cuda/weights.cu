@@ -227,10 +227,10 @@ void launch_gemm_tg(const LinArgs& a, dim3 grid) {
 // items of 8: decode batches), rows of whole chunks that can be copied, each block's 64 rows in one
 // 128-row scale block. The engine takes it (option pairs) where the launch's pairs (the shared expert's
 // included) average under 5 an entry of the tables. H200, slice FP8 (docs/perf.md, "Session 26"): with its
-// fold as a butterfly, its multipliers staged and slots of 3 and 6, b128's four expert launches 8530 us
-// (register-tiled) -> 7836 (here), 8917 -> 9198 tok/s; at b256 (8 pairs an entry) and prefill 512 the
-// register-tiled kernel's decode once for 8 slots stays ahead (10106 against 10107 tok/s, 11810 against
-// 11535). (Session 20, before those: under 2.5, b128 8623 -> 8401 tok/s with it.)
+// fold as a butterfly, its multipliers staged and slots of 3 and 6, b128's four expert launches take 7836
+// us here against the register-tiled kernel's 8530 (b128 8863-8887 -> 9309-9325 tok/s); at b256 (8 pairs an
+// entry) and prefill 512 the register-tiled kernel's decode once for 8 slots stays ahead (tok/s, register-
+// tiled / here: b256 10106 / 10107, prefill 512 11810 / 11535). (Session 20, before those: under 2.5.)
 bool pairs_applies(const LinArgs& a, bool expert) {
     return expert && a.fmt == W_FP8 && a.tile_pairs > 1 && a.tile_pairs <= kPrPairs && rows_copyable(a, true) &&
            a.rh >= a.R && a.row0 % kPrRows == 0 && a.C <= 128 * kPrScaleBlocks;
