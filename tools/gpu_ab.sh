@@ -9,6 +9,8 @@
 #   BUILDS="base new" ROUNDS=3 BATCHES=1,32 PREFILL="" bash tools/gpu_ab.sh
 #   TEST_BUILD=new bash tools/gpu_ab.sh           # then the GPU tests (and the slice test) with that build
 #   PROFILE="32 128" bash tools/gpu_ab.sh         # then a kernel profile (PDL off) of each build at these batches
+#   BUILDS="new new+GLM_PAIRS=0" bash tools/gpu_ab.sh  # one build with and without an engine option (NAME+VAR=VAL[+...]:
+#                                                 # the build NAME, its processes run with those variables; fast/cuda.py's GLM_*)
 #
 # Logs go to LOGS (default /tmp/gpu_ab_logs) and are packed at the end into OUT/gpu_ab_logs.tgz (OUT default
 # /tmp/gpu_ab; the device machine returns one file, not a dozen past its count limit), and the summary
@@ -41,11 +43,15 @@ trap finish EXIT
 src_of() {  # the carried file of build $1
   if [ -f ".variants/$1.so.xz" ]; then echo ".variants/$1.so.xz"; elif [ -f ".variants/$1.so" ]; then echo ".variants/$1.so"; fi
 }
-use() {  # put build $1 in place as fast._cuda
-  local f; f=$(src_of "$1")
-  [ -n "$f" ] || { echo "no .variants/$1.so or .variants/$1.so.xz"; exit 2; }
+use() {  # put build $1 in place as fast._cuda (an entry NAME+VAR=VAL...: the build NAME)
+  local n="${1%%+*}" f; f=$(src_of "$n")
+  [ -n "$f" ] || { echo "no .variants/$n.so or .variants/$n.so.xz"; exit 2; }
   case "$f" in *.xz) xz -dc "$f" > "$TARGET" ;; *) cp "$f" "$TARGET" ;; esac
 }
+settings_of() {  # the variables of entry $1 (NAME+VAR=VAL+...), space-separated; none for a plain NAME
+  case "$1" in *+*) echo "${1#*+}" | tr '+' ' ' ;; esac
+}
+tag_of() { echo "${1//[^A-Za-z0-9_.-]/_}"; }  # entry $1 as a file name
 if [ -z "${BUILDS:-}" ]; then
   BUILDS=$(ls .variants 2>/dev/null | sed -nE 's/^(.*)\.so(\.xz)?$/\1/p' | sort -u | tr '\n' ' ')
 fi
@@ -75,8 +81,8 @@ fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for b in $BUILDS; do
     use "$b"
-    log="$LOGS/ab_${b}_$round.log"
-    python3 tools/bench_throughput.py --checkpoint "$SLICE/slice-fp8" --no-peer --batches "${BATCHES:-32,128}" \
+    log="$LOGS/ab_$(tag_of "$b")_$round.log"
+    env $(settings_of "$b") python3 tools/bench_throughput.py --checkpoint "$SLICE/slice-fp8" --no-peer --batches "${BATCHES:-32,128}" \
       --prefill "${PREFILL-2048}" > "$log" 2>&1
     say "round $round $b (at $(elapsed) s): $(grep -E 'engine (decode|prefill)' "$log" \
       | sed -E 's/.*engine (decode|prefill) ([^:]*):.* ([0-9.]+) tok\/s/\2 \3/' | tr '\n' ' ')"
@@ -86,10 +92,11 @@ done
 for b in ${PROFILE:+$BUILDS}; do
   use "$b"
   for B in $PROFILE; do
-    GLM_PDL=0 timeout 120 python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-fp8" --batch "$B" --steps 3 \
-      > "$LOGS/profile_${b}_b$B.log" 2>&1
-    echo "== profile $b b$B (PDL off)"; grep -E "wall per step|device busy" "$LOGS/profile_${b}_b$B.log"
-    grep -E "^  k_|^  Memcpy" "$LOGS/profile_${b}_b$B.log" | head -12
+    plog="$LOGS/profile_$(tag_of "$b")_b$B.log"
+    env $(settings_of "$b") GLM_PDL=0 timeout 120 python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-fp8" --batch "$B" --steps 3 \
+      > "$plog" 2>&1
+    echo "== profile $b b$B (PDL off)"; grep -E "wall per step|device busy" "$plog"
+    grep -E "^  k_|^  Memcpy" "$plog" | head -12
   done
 done
 echo "done at $(elapsed) s"
