@@ -55,6 +55,20 @@ GLM_DEV float e4m3_sw(uint32_t q) {
 // Device: the sm_89+ conversion e4m3x2 -> f16x2 (exact: every E4M3 value is an FP16 value) and
 // f16 -> f32 (exact). The software path is the reference (and the emulation's path); the engine
 // checks the two agree on all 65,536 code pairs at start and falls back to software if not.
+// The conversion of the code pair in half HALF of word (selected by the instruction's operand: no shift).
+template <int HALF>
+GLM_DEV uint32_t e4m3x2_f16x2(uint32_t word) {
+    uint32_t h2 = 0;
+#if !defined(GLM_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    if constexpr (HALF == 0)
+        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(h2) : "r"(word));
+    else
+        asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(h2) : "r"(word));
+#else
+    (void)word;
+#endif
+    return h2;
+}
 template <bool HW>
 GLM_DEV void e4m3x8(uint32_t lo, uint32_t hi, float (&w)[8]) {
 #if !defined(GLM_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -69,9 +83,7 @@ GLM_DEV void e4m3x8(uint32_t lo, uint32_t hi, float (&w)[8]) {
         for (int k = 0; k < 2; ++k) {
 #pragma unroll
             for (int p = 0; p < 2; ++p) {
-                const unsigned short pair = static_cast<unsigned short>(words[k] >> (16 * p));
-                uint32_t h2;
-                asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+                const uint32_t h2 = p == 0 ? e4m3x2_f16x2<0>(words[k]) : e4m3x2_f16x2<1>(words[k]);
                 float a, b;
                 asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}"
                     : "=f"(a), "=f"(b)
