@@ -36,30 +36,40 @@ namespace {
 // rows are 8 floats past a multiple of 32 words (a half warp's 4 chains x 2 tiles x 16 bytes cover the
 // 32 banks once; a thread's rows and tokens are two groups of four, half a tile apart).
 constexpr int kLnThreads = 512;
-constexpr int kLnSlab = 4;  // chunks per slab
+// Chunks per slab: 8 for FP8 rows at 128 tokens, else 4. A slab's cursor, copy and barrier logic costs
+// the same whatever its length (ncu, q|k|v FP8 at 128 tokens: 286 instructions for a slab's 256 FFMAs,
+// and ~150 more of that logic), so longer slabs spend fewer instructions a multiply; FP8 at 128 tokens
+// is the one shape whose slabs of 8 still leave three stages room (BF16 rows are twice as long, and 64
+// tokens a block take twice the rows).
+template <int FMT, int BN>
+constexpr int ln_slab() {
+    return FMT == W_FP8 && BN == 128 ? 8 : 4;
+}
 template <int BN>
 constexpr int ln_rows() {  // rows per block: 4096 outputs
     return 4096 / BN;
 }
-template <int FMT>
+template <int FMT, int BN>
 constexpr int ln_raw_row() {  // bytes per staged raw row
-    return kLnSlab * chunk_bytes<FMT>() + 16;
+    return ln_slab<FMT, BN>() * chunk_bytes<FMT>() + 16;
 }
 template <int FMT, int BN>
 constexpr int ln_stage_bytes() {  // raw rows, then x (dense: X^T [S][8][BN + 8]; experts: rows [BN][8S + 4])
-    return ln_rows<BN>() * ln_raw_row<FMT>() + (kLnSlab * 8 * (BN + 8) > BN * (8 * kLnSlab + 4) ? kLnSlab * 8 * (BN + 8) : BN * (8 * kLnSlab + 4)) * 4;
+    constexpr int S = ln_slab<FMT, BN>();
+    return ln_rows<BN>() * ln_raw_row<FMT, BN>() + (S * 8 * (BN + 8) > BN * (8 * S + 4) ? S * 8 * (BN + 8) : BN * (8 * S + 4)) * 4;
 }
-template <int BN, bool EXPERT>
+template <int FMT, int BN, bool EXPERT>
 constexpr int ln_fixed_bytes() {  // the two W^T buffers (experts: and X^T buffers) and the parked partials
-    return 2 * kLnSlab * 8 * (ln_rows<BN>() + 8) * 4 + (EXPERT ? 2 * kLnSlab * 8 * (BN + 8) * 4 : 0) + 3 * 8 * kLnThreads * 4;
+    constexpr int S = ln_slab<FMT, BN>();
+    return 2 * S * 8 * (ln_rows<BN>() + 8) * 4 + (EXPERT ? 2 * S * 8 * (BN + 8) * 4 : 0) + 3 * 8 * kLnThreads * 4;
 }
 template <int FMT, int BN, bool EXPERT>
 constexpr int ln_stages() {
-    return 4 * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<BN, EXPERT>() <= 227 * 1024 ? 4 : 3;
+    return 4 * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<FMT, BN, EXPERT>() <= 227 * 1024 ? 4 : 3;
 }
 template <int FMT, int BN, bool EXPERT>
 constexpr int ln_smem_bytes() {
-    return ln_stages<FMT, BN, EXPERT>() * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<BN, EXPERT>();
+    return ln_stages<FMT, BN, EXPERT>() * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<FMT, BN, EXPERT>();
 }
 // pass p's lane: 0 4 2 6 1 5 3 7 (p's three bits reversed)
 GLM_DEV int ln_lane(int p) { return ((p & 1) << 2) | (p & 2) | ((p >> 2) & 1); }
@@ -103,8 +113,8 @@ template <int FMT, bool EXPERT, int DEC, int BN>
 __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
-    constexpr int CB = chunk_bytes<FMT>(), BM = ln_rows<BN>(), S = kLnSlab, ST = ln_stages<FMT, BN, EXPERT>();
-    constexpr int RW = ln_raw_row<FMT>(), WS = BM + 8, XS = BN + 8;
+    constexpr int CB = chunk_bytes<FMT>(), BM = ln_rows<BN>(), S = ln_slab<FMT, BN>(), ST = ln_stages<FMT, BN, EXPERT>();
+    constexpr int RW = ln_raw_row<FMT, BN>(), WS = BM + 8, XS = BN + 8;
     constexpr int SB = ln_stage_bytes<FMT, BN>(), XOFF = BM * RW;
     // decode tasks: FP8 two weights of one 16-byte piece (chains 2p, 2p + 1), MXFP4 four (4p .. 4p + 3),
     // BF16 one; a warp's 32 tasks are 32 rows of one piece
