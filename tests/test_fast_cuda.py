@@ -403,6 +403,10 @@ LINEAR_EMU_CASES = [
     # 4 SMs (10 blocks of items), 25 chunks (4 slabs, the last of 1; each item's first slabs requested
     # before the previous one folds)
     ("emu-fp8-experts-pairs-items", "fp8", 130, 1600, 90, True, True, False),
+    # the same items with 5 slabs (the last of 2 chunks: each item's slabs start one stage on) and with 2
+    # (fewer than the stages: each item's first slabs requested at its start, after a barrier)
+    ("emu-fp8-experts-pairs-items5", "fp8", 130, 2176, 90, True, True, False),
+    ("emu-fp8-experts-pairs-items2", "fp8", 130, 576, 90, True, True, False),
     ("emu-bf16-experts-gemm3", "bf16", 40, 320, 3, True, True, False),
     # items of 8 computing their pairs rounded up to a power of two: 8 + 2, 8 + 1, 8 + 3 (as 4), 8 + 5 (as 8)
     # and 8 + 7 pairs
@@ -419,6 +423,8 @@ LINEAR_EMU_CASES = [
     # the lane-pass kernel at 128 tokens and more (32 rows x 128 tokens a block: two token tiles, the
     # last of few; 5 chunks: a slab of 4 and one of 1 in every lane pass)
     ("emu-fp8-lanes-128", "fp8", 40, 320, 130, False, False, True),
+    # FP8 at 128 tokens takes slabs of 8 chunks (three stages): 13 chunks, a slab of 8 and one of 5
+    ("emu-fp8-lanes-128-slab8", "fp8", 40, 832, 130, False, False, False),
     ("emu-bf16-lanes-128", "bf16", 36, 256, 129, False, False, False),
     ("emu-mxfp4-lanes-128", "mxfp4", 33, 576, 140, False, False, True),
     # expert items of 64 pairs through it: two items, the second of 36 (FP8), of 6 (BF16)

@@ -28,8 +28,9 @@ namespace {
 //     fold_level).
 //
 // An item computes its pairs rounded up to 1, 2, 3, 4, 6 or 8 (the slab loop specialised on the count;
-// b128 leaves an expert ~3.6 pairs, so powers of two computed ~20 % more slots than pairs); the next
-// item's first slabs are requested before the fold, which needs no shared memory.
+// b128 leaves an expert ~3.6 pairs, so powers of two computed ~20 % more slots than pairs). A block's
+// items follow each other without a drain: the next item's table is filled while the item multiplies,
+// and its first slabs are requested during the item's last (the staging order, in the kernel).
 constexpr int kPrThreads = 512;
 constexpr int kPrRows = 64;   // rows per block
 constexpr int kPrPairs = 8;   // pair slots per item
@@ -60,8 +61,8 @@ GLM_DEV void decode4_fp8(uint32_t v, float m, float (&w)[4]) {
         w[2] = e4m3_int<2>(v);
         w[3] = e4m3_int<3>(v);
     } else {
-        e4m3x2<DEC == kDecHw>(v & 0xFFFFu, w[0], w[1]);
-        e4m3x2<DEC == kDecHw>(v >> 16, w[2], w[3]);
+        e4m3x2<DEC == kDecHw, 0>(v, w[0], w[1]);
+        e4m3x2<DEC == kDecHw, 1>(v, w[2], w[3]);
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) w[c] = fmul(w[c], m);
@@ -107,12 +108,16 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     constexpr int XPR = S * 64 / 4;                             // pieces of an x row per slab
     constexpr int NXP = BN * XPR / kPrThreads;                 // x pieces a thread copies per slab
     static_assert(BM * PPR % kPrThreads == 0 && BN * XPR % kPrThreads == 0, "whole copies");
-    __shared__ const unsigned char* rowp[BM];
-    __shared__ const float* xrow[BN];
-    // the item's chunk multipliers (fp8_mult of its rows' scales), one a 128-column block, staged with its
-    // rows: read from global memory a slab ahead, they left each slab's first chunk waiting on a load
-    // (ncu at 128 tokens: 13 % of the stalls long-scoreboard)
-    __shared__ float mult[kPrScaleBlocks];
+    static_assert((ST & (ST - 1)) == 0, "stages a power of two (a slab's stage by a mask)");
+    // The item tables, two: the item being multiplied reads one while the next item's are filled into the
+    // other (at its first slab), so that its first slabs can be requested during this one's last (below).
+    // Per table: its rows, its pairs' x rows, its chunk multipliers (fp8_mult of its rows' scales, one a
+    // 128-column block; read from global memory a slab ahead, they left each slab's first chunk waiting on
+    // a load: ncu at 128 tokens, 13 % of the stalls long-scoreboard), its first pair and count.
+    __shared__ const unsigned char* rowp[2][BM];
+    __shared__ const float* xrow[2][BN];
+    __shared__ float mult[2][kPrScaleBlocks];
+    __shared__ int first_cnt[2][2];
     (void)mult;  // (read in the slab loop, a generic lambda, which GCC's set-but-unused warning misses)
     const int64_t C = a.C;
     const int nchunks = static_cast<int>(C / 64);
@@ -131,43 +136,43 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     const int stride = static_cast<int>(gridDim.y);
     int item = static_cast<int>(blockIdx.y);
     if (item >= n_items) return;
-    int start = 0, cnt = 0;
-    auto set_item = [&](int it) {
+    // item it's table into tb (no barrier: the caller orders it before its readers and after the table's
+    // last readers)
+    auto fill = [&](int it, int tb) {
         const ExpertItem e = expert_item(a, it);
-        start = e.start, cnt = e.cnt;
-        __syncthreads();  // every thread is done with the previous item's rows, x pointers and multipliers
         for (int b = tid; b < (nchunks + 1) / 2; b += kPrThreads)
-            mult[b] = fp8_mult<DEC>(__ldg(static_cast<const float*>(e.scale) + srow + b));
-        if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(e.data) + abs_row(row_base + tid) * rb;
-        if (tid < BN) xrow[tid] = a.X + pair_xrow(a, a.pairs[start + (tid < cnt ? tid : cnt - 1)]) * a.ldx;
-        __syncthreads();
+            mult[tb][b] = fp8_mult<DEC>(__ldg(static_cast<const float*>(e.scale) + srow + b));
+        if (tid < BM) rowp[tb][tid] = static_cast<const unsigned char*>(e.data) + abs_row(row_base + tid) * rb;
+        if (tid < BN) xrow[tb][tid] = a.X + pair_xrow(a, a.pairs[e.start + (tid < e.cnt ? tid : e.cnt - 1)]) * a.ldx;
+        if (tid == 0) first_cnt[tb][0] = e.start, first_cnt[tb][1] = e.cnt;
     };
-    // this thread's pieces: weight piece p = tid + n * threads (row p / PPR, bytes 16 (p % PPR)); x piece
-    // p likewise (pair slot p / XPR, floats 4 (p % XPR)), copied for the item's pairs only
+    // this thread's pieces of table tb's item: weight piece p = tid + n * threads (row p / PPR, bytes 16 (p %
+    // PPR)); x piece p likewise (pair slot p / XPR, floats 4 (p % XPR)), copied for the item's pairs only
     const unsigned char* wsrc[NWP];
     int wdst[NWP];
     const float* xsrc[NXP];
     int xdst[NXP];
     bool xlive[NXP];
-    auto set_copies = [&] {
+    auto set_copies = [&](int tb) {
+        const int n_live = first_cnt[tb][1];
 #pragma unroll
         for (int n = 0; n < NWP; ++n) {
             const int p = tid + n * kPrThreads;
-            wsrc[n] = rowp[p / PPR] + 16 * (p % PPR);
+            wsrc[n] = rowp[tb][p / PPR] + 16 * (p % PPR);
             wdst[n] = (p / PPR) * WRAW + 16 * (p % PPR);
         }
 #pragma unroll
         for (int n = 0; n < NXP; ++n) {
             const int p = tid + n * kPrThreads, j = p / XPR;
-            xsrc[n] = xrow[j] + 4 * (p % XPR);
+            xsrc[n] = xrow[tb][j] + 4 * (p % XPR);
             xdst[n] = BM * WRAW + 4 * (j * kPrXRow + 4 * (p % XPR));
-            xlive[n] = j < cnt;
+            xlive[n] = j < n_live;
         }
     };
     const uint32_t sm_s = smem_u32(sm);
-    auto issue = [&](int s) {  // slab s's copies (a last slab of fewer chunks: only its own pieces)
+    auto issue = [&](int s, int stage) {  // slab s of the copies' item into stage (a last slab of fewer chunks: only its own pieces)
         const int c0 = s * S, nc = nchunks - c0 < S ? nchunks - c0 : S;
-        const uint32_t buf = sm_s + static_cast<uint32_t>((s % ST) * SB);
+        const uint32_t buf = sm_s + static_cast<uint32_t>(stage * SB);
 #pragma unroll
         for (int n = 0; n < NWP; ++n) {
             const int p = tid + n * kPrThreads;
@@ -179,29 +184,39 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
             if (xlive[n] && (nc == S || p % XPR < nc * 16)) cp_async16_s(buf + xdst[n], xsrc[n] + 64 * static_cast<int64_t>(c0));
         }
     };
-    auto begin_item = [&](int it) {  // its rows and pairs staged, its first ST - 1 slabs requested
-        set_item(it);
-        set_copies();
-        for (int s = 0; s < ST - 1; ++s) {
-            if (s < nst) issue(s);
-            cp_async_commit();
-        }
-    };
+    // Slabs are staged in the order the block multiplies them, across its items: slab s of an item whose
+    // first slab is the block's slab number g0 takes stage (g0 + s) % ST (base = g0 % ST). Where an item
+    // has ST slabs or more (chain), its last ST - 1 slabs request the next item's first ST - 1, so the
+    // weights in flight do not drain at each item's end; the next item's table, filled at the item's
+    // first slab, is read for them from its second (a barrier apart). Else each item's first slabs are
+    // requested at its start, after a barrier.
+    const bool chain = nst >= ST;
+    int tb = 0, base = 0;
+    bool ahead = false;  // the item's first ST - 1 slabs already requested (by the item before)
+    fill(item, 0);
     float acc[2][4][BN];  // [row r0, r1][chain 4q + c][pair slot]
-    auto slabs = [&](auto np_) {
+    auto slabs = [&](auto np_, bool has_next, int next) {
         constexpr int NP = decltype(np_)::value;
         for (int s = 0; s < nst; ++s) {
             cp_async_wait<ST - 2>();
             __syncthreads();  // slab s landed for every thread's copies; slab s - 1's stage is free
-            if (s + ST - 1 < nst) issue(s + ST - 1);
+            const int stage = (base + s) & (ST - 1);
+            if (s + ST - 1 < nst) {
+                issue(s + ST - 1, (stage + ST - 1) & (ST - 1));
+            } else if (chain && has_next) {
+                if (s + ST - 1 == nst) set_copies(tb ^ 1);  // (s >= 1: the fill at slab 0 is a barrier behind)
+                issue(s + ST - 1 - nst, (stage + ST - 1) & (ST - 1));
+            }
             cp_async_commit();
-            const unsigned char* buf = sm + (s % ST) * SB;
+            if (s == 0 && has_next) fill(next, tb ^ 1);  // (the previous item's readers of that table are done)
+            const unsigned char* buf = sm + stage * SB;
             const float* xs = reinterpret_cast<const float*>(buf + BM * WRAW);
+            const float* const m_item = mult[tb];
             const int nc = nchunks - s * S < S ? nchunks - s * S : S;
             auto chunk = [&](int u) {
                 const uint32_t v0 = *reinterpret_cast<const uint32_t*>(buf + r0 * WRAW + u * CB + 4 * q);
                 const uint32_t v1 = *reinterpret_cast<const uint32_t*>(buf + r1 * WRAW + u * CB + 4 * q);
-                const float m = mult[(s * S + u) >> 1];
+                const float m = m_item[(s * S + u) >> 1];
                 float w0[4], w1[4];
                 decode4_fp8<DEC>(v0, m, w0);
                 decode4_fp8<DEC>(v1, m, w1);
@@ -255,26 +270,35 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
             if (mine && j < fcnt && row < a.R) Y[static_cast<int64_t>(a.pairs[fstart + j]) * a.ldy + row] = a.round ? bf16r(y) : y;
         }
     };
-    begin_item(item);
     for (;;) {
+        if (!ahead) {
+            __syncthreads();  // the item's table filled; every thread done with the stages
+            set_copies(tb);
+            for (int j = 0; j < ST - 1; ++j) {
+                if (j < nst) issue(j, (base + j) & (ST - 1));
+                cp_async_commit();
+            }
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
             for (int c = 0; c < 4; ++c)
 #pragma unroll
                 for (int j = 0; j < BN; ++j) acc[r][c][j] = 0.0f;
-        const int fstart = start, fcnt = cnt;
+        const int fstart = first_cnt[tb][0], fcnt = first_cnt[tb][1];
         const int next = item + stride;
-        with_slots8(cnt, [&](auto np_) {
-            slabs(np_);
-            // (set_item's first barrier: every thread is done with this item's last slab before the next
-            // item's copies refill the stages)
-            if (next < n_items) begin_item(next);
+        const bool has_next = next < n_items;
+        with_slots8(fcnt, [&](auto np_) {
+            slabs(np_, has_next, next);
             fold(np_, fstart, fcnt);
         });
+        if (!has_next) break;
         item = next;
-        if (item >= n_items) break;
+        tb ^= 1;
+        base = (base + nst) & (ST - 1);
+        ahead = chain;
     }
+    cp_async_wait<0>();
 }
 
 }  // namespace
