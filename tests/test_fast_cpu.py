@@ -148,6 +148,44 @@ def test_generate_return_shapes(engines):
     assert np.array_equal(bits(lgs[0]), bits(lg))  # batched with another request: the same bits
 
 
+def test_greedy_decode_step_path(engines, monkeypatch):
+    """step's greedy decode path (every segment (cache, [token], None, "argmax")) returns the tokens the
+    general path returns for the same rows (ids as a tuple take the general path), leaves steps that grow
+    a cache to it, and every bad input to its checks and errors."""
+    eng = engines("tiny-fp8")
+    V = eng.config.vocab_size
+    real, taken = eng._decode_greedy, []
+
+    def spy(segments):
+        out = real(segments)
+        taken.append(out is not None)
+        return out
+    monkeypatch.setattr(eng, "_decode_greedy", spy)
+    a, b = [eng.new_cache() for _ in range(3)], [eng.new_cache() for _ in range(3)]
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    ta = eng.step([(c, p, None, "argmax") for c, p in zip(a, prompts)])
+    tb = eng.step([(c, tuple(p), None, "argmax") for c, p in zip(b, prompts)])
+    assert ta == tb and taken == [False, False]
+    room = []  # per step: whether every cache had room for one more position (the rooms grow by doubling)
+    for _ in range(12):
+        room.append(all(c.length < c._room for c in a))
+        ta = eng.step([(c, [t], None, "argmax") for c, t in zip(a, ta)])
+        tb = eng.step([(c, (t,), None, "argmax") for c, t in zip(b, tb)])
+        assert ta == tb and all(type(t) is int for t in ta)
+    assert [c.length for c in a] == [c.length for c in b] == [15, 14, 13]
+    assert taken[2::2] == room and any(room) and not all(room) and not any(taken[3::2])
+    closed = eng.new_cache()
+    closed.close()
+    for segs, msg in (([(a[0], [1], None, "argmax"), (a[0], [2], None, "argmax")], "twice"),
+                      ([(a[0], [V], None, "argmax")], "outside the vocabulary"),
+                      ([(a[0], [-1], None, "argmax")], "outside the vocabulary"),
+                      ([(closed, [1], None, "argmax")], "closed"),
+                      ([(a[0], [True], None, "argmax")], "integers")):
+        with pytest.raises(fast.EngineInputError, match=msg):
+            eng.step(segs)
+    assert [c.length for c in a] == [15, 14, 13]  # (refused steps change nothing)
+
+
 def test_close_and_context_manager(ckpt_path):
     import gc
     import weakref
