@@ -462,6 +462,40 @@ def cpu_linear(release, data, scale, X, rnd):
     return _core.linear(release, data, scale, X, round=rnd, threads=1)
 
 
+# Head-blocked launches (MLA's W_UK^T and W_UV: output row r is weight row (r / rh) hstride + woff + r % rh
+# times x columns (r / rh) xhs + [0, C)) through the register-tiled and lane-pass kernels: (name, release,
+# heads, rh, hstride, woff, C, xhs, extra x columns, T). W_UK^T-like (heads' rows one after another, x heads
+# side by side) at 130 tokens (lane-pass: 32 x 128 blocks, slabs of 8 with a last one of 5 chunks);
+# W_UV-like (each head's rows past woff, every second 128 rows) at 70 tokens (64 x 64 blocks) with x wider
+# than its heads; BF16 heads of 64 rows whose x lie apart.
+LINEAR_HEAD_CASES = [
+    ("heads-fp8-uk", "fp8", 2, 128, 128, 0, 320, 320, 0, 130),
+    ("heads-fp8-uv", "fp8", 2, 128, 256, 128, 576, 576, 64, 70),
+    ("heads-bf16", "bf16", 3, 64, 64, 0, 128, 192, 0, 129),
+]
+
+
+@pytest.mark.parametrize("case", LINEAR_HEAD_CASES, ids=lambda c: c[0])
+def test_head_blocked_linear_matches_cpu(case):
+    name, release, nh, rh, hstride, woff, C, xhs, extra, T = case
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    data, scale = random_weights(release, (nh - 1) * hstride + woff + rh, C, rng)
+    X = rng.standard_normal((T, (nh - 1) * xhs + C + extra), dtype=np.float32)
+    want = np.empty((T, nh * rh), np.float32)
+    for h in range(nh):  # each head on its own (FP8: heads of whole 128-row scale blocks)
+        r0 = h * hstride + woff
+        sh = None if scale is None else scale[r0 // 128:(r0 + rh + 127) // 128]
+        want[:, h * rh:(h + 1) * rh] = cpu_linear(release, data[r0:r0 + rh], sh,
+                                                  np.ascontiguousarray(X[:, h * xhs:h * xhs + C]), True)
+    cu = cuda_module()
+    for kernel in ("auto", "gemm", "lanes"):
+        got = cu.linear(release, data, scale, X, round=True, kernel=kernel, heads=(nh * rh, rh, hstride, woff, xhs))
+        diff = np.flatnonzero(bits(got) != bits(want))
+        assert diff.size == 0, f"{kernel}: {diff.size} of {want.size} differ, first at {np.unravel_index(diff[0], want.shape)}"
+    with pytest.raises(ValueError, match="heads"):  # a head past the weights
+        cu.linear(release, data, scale, X, round=True, kernel="lanes", heads=((nh + 1) * rh, rh, hstride, woff, xhs))
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, marks=needs_gpu) for c in LINEAR_CASES] + LINEAR_EMU_CASES,
                          ids=lambda c: c[0])
 def test_linear_kernels_match_cpu(case):

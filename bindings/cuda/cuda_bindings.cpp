@@ -519,7 +519,7 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
     m.def(
         "linear",
         [](const std::string& release, const py::object& dobj, const py::object& sobj, const py::object& xobj,
-           bool round, const std::string& kernel, bool expert, const std::string& decode) {
+           bool round, const std::string& kernel, bool expert, const std::string& decode, const py::object& hobj) {
             const bool bf = release == "bf16", f32 = release == "f32", fp8 = release == "fp8", mx = release == "mxfp4";
             if (!(bf || f32 || fp8 || mx)) bad("linear: release must be 'bf16', 'f32', 'fp8' or 'mxfp4'");
             const py::array W = checked(dobj, "data", bf ? "u" : (f32 ? "f" : "u"), bf ? 2 : (f32 ? 4 : 1));
@@ -538,23 +538,34 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
                 bad("scale: must be None for bf16 and f32");
             }
             const py::array X = checked(xobj, "X", "f", 4);
-            if (X.ndim() != 2 || X.shape(1) != C) bad("X: expected shape [T, " + std::to_string(C) + "]");
+            LinHeads heads;
+            if (!hobj.is_none()) {
+                const auto h = hobj.cast<std::vector<int64_t>>();
+                if (h.size() != 5) bad("heads: (out_rows, rh, hstride, woff, xhs)");
+                if (X.ndim() != 2) bad("X: expected a 2-d array");
+                heads = {h[0], h[1], h[2], h[3], h[4], static_cast<int64_t>(X.shape(1))};
+            } else if (X.ndim() != 2 || X.shape(1) != C) {
+                bad("X: expected shape [T, " + std::to_string(C) + "]");
+            }
             const int T = static_cast<int>(X.shape(0));
             std::vector<float> y = translate([&] {
                 py::gil_scoped_release nogil;
                 return linear_device(release, W.data(), static_cast<size_t>(W.nbytes()), sbytes ? S.data() : nullptr,
                                      sbytes, R, C, static_cast<const float*>(X.data()), T, round, kernel, expert,
-                                     decode);
+                                     decode, hobj.is_none() ? nullptr : &heads);
             });
-            py::array_t<float> out({static_cast<py::ssize_t>(T), static_cast<py::ssize_t>(R)});
+            const int64_t out_rows = hobj.is_none() ? R : heads.out_rows;
+            py::array_t<float> out({static_cast<py::ssize_t>(T), static_cast<py::ssize_t>(out_rows)});
             std::memcpy(out.mutable_data(), y.data(), y.size() * sizeof(float));
             return out;
         },
         py::arg("release"), py::arg("data"), py::arg("scale"), py::arg("X"), py::arg("round") = false,
-        py::arg("kernel") = "auto", py::arg("expert") = false, py::arg("decode") = "auto",
+        py::arg("kernel") = "auto", py::arg("expert") = false, py::arg("decode") = "auto", py::arg("heads") = py::none(),
         "linear(release, data, scale, X: f32[T, C], round=False, kernel='auto'|'register'|'register:occ5'|"
         "'register:occ6'|'stream:1|2|3'|'tiled'|'tiled:1'|'gemm'|'lanes'|'staged'|'staged:LPT:XS[:RPB:CPS]', expert=False, "
-        "decode='auto'|'sw'|'hw'|'int') -> "
+        "decode='auto'|'sw'|'hw'|'int', heads=None | (out_rows, rh, hstride, woff, xhs): head-blocked as MLA's "
+        "W_UK^T and W_UV, output row r from weight row (r / rh) hstride + woff + r % rh and X columns (r / rh) xhs + "
+        "[0, C), X [T, any width]) -> "
         "f32[T, R]: Y[t, r] = cdot(W[r], X[t]) through the engine's device kernels (expert: the routed-expert "
         "path, token row t its own work item, or with 'tiled' items of 4 or 8 pairs, with 'gemm' of 16 from 16). "
         "Layouts as fast._core.linear.");

@@ -183,9 +183,15 @@ std::vector<float> decode_table_device(const std::string& which);
 // apply; "staged:LPT:XS[:RPB:CPS]" forces its variant) or "register"; expert: through the routed-expert path (the matrix as one expert, each token
 // row a work item). release "bf16" | "f32" | "fp8" | "mxfp4" with the checkpoint's layouts. decode (fp8):
 // "auto" (the engine's choice), "sw", "hw" (the e4m3x2 conversion) or "int" (bit placement; NaN-free weights).
+// heads (dense, as MLA's W_UK^T and W_UV): out_rows output rows by heads of rh, output row r from weight row
+// (r / rh) hstride + woff + r % rh and x columns (r / rh) xhs + [0, C) of X's ldx; R is then the weight rows.
+struct LinHeads {
+    int64_t out_rows = 0, rh = 0, hstride = 0, woff = 0, xhs = 0, ldx = 0;
+};
 std::vector<float> linear_device(const std::string& release, const void* data, size_t data_bytes, const void* scale,
                                  size_t scale_bytes, int64_t R, int64_t C, const float* X, int T, bool round,
-                                 const std::string& kernel, bool expert, const std::string& decode = "auto");
+                                 const std::string& kernel, bool expert, const std::string& decode = "auto",
+                                 const LinHeads* heads = nullptr);
 // The one-token kernel chosen per shape by timing the candidates on first use (weights.cu), with the
 // microseconds each candidate took.
 struct TunedShape {

@@ -106,7 +106,8 @@ __global__ void __launch_bounds__(256) k_rows_lanes(const float* __restrict__ X,
     for (int o = static_cast<int>(threadIdx.x); o < C; o += 256) Y[r * C + o] = row[lane_order_col(o, nch)];
 }
 
-// Dense: a.X is Xp (k_x_lanes) with a.ldx = ldT; a.Y the launch's first token row; a.T its tokens.
+// Dense: a.X is Xp (k_x_lanes) with a.ldx = ldT; a.Y the launch's first token row; a.T its tokens. Head-blocked
+// (a.rh < a.R): Xp of x's whole width, every head's columns.
 // Experts (items of up to BN pairs): a.X rows in lane order (k_rows_lanes), gathered per pair into the
 // stage, transposed in the decode pass.
 template <int FMT, bool EXPERT, int DEC, int BN>
@@ -142,8 +143,9 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     const int rg = 2 * (warp % RWG) + (q & 1), tg = 2 * (warp / RWG) + (q >> 1);
     const int row_base = static_cast<int>(blockIdx.x) * BM;
     const int64_t rb = row_bytes(FMT, C);
-    auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
-        return a.row0 + a.woff + (r < a.R ? r : a.R - 1);
+    auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored); by head
+        r = r < a.R ? r : a.R - 1;
+        return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
     };
     const uint32_t sm_s = smem_u32(sm);
     // this thread's copies of a slab: weight pieces (row, 16-byte offset) and x pieces. Dense: chunk u,
@@ -362,12 +364,17 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     auto next_stage = [](int& st) { st = st + 1 == ST ? 0 : st + 1; };
     // x offsets: from one slab to the next, and to a lane's first slab
     const int64_t xstep = EXPERT ? S * 8 : static_cast<int64_t>(S) * 8 * a.ldx;
-    const int64_t xlane = EXPERT ? static_cast<int64_t>(nch) * 8 : static_cast<int64_t>(nch) * 8 * a.ldx;
+    // Head-blocked launches (dense; the block's rows lie in one head, lanes_applies): Xp holds the chunks
+    // of every head's x (head h's from chunk h xhs / 64), and the block reads its head's.
+    const bool heads = !EXPERT && a.rh < a.R;
+    const int64_t nchx = heads ? ((a.R - 1) / a.rh * a.xhs + C) / 64 : nch;  // chunks of a lane in Xp
+    const int64_t xbase = heads ? static_cast<int64_t>(row_base / a.rh) * (a.xhs / 64) * 8 * a.ldx : 0;
+    const int64_t xlane = EXPERT ? static_cast<int64_t>(nch) * 8 : nchx * 8 * a.ldx;
     auto issue_next = [&](int& s, int& p, int64_t& xo, int& st) {
         if (++s == nst) {
             s = 0;
             ++p;
-            xo = ln_lane(p & 7) * xlane;
+            xo = xbase + ln_lane(p & 7) * xlane;
         } else {
             xo += xstep;
         }
@@ -411,7 +418,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
             }
         }
         int is = 0, ip = 0, ist = 0;
-        int64_t ixo = 0;  // lane 0, chunk 0
+        int64_t ixo = xbase;  // lane 0, chunk 0
         for (int n = 0; n < ST - 1; ++n) {
             if (ip < 8) issue(is, ixo, ist);
             cp_async_commit();

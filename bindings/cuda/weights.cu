@@ -283,8 +283,13 @@ void launch_gemm(const LinArgs& a, dim3 grid) {
 // time: larger launches run in groups of tokens.
 constexpr int kLanesMinT = 128;
 constexpr int64_t kLanesGroup = int64_t{32} << 20;  // floats of re-laid x (128 MiB) per group of tokens
+// Head-blocked launches (MLA's W_UK^T and W_UV by head) where each head is whole 64-row blocks and its x
+// whole chunks: a block's rows, 32 or 64, then lie in one head, and x is re-laid over its whole width.
+// (Through the register-tiled kernel their 4 and 8 chunks a row made 8192 and 4096 blocks of 32 rows x 16
+// tokens at 128 tokens, each mostly waiting for its copies: 614 us of a b128 step with q_a and kv_a.)
+bool lanes_heads_ok(const LinArgs& a) { return a.rh % 64 == 0 && a.xhs % 64 == 0; }
 bool lanes_applies(const LinArgs& a, bool expert) {
-    if (expert ? a.tile_pairs != kLanesItem : (a.T < 2 || a.rh < a.R)) return false;
+    if (expert ? a.tile_pairs != kLanesItem : (a.T < 2 || (a.rh < a.R && !lanes_heads_ok(a)))) return false;
     if (!(a.fmt == W_BF16 || a.fmt == W_FP8 || a.fmt == W_MXFP4)) return false;
     const int64_t rb = row_bytes(a.fmt, a.C);
     if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
@@ -294,8 +299,11 @@ bool lanes_applies(const LinArgs& a, bool expert) {
                : reinterpret_cast<uintptr_t>(a.data) % 16 != 0)
         return false;
     // its scale offsets are 32-bit
-    return (a.row0 + a.woff + a.R) * (a.C / 32 + 1) < (int64_t{1} << 31);
+    const int64_t max_ar = a.row0 + static_cast<int64_t>((a.R - 1) / a.rh) * a.hstride + a.woff + std::min(a.R, a.rh);
+    return max_ar * (a.C / 32 + 1) < (int64_t{1} << 31);
 }
+// Chunks of x a head-blocked launch reads (every head's columns), else of one row.
+int64_t lanes_x_chunks(const LinArgs& a) { return a.rh < a.R ? ((a.R - 1) / a.rh * a.xhs + a.C) / 64 : a.C / 64; }
 // (expert items of kLanesItem pairs only when the engine option expert_tile asks for them: moe.cu)
 // Only where its blocks fill half the SMs: matrices of few rows (KDA's low-rank and gate projections, the
 // router, the indexer's and MLA's down-projections: 32-1536 rows) made 1-48 blocks of 32 rows x 128 tokens
@@ -348,12 +356,12 @@ void launch_lanes_bn(const LinArgs& a, dim3 grid) {
         GLM_LAUNCH(k, grid, kLnThreads, smem, a);
         return;
     }
-    const int nch = static_cast<int>(a.C / 64);
-    const int64_t per = std::max<int64_t>(BN, kLanesGroup / a.C / BN * BN);  // tokens per group
+    const int nch = static_cast<int>(lanes_x_chunks(a));
+    const int64_t per = std::max<int64_t>(BN, kLanesGroup / (64 * nch) / BN * BN);  // tokens per group
     for (int64_t t0 = 0; t0 < a.T; t0 += per) {
         const int n = static_cast<int>(std::min<int64_t>(per, a.T - t0));
         const int64_t ldT = (n + BN - 1) / BN * BN;
-        float* xp = lanes_scratch(ldT * a.C);
+        float* xp = lanes_scratch(ldT * 64 * nch);
         auto kx = k_x_lanes;
         GLM_LAUNCH(kx, dim3(static_cast<unsigned>(ldT / 32), static_cast<unsigned>(nch)), 256, 0, a.X + t0 * a.ldx, a.ldx,
                    n, nch, ldT, xp);
@@ -1205,7 +1213,8 @@ void fill(void* p, size_t n, uint32_t seed, int fmt) {
 
 std::vector<float> linear_device(const std::string& release, const void* data, size_t data_bytes, const void* scale,
                                  size_t scale_bytes, int64_t R, int64_t C, const float* X, int T, bool round,
-                                 const std::string& kernel, bool expert, const std::string& decode) {
+                                 const std::string& kernel, bool expert, const std::string& decode,
+                                 const LinHeads* heads) {
     const int fmt = parse_release(release);
     parse_decode(decode);
     bool no_staged = false, require_staged = false;
@@ -1215,17 +1224,31 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     const LinChoice choice = parse_kernel(gemm8 ? "gemm" : kernel, no_staged, require_staged);
     if (R <= 0 || C <= 0 || T <= 0) throw std::invalid_argument("linear: R, C and T must be positive");
     if (expert && T > 65535) throw std::invalid_argument("linear: at most 65535 pairs");
+    const int64_t ldx = heads ? heads->ldx : C, out_rows = heads ? heads->out_rows : R;
+    if (heads) {
+        const LinHeads& h = *heads;
+        const int64_t nh = h.rh > 0 ? (h.out_rows + h.rh - 1) / h.rh : 0;
+        if (expert || h.rh <= 0 || h.out_rows <= 0 || h.hstride < 0 || h.woff < 0 || h.xhs < 0 ||
+            (nh - 1) * h.hstride + h.woff + std::min(h.rh, h.out_rows) > R || (nh - 1) * h.xhs + C > h.ldx)
+            throw std::invalid_argument("linear: heads (out_rows, rh, hstride, woff, xhs) outside the weights or x");
+    }
     DevBufs B;
     void* dd = B.alloc(data_bytes);
     void* ds = B.alloc(scale_bytes);
-    void* dx = B.alloc(static_cast<size_t>(T) * C * 4);
-    void* dy = B.alloc(static_cast<size_t>(T) * R * 4);
+    void* dx = B.alloc(static_cast<size_t>(T) * ldx * 4);
+    void* dy = B.alloc(static_cast<size_t>(T) * out_rows * 4);
     void* dtab = B.alloc(2 * sizeof(void*));
     void* ditems = B.alloc(static_cast<size_t>(T) * 4 * 4 + 4);
     check(cudaMemcpy(dd, data, data_bytes, cudaMemcpyHostToDevice), "linear: weights");
     if (scale_bytes) check(cudaMemcpy(ds, scale, scale_bytes, cudaMemcpyHostToDevice), "linear: scales");
-    check(cudaMemcpy(dx, X, static_cast<size_t>(T) * C * 4, cudaMemcpyHostToDevice), "linear: X");
-    LinArgs a = whole_matrix_args(fmt, R, C, dx, C, dy, T, round, no_staged);
+    check(cudaMemcpy(dx, X, static_cast<size_t>(T) * ldx * 4, cudaMemcpyHostToDevice), "linear: X");
+    LinArgs a = whole_matrix_args(fmt, out_rows, C, dx, ldx, dy, T, round, no_staged);
+    if (heads) {
+        a.rh = static_cast<int>(heads->rh);
+        a.hstride = heads->hstride;
+        a.woff = heads->woff;
+        a.xhs = heads->xhs;
+    }
     a.dec = dec_of(decode, fmt,
                    fmt == W_FP8 ? e4m3_nan_free_device(dd, data_bytes) &&
                                       fp8_scales_foldable(static_cast<const float*>(scale), scale_bytes / 4)
@@ -1255,7 +1278,7 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         check_forced(a, false, require_staged, "linear");
         run(a, false, tile_for(T), Nm{});
     }
-    std::vector<float> y(static_cast<size_t>(T) * R);
+    std::vector<float> y(static_cast<size_t>(T) * out_rows);
     check(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost), "linear: Y");
     check(cudaDeviceSynchronize(), "linear");
     return y;
