@@ -148,10 +148,13 @@ def test_generate_return_shapes(engines):
     assert np.array_equal(bits(lgs[0]), bits(lg))  # batched with another request: the same bits
 
 
-def test_greedy_decode_step_path(engines, monkeypatch):
-    """step's greedy decode path (every segment (cache, [token], None, "argmax")) returns the tokens the
-    general path returns for the same rows (ids as a tuple take the general path), leaves steps that grow
-    a cache to it, and every bad input to its checks and errors."""
+@pytest.mark.parametrize("want", ["argmax", "argmax_logprob"])
+def test_greedy_decode_step_path(engines, monkeypatch, want):
+    """step's greedy decode path (every segment (cache, [token], None, want), one want for all: generate's
+    "argmax", the server's "argmax_logprob") returns what the general path returns for the same rows (ids
+    as a tuple take the general path): the same tokens, the same log-probabilities bit for bit, the same
+    types; it leaves steps that grow a cache, and steps of mixed wants, to the general path, and every bad
+    input to its checks and errors."""
     eng = engines("tiny-fp8")
     V = eng.config.vocab_size
     real, taken = eng._decode_greedy, []
@@ -161,29 +164,37 @@ def test_greedy_decode_step_path(engines, monkeypatch):
         taken.append(out is not None)
         return out
     monkeypatch.setattr(eng, "_decode_greedy", spy)
+    tok = (lambda r: r) if want == "argmax" else (lambda r: r[0])
     a, b = [eng.new_cache() for _ in range(3)], [eng.new_cache() for _ in range(3)]
     prompts = [[1, 2, 3], [4, 5], [6]]
-    ta = eng.step([(c, p, None, "argmax") for c, p in zip(a, prompts)])
-    tb = eng.step([(c, tuple(p), None, "argmax") for c, p in zip(b, prompts)])
-    assert ta == tb and taken == [False, False]
+    ra = eng.step([(c, p, None, want) for c, p in zip(a, prompts)])
+    rb = eng.step([(c, tuple(p), None, want) for c, p in zip(b, prompts)])
+    assert ra == rb and taken == [False, False]
     room = []  # per step: whether every cache had room for one more position (the rooms grow by doubling)
     for _ in range(12):
         room.append(all(c.length < c._room for c in a))
-        ta = eng.step([(c, [t], None, "argmax") for c, t in zip(a, ta)])
-        tb = eng.step([(c, (t,), None, "argmax") for c, t in zip(b, tb)])
-        assert ta == tb and all(type(t) is int for t in ta)
+        ra = eng.step([(c, [tok(r)], None, want) for c, r in zip(a, ra)])
+        rb = eng.step([(c, (tok(r),), None, want) for c, r in zip(b, rb)])
+        assert [tok(r) for r in ra] == [tok(r) for r in rb] and all(type(tok(r)) is int for r in ra)
+        if want == "argmax_logprob":
+            assert all(type(r[1]) is np.float32 for r in ra)
+            assert bits(np.array([r[1] for r in ra])).tolist() == bits(np.array([r[1] for r in rb])).tolist()
     assert [c.length for c in a] == [c.length for c in b] == [15, 14, 13]
     assert taken[2::2] == room and any(room) and not all(room) and not any(taken[3::2])
+    other = "argmax_logprob" if want == "argmax" else "argmax"
+    n = len(taken)
+    eng.step([(a[0], [1], None, want), (a[1], [1], None, other)])  # (mixed wants: the general path)
+    assert taken[n:] == [False]
     closed = eng.new_cache()
     closed.close()
-    for segs, msg in (([(a[0], [1], None, "argmax"), (a[0], [2], None, "argmax")], "twice"),
-                      ([(a[0], [V], None, "argmax")], "outside the vocabulary"),
-                      ([(a[0], [-1], None, "argmax")], "outside the vocabulary"),
-                      ([(closed, [1], None, "argmax")], "closed"),
-                      ([(a[0], [True], None, "argmax")], "integers")):
+    for segs, msg in (([(a[0], [1], None, want), (a[0], [2], None, want)], "twice"),
+                      ([(a[0], [V], None, want)], "outside the vocabulary"),
+                      ([(a[0], [-1], None, want)], "outside the vocabulary"),
+                      ([(closed, [1], None, want)], "closed"),
+                      ([(a[0], [True], None, want)], "integers")):
         with pytest.raises(fast.EngineInputError, match=msg):
             eng.step(segs)
-    assert [c.length for c in a] == [15, 14, 13]  # (refused steps change nothing)
+    assert [c.length for c in a] == [16, 15, 13]  # (refused steps change nothing)
 
 
 def test_close_and_context_manager(ckpt_path):
