@@ -607,16 +607,13 @@ class Engine:
         if no_mask is None:
             no_mask = self._no_capture_mask = np.zeros((self.config.num_hidden_layers + 1) * self._n_stages, np.bool_)
         logprob = mode == "argmax_logprob"
-        head_rows, logits, _, injected, argmaxes, logprobs = core.step(
+        _, _, _, injected, argmaxes, logprobs = core.step(
             np.array(sids, np.int64), np.array(toks, np.int32), np.full(T, 3 if logprob else 2, np.uint8),
             np.zeros(T, np.bool_), no_mask, None)
         self.injected += int(injected)
-        if len(argmaxes) == T and (not logprob or len(logprobs) == T):
-            return list(zip(argmaxes.tolist(), logprobs)) if logprob else argmaxes.tolist()
-        where = {int(r): i for i, r in enumerate(head_rows)}  # (an engine that sent the logits instead)
-        if logprob:
-            return [_argmax_logprob(logits[where[r]]) for r in range(T)]
-        return [int(np.argmax(logits[where[r]])) for r in range(T)]
+        if len(argmaxes) != T or (logprob and len(logprobs) != T):  # (both engines answer every such row)
+            raise RuntimeError(f"step: {len(argmaxes)} tokens for {T} greedy rows")
+        return list(zip(argmaxes.tolist(), logprobs)) if logprob else argmaxes.tolist()
 
     # ---------------------------------------------------------------- oracle-style API
     def forward(self, ids, cache: Cache | None = None, capture: Capture | None = None) -> np.ndarray:
