@@ -236,6 +236,10 @@ GLM_DEV void load_x8(const float* __restrict__ x, int64_t col, bool vec, float (
 // The x row of expert pair p: routed pair t*k + j reads token row t; the shared expert's pairs, which
 // follow the T*k routed ones, read row p - p_split.
 GLM_DEV int64_t pair_xrow(const LinArgs& a, int p) { return p < a.p_split ? p / a.xdiv : p - a.p_split; }
+// The weight row of output row r (head-blocked: row0 + (r / rh) hstride + woff + r % rh; LinArgs).
+GLM_DEV int64_t weight_row(const LinArgs& a, int r) {
+    return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
+}
 
 // Bytes of one chunk (64 weights) of a row, and of one row.
 template <int FMT>

@@ -168,8 +168,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     const int row_base = static_cast<int>(blockIdx.x) * BM;
     const int64_t rb = row_bytes(FMT, C);
     auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
-        r = r < a.R ? r : a.R - 1;
-        return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
+        return weight_row(a, r < a.R ? r : a.R - 1);
     };
     // this thread's decode tasks (the same in every slab): task tid + n * threads is row gi % BM, column
     // group (16 weights) (gi / BM) % 4 of chunk gi / (4 BM) of the slab: a warp's 32 tasks are 32 rows of

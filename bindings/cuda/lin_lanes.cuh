@@ -71,6 +71,11 @@ template <int FMT, int BN, bool EXPERT>
 constexpr int ln_smem_bytes() {
     return ln_stages<FMT, BN, EXPERT>() * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<FMT, BN, EXPERT>();
 }
+// Chunks of x a dense launch re-lays (k_x_lanes) and reads: a head-blocked one's every head's columns
+// (head h's from chunk h xhs / 64), else one row's.
+__host__ __device__ inline int64_t lanes_x_chunks(const LinArgs& a) {
+    return a.rh < a.R ? ((a.R - 1) / a.rh * a.xhs + a.C) / 64 : a.C / 64;
+}
 // pass p's lane: 0 4 2 6 1 5 3 7 (p's three bits reversed)
 GLM_DEV int ln_lane(int p) { return ((p & 1) << 2) | (p & 2) | ((p >> 2) & 1); }
 
@@ -143,9 +148,8 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     const int rg = 2 * (warp % RWG) + (q & 1), tg = 2 * (warp / RWG) + (q >> 1);
     const int row_base = static_cast<int>(blockIdx.x) * BM;
     const int64_t rb = row_bytes(FMT, C);
-    auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored); by head
-        r = r < a.R ? r : a.R - 1;
-        return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
+    auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
+        return weight_row(a, r < a.R ? r : a.R - 1);
     };
     const uint32_t sm_s = smem_u32(sm);
     // this thread's copies of a slab: weight pieces (row, 16-byte offset) and x pieces. Dense: chunk u,
@@ -367,7 +371,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     // Head-blocked launches (dense; the block's rows lie in one head, lanes_applies): Xp holds the chunks
     // of every head's x (head h's from chunk h xhs / 64), and the block reads its head's.
     const bool heads = !EXPERT && a.rh < a.R;
-    const int64_t nchx = heads ? ((a.R - 1) / a.rh * a.xhs + C) / 64 : nch;  // chunks of a lane in Xp
+    const int64_t nchx = EXPERT ? nch : lanes_x_chunks(a);  // chunks of a lane in Xp
     const int64_t xbase = heads ? static_cast<int64_t>(row_base / a.rh) * (a.xhs / 64) * 8 * a.ldx : 0;
     const int64_t xlane = EXPERT ? static_cast<int64_t>(nch) * 8 : nchx * 8 * a.ldx;
     auto issue_next = [&](int& s, int& p, int64_t& xo, int& st) {

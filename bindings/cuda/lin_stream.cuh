@@ -80,9 +80,6 @@ GLM_DEV SmUnit sm_unit(const LinArgs& a, int u, int nrg) {
     }
     return s;
 }
-GLM_DEV int64_t weight_row(const LinArgs& a, int r) {
-    return a.row0 + static_cast<int64_t>(r / a.rh) * a.hstride + a.woff + (r % a.rh);
-}
 
 // MINB: blocks per SM the launch keeps resident (1, 2 or 3), so the registers fit that many. XS: every
 // row reads one x row (row 0 of X), staged once per block after the rings: the chunk loop reads x from

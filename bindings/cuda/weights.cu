@@ -187,14 +187,17 @@ void launch_mt(const LinArgs& a, dim3 grid) {
 // (gemm_chosen). Head-blocked launches too, when each head is whole 32-row blocks (a block's x rows are
 // then its head's).
 constexpr int kGemmMinT = 16;
+// The register-tiled and lane-pass kernels' scale offsets are 32-bit: the last weight row's (weight_row).
+bool scale_offsets_32bit(const LinArgs& a) {
+    const int64_t max_ar = a.row0 + static_cast<int64_t>((a.R - 1) / a.rh) * a.hstride + a.woff + std::min(a.R, a.rh);
+    return max_ar * (a.C / 32 + 1) < (int64_t{1} << 31);
+}
 bool gemm_applies(const LinArgs& a, bool expert) {
     // head-blocked x (MLA's W_UK^T and W_UV by head): heads of whole 32-row blocks, x 16-byte aligned
     const bool heads_ok = !expert && a.rh % gm_rows<4>() == 0 && a.xhs % 4 == 0;
     if (!(tiled_applies(a, expert) || (rows_copyable(a, expert) && heads_ok))) return false;
     if (!(expert ? a.tile_pairs > 1 : a.T > 1)) return false;
-    // its scale offsets are 32-bit
-    const int64_t max_ar = a.row0 + static_cast<int64_t>((a.R - 1) / a.rh) * a.hstride + a.woff + std::min(a.R, a.rh);
-    return max_ar * (a.C / 32 + 1) < (int64_t{1} << 31);
+    return scale_offsets_32bit(a);
 }
 // expert launches like a (its tables, x) in items of 16 pairs (expert_tile's gemm16)
 bool gemm_takes_items16(LinArgs a) {
@@ -298,12 +301,8 @@ bool lanes_applies(const LinArgs& a, bool expert) {
     if (expert ? reinterpret_cast<uintptr_t>(a.X) % 16 != 0 || a.ldx % 4 != 0 || a.C > kLanesRowMax
                : reinterpret_cast<uintptr_t>(a.data) % 16 != 0)
         return false;
-    // its scale offsets are 32-bit
-    const int64_t max_ar = a.row0 + static_cast<int64_t>((a.R - 1) / a.rh) * a.hstride + a.woff + std::min(a.R, a.rh);
-    return max_ar * (a.C / 32 + 1) < (int64_t{1} << 31);
+    return scale_offsets_32bit(a);
 }
-// Chunks of x a head-blocked launch reads (every head's columns), else of one row.
-int64_t lanes_x_chunks(const LinArgs& a) { return a.rh < a.R ? ((a.R - 1) / a.rh * a.xhs + a.C) / 64 : a.C / 64; }
 // (expert items of kLanesItem pairs only when the engine option expert_tile asks for them: moe.cu)
 // Only where its blocks fill half the SMs: matrices of few rows (KDA's low-rank and gate projections, the
 // router, the indexer's and MLA's down-projections: 32-1536 rows) made 1-48 blocks of 32 rows x 128 tokens
