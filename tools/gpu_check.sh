@@ -14,7 +14,7 @@
 # NCU=1 (ncu counters and warp stall reasons of the routed-expert kernels; NCU_ONLY, NCU_VARIANTS, NCU_COUNT for others),
 # NCU_KERNELS=REGEX (ncu --set full on the engine's kernels whose names match, in decode steps at batch 1:
 # details and per-SASS-instruction stall samples into $OUT; NCU_SKIP, NCU_KCOUNT: which launches), NCU_GEMM=SHAPE (ncu of the
-# register-tiled kernel, or NCU_GEMM_KERNELS="gemm pairs" each, on a tools/bench_gemm.py shape at NCU_GEMM_T tokens, read by tools/ncu_blocks.py), BENCH=0 (no benchmarks),
+# register-tiled kernel, or NCU_GEMM_KERNELS="gemm pairs lanes" each, on a tools/bench_gemm.py shape at NCU_GEMM_T tokens, read by tools/ncu_blocks.py), BENCH=0 (no benchmarks),
 # SASS=REGEX (cuobjdump of the kernels whose mangled names match, with each one's instruction mix), PREBUILT=1 (use fast/_core and fast/_cuda carried in),
 # FLASH=1 (make the flash zoo checkpoint instead of the slice, then tools/bench_flash.py: full-depth decode b1 and
 # CUDA = CPU at 45 layers; with BENCH=0 since there is no slice), CONTEXT=1024,...,131072 (tools/bench_context.py on slice-fp8 after the benchmarks: decode b1 and prefill as the context grows; CONTEXT_AB="VAR=VALUE ...": again with each setting),
@@ -393,7 +393,7 @@ if [ -n "${NCU_GEMM:-}" ] && command -v ncu > /dev/null; then
   # NCU_GEMM_T, default 512; NCU_GEMM_KERNELS: bench_gemm's kernel names, default gemm, e.g. "gemm pairs"):
   # every section, then where its instructions and stalls go (tools/ncu_blocks.py)
   for kern in ${NCU_GEMM_KERNELS:-gemm}; do
-    case "$kern" in pairs) kname=k_linear_pairs ;; *) kname=k_linear_gemm ;; esac
+    kname=k_linear_${kern%%:*}  # (bench_gemm's gemm, pairs, lanes: k_linear_gemm, k_linear_pairs, k_linear_lanes)
     phase "ncu: $kname ($kern) on ${NCU_GEMM} at T = ${NCU_GEMM_T:-512} (tools/bench_gemm.py)"
     timeout 150 ncu --clock-control none --set full --import-source no -k "regex:$kname" -s 2 -c 1 -f -o "$OUT/ncu_$kern" \
       python3 tools/bench_gemm.py --only "$NCU_GEMM" --tokens "${NCU_GEMM_T:-512}" --kernels "$kern" --reps 1 > "$OUT/ncu_$kern.log" 2>&1
