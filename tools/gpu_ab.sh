@@ -8,7 +8,8 @@
 #   bash tools/gpu_ab.sh                          # every build in .variants, 2 rounds, b32 b128 + prefill 2048
 #   BUILDS="base new" ROUNDS=3 BATCHES=1,32 PREFILL="" bash tools/gpu_ab.sh
 #   TEST_BUILD=new bash tools/gpu_ab.sh           # then the GPU tests (and the slice test) with that build
-#   PROFILE="32 128" bash tools/gpu_ab.sh         # then a kernel profile (PDL off) of each build at these batches
+#   PROFILE="32 128 p2048" bash tools/gpu_ab.sh   # then a kernel profile (PDL off) of each build at these batches
+#                                                 # (pN: a prefill of N tokens; PROFILE_ROWS kernels listed, 12)
 #   BUILDS="new new+GLM_PAIRS=0" bash tools/gpu_ab.sh  # one build with and without an engine option (NAME+VAR=VAL[+...]:
 #                                                 # the build NAME, its processes run with those variables; fast/cuda.py's GLM_*)
 #
@@ -93,10 +94,14 @@ for b in ${PROFILE:+$BUILDS}; do
   use "$b"
   for B in $PROFILE; do
     plog="$LOGS/profile_$(tag_of "$b")_b$B.log"
-    env $(settings_of "$b") GLM_PDL=0 timeout 120 python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-fp8" --batch "$B" --steps 3 \
+    case "$B" in  # pN: a prefill of N tokens (2 of them), else a decode batch (3 steps)
+      p*) shape=(--prefill "${B#p}" --steps 2) ;;
+      *) shape=(--batch "$B" --steps 3) ;;
+    esac
+    env $(settings_of "$b") GLM_PDL=0 timeout 120 python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-fp8" "${shape[@]}" \
       > "$plog" 2>&1
-    echo "== profile $b b$B (PDL off)"; grep -E "wall per step|device busy" "$plog"
-    grep -E "^  k_|^  Memcpy" "$plog" | head -12
+    echo "== profile $b $B (PDL off)"; grep -E "wall per step|device busy" "$plog"
+    grep -E "^  k_|^  Memcpy" "$plog" | head -${PROFILE_ROWS:-12}
   done
 done
 echo "done at $(elapsed) s"
