@@ -74,6 +74,7 @@ _ENV_OPTIONS = {
     "GLM_STREAM_EARLY": ("stream_early", lambda v: v == "1"),
     "GLM_HC_FUSE": ("hc_fuse", lambda v: v != "0"),
     "GLM_EXPERT_TILE": ("expert_tile", lambda v: int(v) if v in ("1", "4", "8", "16", "64") else 0),
+    "GLM_LANES_ITEMS": ("lanes_items", lambda v: int(v) if v.strip().isdigit() else v),  # (else refused, named)
     "GLM_PINNED_LOGITS": ("pinned_logits", lambda v: v != "0"),
     "GLM_GEMM": ("gemm", lambda v: v != "0"),
     "GLM_LANES": ("lanes", lambda v: v != "0"),

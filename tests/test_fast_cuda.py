@@ -649,8 +649,11 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
     register-tiled kernel (T k >= 16 E; 32 rows x 16 pairs a block), and so do the dense projections (at
     these widths the lane-pass kernel's blocks would not fill half the SMs, and 200 tokens would leave its
     second 128-token tile mostly empty: weights.cu, lanes_chosen; its dense engine path at real widths:
-    tests/test_long_context.py's 8K slice prefill); with expert_tile=64 the expert items hold 64 pairs
-    through the lane-pass kernel (x rows in lane order, h written so by the activation); the option lanes
+    tests/test_long_context.py's 8K slice prefill), and beside them lane items (the engine's rule: an
+    expert's whole 64s of pairs and a remainder of at least lanes_items=48 take items of 64 through the
+    lane-pass kernel, x rows and h in lane order), with lanes_items=1 every pair in lane items (no item of
+    16 left), 64 only the whole 64s (the shared expert's 200 pairs: three, its remainder in items of 16),
+    0 none; with expert_tile=64 every item holds 64 pairs through the lane-pass kernel; the option lanes
     off changes nothing here. MLA's head-blocked W_UK^T and W_UV (heads of whole 32-row
     blocks, each block's x its head's) take the register-tiled kernel from 16 rows. Every stage of every
     position = the CPU engine's, each way; expert_tile=16 forces the items on a 40-token step (items of 16,
@@ -663,7 +666,8 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
     ids = prompt(cpu.config.vocab_size, 200, 11)
     want = Capture()
     logits = cpu.prefill(ids, capture=want)
-    for opts in ({}, {"expert_tile": 64}, {"lanes": False}):
+    for opts in ({}, {"expert_tile": 64}, {"lanes": False}, {"lanes_items": 1}, {"lanes_items": 64},
+                 {"lanes_items": 0}):
         eng, got = CudaEngine(path, cuda_options=opts), Capture()
         assert np.array_equal(bits(logits), bits(eng.prefill(ids, capture=got)))
         assert_same_capture(eng.config, want, got, range(len(ids)))
@@ -681,14 +685,14 @@ def test_engine_options(tmp_path, monkeypatch):
     path = str(tmp_path / "w128-fp8")
     make_checkpoint("tiny", "fp8", path, hidden_size=128)
     from fast.cuda import _ENV_OPTIONS
-    defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0,
+    defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0, "lanes_items": 48,
                 "pinned_logits": True, "gemm": True, "lanes": True, "idx_tiled": True, "attn_tiled": True,
                 "head_bound": True, "pairs": True}
     assert sorted(name for name, _ in _ENV_OPTIONS.values()) == sorted(defaults)   # (an A/B variable each)
     for var in _ENV_OPTIONS:
         monkeypatch.delenv(var, raising=False)
     assert CudaEngine(path).options["cuda"] == defaults
-    flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8,
+    flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8, "lanes_items": 0,
                "pinned_logits": False, "gemm": False, "lanes": False, "idx_tiled": False, "attn_tiled": False,
                "head_bound": False, "pairs": False}
     eng, ref = CudaEngine(path, cuda_options=flipped), fast.Engine(path, device="cpu")
@@ -709,5 +713,11 @@ def test_engine_options(tmp_path, monkeypatch):
         CudaEngine(path, cuda_options={"fuse": True})
     with pytest.raises(fast.EngineInputError, match="expert_tile must be 0"):
         CudaEngine(path, cuda_options={"expert_tile": 3})
+    with pytest.raises(fast.EngineInputError, match="lanes_items must be 0"):
+        CudaEngine(path, cuda_options={"lanes_items": 65})
+    monkeypatch.setenv("GLM_LANES_ITEMS", "many")
+    with pytest.raises(fast.EngineInputError, match="lanes_items must be an int"):
+        CudaEngine(path)
+    monkeypatch.delenv("GLM_LANES_ITEMS")
     with pytest.raises(fast.EngineInputError, match="pdl must be True or False"):
         CudaEngine(path, cuda_options={"pdl": 1})

@@ -88,11 +88,17 @@ struct PyEngine {
     std::shared_ptr<PinnedPool> pool = std::make_shared<PinnedPool>();
 };
 
-// The engine options (engine_api.hpp: EngineOptions) by name: the flags, then expert_tile.
+// The engine options (engine_api.hpp: EngineOptions) by name: the flags, then the integers.
 struct FlagOption {
     const char* name;
     bool EngineOptions::*field;
 };
+struct IntOption {
+    const char* name;
+    int EngineOptions::*field;
+};
+constexpr IntOption kIntOptions[] = {{"expert_tile", &EngineOptions::expert_tile},
+                                     {"lanes_items", &EngineOptions::lanes_items}};
 constexpr FlagOption kFlagOptions[] = {{"pdl", &EngineOptions::pdl},
                                        {"tune", &EngineOptions::tune},
                                        {"stream_early", &EngineOptions::stream_early},
@@ -114,16 +120,20 @@ EngineOptions options_from_dict(const py::dict& d) {
         const FlagOption* f = nullptr;
         for (const FlagOption& c : kFlagOptions)
             if (k == c.name) f = &c;
+        const IntOption* n = nullptr;
+        for (const IntOption& c : kIntOptions)
+            if (k == c.name) n = &c;
         if (f) {
             if (!py::isinstance<py::bool_>(v)) bad("options: " + k + " must be True or False");
             o.*(f->field) = v.cast<bool>();
-        } else if (k == "expert_tile") {
-            if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v)) bad("options: expert_tile must be an int");
-            o.expert_tile = v.cast<int>();
+        } else if (n) {
+            if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v)) bad("options: " + k + " must be an int");
+            o.*(n->field) = v.cast<int>();
         } else {
             std::string names;
             for (const FlagOption& c : kFlagOptions) names += std::string(c.name) + ", ";
-            bad("options: unknown option '" + k + "' (" + names + "expert_tile)");
+            for (const IntOption& c : kIntOptions) names += std::string(c.name) + (&c == std::end(kIntOptions) - 1 ? "" : ", ");
+            bad("options: unknown option '" + k + "' (" + names + ")");
         }
     }
     return o;
@@ -131,7 +141,7 @@ EngineOptions options_from_dict(const py::dict& d) {
 py::dict options_dict(const EngineOptions& o) {
     py::dict d;
     for (const FlagOption& c : kFlagOptions) d[c.name] = o.*(c.field);
-    d["expert_tile"] = o.expert_tile;
+    for (const IntOption& c : kIntOptions) d[c.name] = o.*(c.field);
     return d;
 }
 

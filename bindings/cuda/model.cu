@@ -222,6 +222,9 @@ Engine::Engine(const Config& cfg, bool seq_dot, bool native_exp, const EngineOpt
         options.expert_tile != 16 && options.expert_tile != kLanesItem)
         throw std::invalid_argument("options: expert_tile must be 0 (the engine's rule), 1, 4, 8, 16 or 64, got " +
                                     std::to_string(options.expert_tile));
+    if (options.lanes_items < 0 || options.lanes_items > kLanesItem)
+        throw std::invalid_argument("options: lanes_items must be 0 (no lane-pass expert items) to 64, got " +
+                                    std::to_string(options.lanes_items));
     e.opts = options;
     const ActiveOptions active(e.opts);
     e.nm.seq = seq_dot;

@@ -32,17 +32,21 @@ __global__ void k_swiglu_act(const float* __restrict__ g, const float* __restric
     h[i] = swiglu_one(g[i], u[i], L, nm);
 }
 // The same activation with each row written in lane order (weights.cuh, rows_lanes: the down projection's
-// x when its items take the lane-pass kernel), into g itself: a block per row reads it whole first (as
-// k_rows_lanes does).
-__global__ void k_swiglu_lanes(float* g, const float* __restrict__ u, int I, float L, Nm nm) {
+// x when its items take the lane-pass kernel): into g itself, or with hl given, in order into g and in lane
+// order into hl (lane items beside items of 16). A block per row reads it whole first (as k_rows_lanes does).
+__global__ void k_swiglu_lanes(float* g, const float* __restrict__ u, int I, float L, Nm nm, float* __restrict__ hl) {
     pdl_enter();
     GLM_DYN_SMEM(float, h);
     const int64_t r = blockIdx.x;
     const int nch = I / 64;
-    for (int i = static_cast<int>(threadIdx.x); i < I; i += static_cast<int>(blockDim.x))
-        h[i] = swiglu_one(g[r * I + i], u[r * I + i], L, nm);
+    for (int i = static_cast<int>(threadIdx.x); i < I; i += static_cast<int>(blockDim.x)) {
+        const float v = swiglu_one(g[r * I + i], u[r * I + i], L, nm);
+        h[i] = v;
+        if (hl) g[r * I + i] = v;
+    }
     __syncthreads();
-    for (int o = static_cast<int>(threadIdx.x); o < I; o += static_cast<int>(blockDim.x)) g[r * I + o] = h[lane_order_col(o, nch)];
+    float* const out = hl ? hl : g;
+    for (int o = static_cast<int>(threadIdx.x); o < I; o += static_cast<int>(blockDim.x)) out[r * I + o] = h[lane_order_col(o, nch)];
 }
 
 GLM_DEV float key_of(float v) { return is_nan(v) ? -INFINITY : v; }
@@ -209,12 +213,16 @@ struct WeightArgs {
     float rsf;
     float* wts;
 };
+// Lane items (lanes_min > 0; weights.cuh, lanes_item_split): each expert's whole 64s of pairs, and its
+// remainder when that holds at least lanes_min pairs, are items of kLanesItem pairs in items_l (n_l of
+// them); what remains, items of `tile` in items. An expert's pairs stay contiguous: its lane items first.
 __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict__ sel, int nrouted, int nshared,
                                                            int E0, int own_lo, int own_hi, int tile, int* pairs,
-                                                           int* items, int* n_items, WeightArgs wa, Nm nm) {
+                                                           int* items, int* n_items, int lanes_min, int* items_l,
+                                                           int* n_l, WeightArgs wa, Nm nm) {
     pdl_enter();
     GLM_DYN_SMEM(int, cnt);  // [E]: count, then the fill cursor
-    __shared__ int wc[32], wi[32];
+    __shared__ int wc[32], wi[32], wl[32];
     const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
     const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
     for (int t = tid; t < wa.T; t += nt) moe_weights_row(wa.scores, sel, t, E0, wa.k, wa.norm, wa.rsf, wa.wts, nm);
@@ -231,48 +239,63 @@ __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict
         if (e >= 0) atomicAdd(&cnt[e], 1);
     }
     __syncthreads();
-    int carry_c = 0, carry_i = 0;
+    int carry_c = 0, carry_i = 0, carry_l = 0;
     for (int base = 0; base < E; base += nt) {
         const int e = base + tid;
         const int c = e < E ? cnt[e] : 0;
-        const int ni = (c + tile - 1) / tile;
-        int ic = c, ii = ni;  // inclusive scans over the warp
+        const int cl = lanes_min > 0 ? lanes_item_pairs(c, lanes_min) : 0;  // pairs in lane items
+        const int ni = (c - cl + tile - 1) / tile, nl = (cl + kLanesItem - 1) / kLanesItem;
+        int ic = c, ii = ni, il = nl;  // inclusive scans over the warp
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const int yc = __shfl_sync(kFull, ic, lane >= o ? lane - o : lane);
             const int yi = __shfl_sync(kFull, ii, lane >= o ? lane - o : lane);
+            const int yl = __shfl_sync(kFull, il, lane >= o ? lane - o : lane);
             if (lane >= o) {
                 ic += yc;
                 ii += yi;
+                il += yl;
             }
         }
         if (lane == 31) {
             wc[warp] = ic;
             wi[warp] = ii;
+            wl[warp] = il;
         }
         __syncthreads();
-        int pc = carry_c, pi = carry_i;
+        int pc = carry_c, pi = carry_i, pl = carry_l;
         for (int w = 0; w < nw; ++w) {
             if (w < warp) {
                 pc += wc[w];
                 pi += wi[w];
+                pl += wl[w];
             }
             carry_c += wc[w];
             carry_i += wi[w];
+            carry_l += wl[w];
         }
         if (e < E) {
             const int off = pc + ic - c;
-            int it = pi + ii - ni;
-            for (int a = 0; a < c; a += tile, ++it) {
+            int it = pl + il - nl;
+            for (int a = 0; a < cl; a += kLanesItem, ++it) {
+                items_l[3 * it] = e;
+                items_l[3 * it + 1] = off + a;
+                items_l[3 * it + 2] = cl - a < kLanesItem ? cl - a : kLanesItem;
+            }
+            it = pi + ii - ni;
+            for (int a = cl; a < c; a += tile, ++it) {
                 items[3 * it] = e;
                 items[3 * it + 1] = off + a;
                 items[3 * it + 2] = c - a < tile ? c - a : tile;
             }
             cnt[e] = off;
         }
-        __syncthreads();  // wc/wi reused; cursors visible to warp 0
+        __syncthreads();  // wc/wi/wl reused; cursors visible to warp 0
     }
-    if (tid == 0) *n_items = carry_i;
+    if (tid == 0) {
+        *n_items = carry_i;
+        if (lanes_min > 0) *n_l = carry_l;
+    }
     if (warp != 0) return;
     for (int base = 0; base < npairs; base += 32) {
         const int p = base + lane;
@@ -474,9 +497,18 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     if (T > 1 && s.E.opts.expert_tile > 0)
         tile = lanes64 ? kLanesItem : (s.E.opts.expert_tile >= 16 ? (gemm16 ? 16 : 8) : s.E.opts.expert_tile);
     const bool lanes = tile == kLanesItem;
+    // lane items beside the items of 16 where the engine's rule chose 16 (option lanes_items: the smallest
+    // remainder that takes one; weights.cuh, lanes_item_pairs)
+    const int lanes_min = tile == 16 && s.E.opts.expert_tile == 0 && s.E.opts.lanes_items > 0 &&
+                                  experts_take_lanes(w.t_gate, x, D) && experts_take_lanes(w.t_up, x, D) &&
+                                  experts_take_lanes(w.t_down, gbuf, Im)
+                              ? s.E.opts.lanes_items
+                              : 0;
     int* pairs = s.scratch.d<int>(static_cast<size_t>(nall));
     int* items = s.scratch.d<int>(static_cast<size_t>(nall) * 3);
     int* n_items = s.scratch.d<int>(1);
+    int* items_l = lanes_min > 0 ? s.scratch.d<int>(static_cast<size_t>(nall) * 3) : nullptr;
+    int* n_l = lanes_min > 0 ? s.scratch.d<int>(1) : nullptr;
     // moe.weights (made by the plan)
     float* wts = s.scratch.d<float>(static_cast<size_t>(T) * k);
     {
@@ -486,24 +518,30 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
         const int lo = P.bounds.empty() ? 0 : static_cast<int>(P.bounds[static_cast<size_t>(P.rank)]);
         const int hi = P.bounds.empty() ? E : static_cast<int>(P.bounds[static_cast<size_t>(P.rank) + 1]);
         GLM_LAUNCH(kk, 1, kPlanThreads, static_cast<size_t>(E + 1) * 4, sel, npairs, nsh, E, lo, hi, tile, pairs,
-                   items, n_items, wa, nm);
+                   items, n_items, lanes_min, items_l, n_l, wa, nm);
         check_launch("moe_plan");
     }
     s.emit(layer, S_MOE_WEIGHTS, wts, k, {k});
     if (w.t_gate.data) {  // (a rank of expert parallelism may hold no expert of the layer)
         // gate and up read the same x rows for the same work list (one launch when their tables match)
+        // (lane items read x, and the down projection h, as rows in lane order: rows_lanes)
         const float* xe = x;
-        if (lanes) {
-            float* xl = s.scratch.d<float>(static_cast<size_t>(T) * D);
+        float* xl = nullptr;
+        if (lanes || lanes_min > 0) {
+            xl = s.scratch.d<float>(static_cast<size_t>(T) * D);
             rows_lanes(x, D, T, D, xl);
-            xe = xl;
+            if (lanes) xe = xl;
         }
+        if (lanes_min > 0)
+            linear_experts2(w.t_gate, w.t_up, items_l, n_l, nall, pairs, xl, D, k, npairs, gbuf, ubuf, Im, kLanesItem, nm, s.hw8);
         linear_experts2(w.t_gate, w.t_up, items, n_items, nall, pairs, xe, D, k, npairs, gbuf, ubuf, Im, tile, nm, s.hw8);
-        if (lanes) {
+        float* hl = nullptr;  // lane items beside items of 16: h in lane order here, in order in gbuf
+        if (lanes || lanes_min > 0) {
+            if (!lanes) hl = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
             auto kk = k_swiglu_lanes;
             const size_t smem = static_cast<size_t>(Im) * 4;
             allow_smem(kk, smem);
-            GLM_LAUNCH(kk, static_cast<unsigned>(nall), 256, smem, gbuf, ubuf, Im, static_cast<float>(c.swiglu_limit), nm);
+            GLM_LAUNCH(kk, static_cast<unsigned>(nall), 256, smem, gbuf, ubuf, Im, static_cast<float>(c.swiglu_limit), nm, hl);
             check_launch("moe_act");
         } else {
             const int64_t n = static_cast<int64_t>(nall) * Im;
@@ -511,6 +549,7 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
             GLM_LAUNCH(kk, blocks(n, 256), 256, 0, gbuf, ubuf, gbuf, n, static_cast<float>(c.swiglu_limit), nm);
             check_launch("moe_act");
         }
+        if (lanes_min > 0) linear_experts(w.t_down, items_l, n_l, nall, pairs, hl, Im, 1, nall, ys, D, kLanesItem, nm, s.hw8);
         linear_experts(w.t_down, items, n_items, nall, pairs, gbuf, Im, 1, nall, ys, D, tile, nm, s.hw8);  // h row p
     }
     if (s.E.ep.part.distributed()) ep_exchange(s, layer, sel, npairs, ys);  // the other ranks' experts' rows

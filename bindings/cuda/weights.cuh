@@ -157,6 +157,16 @@ int expert_tile(int T, int k, int E, bool gemm16);
 // pairs an expert) they were slower end to end than items of 16: an item costs its 64 slots whatever it
 // holds, and real routing leaves many experts a second, nearly empty item (docs/perf.md, "Session 15").
 constexpr int kLanesItem = 64;
+// Lane items beside items of 16 (the engine's rule where the experts take items of 16; option lanes_items,
+// its lanes_min): of an expert's c pairs, its whole 64s go to lane-pass items of 64 pairs, and the rest
+// too when they number at least lanes_min; what remains takes items of 16 through the register-tiled
+// kernel. An item costs its slots whatever it holds, and per slot the lane-pass kernel is the faster
+// (the x row of each pair decoded weight serves 64 pairs, not 16), so a nearly empty item of 64 is what
+// is kept out. Returns the pairs that go to lane items.
+__host__ __device__ inline int lanes_item_pairs(int c, int lanes_min) {
+    const int r = c % kLanesItem;
+    return r >= lanes_min ? c : c - r;
+}
 // True when the lane-pass kernel takes items of 64 pairs of table W with x rows X (ldx floats apart).
 bool experts_take_lanes(const ExpertTable& W, const float* X, int64_t ldx);
 // Rows in lane order: Y[r][(l * C/64 + c) * 8 + g] = X[r][64c + 8g + l] (Y rows C apart): what the lane-pass
