@@ -427,10 +427,10 @@ LINEAR_EMU_CASES = [
     ("emu-fp8-lanes-128-slab8", "fp8", 40, 832, 130, False, False, False),
     ("emu-bf16-lanes-128", "bf16", 36, 256, 129, False, False, False),
     ("emu-mxfp4-lanes-128", "mxfp4", 33, 576, 140, False, False, True),
-    # expert items of 64 pairs through it: two items, the second of 36 (FP8), of 6 (BF16); FP8 items take
-    # slabs of 8 chunks (5 chunks: one slab of 5; 13: a slab of 8 and one of 5), BF16 of 4
+    # expert items of 64 pairs through it: two items, the second of 36 (FP8), of 6 (BF16, MXFP4); 5 chunks
+    # (a slab of 4 and one of 1) and 13 (three of 4 and one of 1)
     ("emu-fp8-experts-lanes", "fp8", 70, 320, 100, True, True, True),
-    ("emu-fp8-experts-lanes-slab8", "fp8", 70, 832, 100, True, True, False),
+    ("emu-fp8-experts-lanes-13", "fp8", 70, 832, 100, True, True, False),
     ("emu-bf16-experts-lanes", "bf16", 40, 256, 70, True, True, False),
     ("emu-mxfp4-experts-lanes", "mxfp4", 33, 576, 70, True, True, False),
 ]

@@ -125,14 +125,6 @@ GLM_DEV void cp_async16_s(uint32_t sa, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
 #endif
 }
-// ... 4 bytes (a scatter: the lane-pass kernel's expert x, transposed as it is copied)
-GLM_DEV void cp_async4_s(uint32_t sa, const void* gmem) {
-#if defined(GLM_CUDA_EMU)
-    std::memcpy(static_cast<unsigned char*>(::glm_emu::dyn_smem()) + sa, gmem, 4);
-#else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(sa), "l"(gmem) : "memory");
-#endif
-}
 // ... from a generic pointer into any shared memory (the emulation copies to the pointer itself)
 GLM_DEV void cp_async16(void* smem, const void* gmem) {
 #if defined(GLM_CUDA_EMU)

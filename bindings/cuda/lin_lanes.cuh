@@ -36,45 +36,40 @@ namespace {
 // rows are 8 floats past a multiple of 32 words (a half warp's 4 chains x 2 tiles x 16 bytes cover the
 // 32 banks once; a thread's rows and tokens are two groups of four, half a tile apart).
 constexpr int kLnThreads = 512;
-// Chunks per slab: 8 for FP8 rows at 128 tokens and for FP8 expert items, else 4. A slab's cursor, copy
-// and barrier logic costs the same whatever its length (ncu, q|k|v FP8 at 128 tokens: 286 instructions
-// for a slab's 256 FFMAs, and ~150 more of that logic), so longer slabs spend fewer instructions a
-// multiply. FP8 at 128 tokens leaves three stages room for them; FP8 expert items (64 rows x 64 pairs)
-// too, since their x arrives transposed by 4-byte copies (no X^T buffers of their own) and the first of
-// their parked partials stays in registers (BF16 rows are twice as long).
-template <int FMT, int BN, bool EXPERT>
+// Chunks per slab: 8 for FP8 rows at 128 tokens, else 4. A slab's cursor, copy and barrier logic costs
+// the same whatever its length (ncu, q|k|v FP8 at 128 tokens: 286 instructions for a slab's 256 FFMAs,
+// and ~150 more of that logic), so longer slabs spend fewer instructions a multiply; FP8 at 128 tokens
+// is the one shape whose slabs of 8 still leave three stages room (BF16 rows are twice as long, and 64
+// tokens a block take twice the rows).
+template <int FMT, int BN>
 constexpr int ln_slab() {
-    return FMT == W_FP8 && (BN == 128 || EXPERT) ? 8 : 4;
-}
-template <bool EXPERT>
-constexpr int ln_park_slots() {  // parked partials in shared memory (experts: the first in registers)
-    return EXPERT ? 2 : 3;
+    return FMT == W_FP8 && BN == 128 ? 8 : 4;
 }
 template <int BN>
 constexpr int ln_rows() {  // rows per block: 4096 outputs
     return 4096 / BN;
 }
-template <int FMT, int BN, bool EXPERT>
+template <int FMT, int BN>
 constexpr int ln_raw_row() {  // bytes per staged raw row
-    return ln_slab<FMT, BN, EXPERT>() * chunk_bytes<FMT>() + 16;
+    return ln_slab<FMT, BN>() * chunk_bytes<FMT>() + 16;
+}
+template <int FMT, int BN>
+constexpr int ln_stage_bytes() {  // raw rows, then x (dense: X^T [S][8][BN + 8]; experts: rows [BN][8S + 4])
+    constexpr int S = ln_slab<FMT, BN>();
+    return ln_rows<BN>() * ln_raw_row<FMT, BN>() + (S * 8 * (BN + 8) > BN * (8 * S + 4) ? S * 8 * (BN + 8) : BN * (8 * S + 4)) * 4;
 }
 template <int FMT, int BN, bool EXPERT>
-constexpr int ln_stage_bytes() {  // raw rows, then X^T [S][8][BN + 8]
-    constexpr int S = ln_slab<FMT, BN, EXPERT>();
-    return ln_rows<BN>() * ln_raw_row<FMT, BN, EXPERT>() + S * 8 * (BN + 8) * 4;
-}
-template <int FMT, int BN, bool EXPERT>
-constexpr int ln_fixed_bytes() {  // the two W^T buffers and the parked partials
-    constexpr int S = ln_slab<FMT, BN, EXPERT>();
-    return 2 * S * 8 * (ln_rows<BN>() + 8) * 4 + ln_park_slots<EXPERT>() * 8 * kLnThreads * 4;
+constexpr int ln_fixed_bytes() {  // the two W^T buffers (experts: and X^T buffers) and the parked partials
+    constexpr int S = ln_slab<FMT, BN>();
+    return 2 * S * 8 * (ln_rows<BN>() + 8) * 4 + (EXPERT ? 2 * S * 8 * (BN + 8) * 4 : 0) + 3 * 8 * kLnThreads * 4;
 }
 template <int FMT, int BN, bool EXPERT>
 constexpr int ln_stages() {
-    return 4 * ln_stage_bytes<FMT, BN, EXPERT>() + ln_fixed_bytes<FMT, BN, EXPERT>() <= 227 * 1024 ? 4 : 3;
+    return 4 * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<FMT, BN, EXPERT>() <= 227 * 1024 ? 4 : 3;
 }
 template <int FMT, int BN, bool EXPERT>
 constexpr int ln_smem_bytes() {
-    return ln_stages<FMT, BN, EXPERT>() * ln_stage_bytes<FMT, BN, EXPERT>() + ln_fixed_bytes<FMT, BN, EXPERT>();
+    return ln_stages<FMT, BN, EXPERT>() * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<FMT, BN, EXPERT>();
 }
 // Chunks of x a dense launch re-lays (k_x_lanes) and reads: a head-blocked one's every head's columns
 // (head h's from chunk h xhs / 64), else one row's.
@@ -118,15 +113,15 @@ __global__ void __launch_bounds__(256) k_rows_lanes(const float* __restrict__ X,
 
 // Dense: a.X is Xp (k_x_lanes) with a.ldx = ldT; a.Y the launch's first token row; a.T its tokens. Head-blocked
 // (a.rh < a.R): Xp of x's whole width, every head's columns.
-// Experts (items of up to BN pairs): a.X rows in lane order (k_rows_lanes), each pair's values of a slab
-// copied by 4-byte copies straight to their X^T places.
+// Experts (items of up to BN pairs): a.X rows in lane order (k_rows_lanes), gathered per pair into the
+// stage, transposed in the decode pass.
 template <int FMT, bool EXPERT, int DEC, int BN>
 __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
-    constexpr int CB = chunk_bytes<FMT>(), BM = ln_rows<BN>(), S = ln_slab<FMT, BN, EXPERT>(), ST = ln_stages<FMT, BN, EXPERT>();
-    constexpr int RW = ln_raw_row<FMT, BN, EXPERT>(), WS = BM + 8, XS = BN + 8;
-    constexpr int SB = ln_stage_bytes<FMT, BN, EXPERT>(), XOFF = BM * RW;
+    constexpr int CB = chunk_bytes<FMT>(), BM = ln_rows<BN>(), S = ln_slab<FMT, BN>(), ST = ln_stages<FMT, BN, EXPERT>();
+    constexpr int RW = ln_raw_row<FMT, BN>(), WS = BM + 8, XS = BN + 8;
+    constexpr int SB = ln_stage_bytes<FMT, BN>(), XOFF = BM * RW;
     // decode tasks: FP8 two weights of one 16-byte piece (chains 2p, 2p + 1), MXFP4 four (4p .. 4p + 3),
     // BF16 one; a warp's 32 tasks are 32 rows of one piece
     constexpr int WPT = FMT == W_FP8 ? 2 : (FMT == W_MXFP4 ? 4 : 1);
@@ -138,11 +133,13 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     static_assert(XPIECES % kLnThreads == 0 && BM % 32 == 0, "whole copy rounds; 32-row decode warps");
     static_assert((RW / 16) % 2 == 1 && (WS / 4) % 8 == 2 && (XS / 4) % 8 == 2, "bank spreads");
     static_assert(ln_smem_bytes<FMT, BN, EXPERT>() <= 227 * 1024, "shared memory");
-    static_assert(!EXPERT || (BN * 8 == kLnThreads && 8 % S == 0), "experts: a thread S values of one pair's chunk");
+    static_assert(!EXPERT || BN * 8 == kLnThreads, "experts: one x piece and one transposition a thread");
+    constexpr int XR = 8 * S + 4;  // experts: floats per staged x row
     __shared__ const unsigned char* rowp[BM];
     __shared__ const float* xrow[EXPERT ? BN : 1];
     float* const Wt = reinterpret_cast<float*>(sm + ST * SB);  // [2][S][8][WS]
-    float* const park = Wt + 2 * S * 8 * WS;                   // [ln_park_slots][8][threads]
+    float* const park = Wt + 2 * S * 8 * WS;                   // [3][8][threads]
+    float* const Xt = park + 3 * 8 * kLnThreads;               // experts: [2][S][8][XS]
     const int64_t C = a.C;
     const int nch = static_cast<int>(C / 64), nst = (nch + S - 1) / S, total = 8 * nst;
     const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
@@ -157,12 +154,11 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     const uint32_t sm_s = smem_u32(sm);
     // this thread's copies of a slab: weight pieces (row, 16-byte offset) and x pieces. Dense: chunk u,
     // chain, 4 tokens (piece p: chunk p / 2BN, chain (p / (BN / 4)) % 8, tokens 4 (p % (BN / 4)) ..);
-    // experts: pair j = tid % BN, values S k .. S k + S - 1 (k = tid / BN) of its 8S (chunk, chain) values
-    // of the lane, 4 bytes each, to X^T rows S k .. (all in chunk S k / 8)
+    // experts: pair p / 8, floats 4 (p % 8) .. of its 8S (chunk, chain) values of the lane
     const unsigned char* wsrc[NWP];
     int wdst[NWP], woff[NWP];
     int xsrc[NXP] = {}, xdst[NXP] = {}, xu[NXP] = {};
-    const float* xsp = nullptr;  // experts: this thread's pair's x row (+ its first value)
+    const float* xsp = nullptr;  // experts: this thread's pair's x row (+ its piece)
     int start = 0, cnt = 0;      // the item's first token (pair slot) and how many
     auto chunks_of = [&](int s) { return nch - s * S < S ? nch - s * S : S; };
     // (slabs are named by their position: s within pass p, and their stage; no division per slab)
@@ -184,16 +180,9 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
 #pragma unroll
         for (int n = 0; n < NWP; ++n)
             if ((WPIECES % kLnThreads == 0 || wdst[n] >= 0) && woff[n] < nc * CB) cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
-        if constexpr (EXPERT) {
-            if (xu[0] < nc) {
 #pragma unroll
-                for (int m = 0; m < S; ++m) cp_async4_s(buf + xdst[0] + 4 * m * XS, xsp + xo + m);
-            }
-        } else {
-#pragma unroll
-            for (int n = 0; n < NXP; ++n)
-                if (xu[n] < nc) cp_async16_s(buf + xdst[n], a.X + xsrc[n] + xo);
-        }
+        for (int n = 0; n < NXP; ++n)
+            if (xu[n] < nc) cp_async16_s(buf + xdst[n], (EXPERT ? xsp : a.X + xsrc[n]) + xo);
     };
     // this thread's decode tasks (the same in every slab): row i, piece tk of chunk u; their scales'
     // offsets (32-bit: lanes_applies)
@@ -226,6 +215,17 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         const int l = ln_lane(p), nc = chunks_of(s);
         const unsigned char* rs = sm + stage * SB;
         float* const W = Wt + wbuf * (S * 8 * WS);
+        if constexpr (EXPERT) {  // the pairs' x rows -> X^T: pair j, floats 4k .. (chunk k / 2, chains 4 (k % 2) ..)
+            const int j = tid % BN, k = tid / BN, u = k >> 1;
+            if (u < nc) {
+                const float4 v = *reinterpret_cast<const float4*>(rs + XOFF + 4 * (j * XR + 4 * k));
+                float* d = Xt + wbuf * (S * 8 * XS) + (u * 8 + 4 * (k & 1)) * XS + j;
+                d[0] = v.x;
+                d[XS] = v.y;
+                d[2 * XS] = v.z;
+                d[3 * XS] = v.w;
+            }
+        }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const int ti = tid + n * kLnThreads, i = ti % BM, tk = (ti / BM) % TPC, u = ti / (BM * TPC);
@@ -269,7 +269,6 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
             }
         }
     };
-    float park0[8];   // experts: the first parked partial
     float acc[8][8];  // [row i][token j] of chain g: rows 4rg + i (i < 4), BM/2 + 4rg + i - 4; tokens likewise
 #pragma unroll
     for (int i = 0; i < 8; ++i)
@@ -277,7 +276,8 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
     auto compute = [&](int s, int stage, int wbuf) {
         const float* W = Wt + wbuf * (S * 8 * WS) + g * WS + 4 * rg;
-        const float* X = reinterpret_cast<const float*>(sm + stage * SB + XOFF) + g * XS + 4 * tg;
+        const float* X = (EXPERT ? static_cast<const float*>(Xt + wbuf * (S * 8 * XS))
+                                 : reinterpret_cast<const float*>(sm + stage * SB + XOFF)) + g * XS + 4 * tg;
         auto one = [&](int u) {
             const float4 w0 = *reinterpret_cast<const float4*>(W + u * 8 * WS);
             const float4 w1 = *reinterpret_cast<const float4*>(W + u * 8 * WS + BM / 2);
@@ -326,9 +326,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
             for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
         // lanes in the order 0 4 2 6 1 5 3 7: P0 = Q0 + Q4, P1 = Q2 + Q6 -> P0 += P1; P1 = Q1 + Q5, P2 = Q3 + Q7 -> ...
         float* const pk = park + tid;
-        auto at = [&](int slot, int j) -> float& {  // (experts: slot 0 in registers)
-            return EXPERT && slot == 0 ? park0[j] : pk[((slot - (EXPERT ? 1 : 0)) * 8 + j) * kLnThreads];
-        };
+        auto at = [&](int slot, int j) -> float& { return pk[(slot * 8 + j) * kLnThreads]; };
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             switch (p) {
@@ -410,10 +408,10 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
             wdst[n] = WPIECES % kLnThreads == 0 || p < WPIECES ? i * RW + woff[n] : -1;
         }
         if constexpr (EXPERT) {
-            const int j = tid % BN, k = tid / BN;
-            xu[0] = S * k / 8;
-            xsp = xrow[EXPERT ? j : 0] + S * k;
-            xdst[0] = XOFF + 4 * (S * k * XS + j);
+            const int j = tid / 8, k = tid % 8;
+            xu[0] = k >> 1;
+            xsp = xrow[EXPERT ? j : 0] + 4 * k;
+            xdst[0] = XOFF + 4 * (j * XR + 4 * k);
         } else {
 #pragma unroll
             for (int n = 0; n < NXP; ++n) {
