@@ -680,6 +680,29 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
         assert np.array_equal(bits(forced.prefill(ids[:40])), bits(ref)), opts
 
 
+@needs_gpu
+def test_mla_scores_lanes_equal_the_cpu_engine(tmp_path):
+    """mla.scores of one sequence's prefill over a dense selection (every row sees every position before
+    it: index_topk 256 here) as a lane-pass product (k_mla_scores_lanes, q_abs and the latent rows re-laid
+    by x_lanes): 4 heads over 2 latent chunks (one head tile of 4, rows of other positions' heads computed
+    and not stored) and 68 heads over 1 (two head tiles, the second of 4). A 100-token prefill (two
+    position tiles, the second partial) and a second chunk of 70 at positions 100-169 (its rows see the
+    cached positions too), the shared MLA layer reusing the full layer's selection: every stage of every
+    position = the CPU engine's, and with the option attn_tiled off (the per-row kernels)."""
+    from tools.zoo import make_checkpoint
+    for heads, rank in ((4, 128), (68, 64)):
+        path = str(make_checkpoint("tiny", "fp8", tmp_path / f"h{heads}", hidden_size=128, num_attention_heads=heads,
+                                   num_key_value_heads=heads, kv_lora_rank=rank, index_topk=256))
+        cpu = fast.Engine(path, device="cpu")
+        ids = prompt(cpu.config.vocab_size, 170, 5)
+        want = Capture()
+        logits = cpu.prefill(ids, chunk=100, capture=want)
+        for opts in ({}, {"attn_tiled": False}):
+            eng, got = CudaEngine(path, cuda_options=opts), Capture()
+            assert np.array_equal(bits(logits), bits(eng.prefill(ids, chunk=100, capture=got))), (heads, opts)
+            assert_same_capture(eng.config, want, got, range(len(ids)))
+
+
 def test_engine_options(tmp_path, monkeypatch):
     """The runtime knobs (EngineOptions) are options given at construction, shown with every value in
     the engine's options and repr, defaulted from the environment's A/B variables; no setting changes a

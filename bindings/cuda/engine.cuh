@@ -276,6 +276,7 @@ struct Step {
     int64_t* d_sel_off = nullptr;         // device [T]
     int* d_sel_n = nullptr;               // device [T]
     bool have_sel = false;
+    bool sel_dense = false;  // every row's selection is every position it sees, in order (indexer_select)
 
     // An hc_expand deferred into the next site's k_hc_mix (mhc.cu): the streams before it, their buffer
     // after it, the sublayer's output, post and comb; in == nullptr when none.

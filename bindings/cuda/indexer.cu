@@ -538,6 +538,7 @@ void indexer_select(Step& s, int layer, const MlaW& w, const float* x, const flo
         check_launch("idx_select");
     }
     s.have_sel = true;
+    s.sel_dense = dense;  // (k_idx_select: out[i] = i for every position i the row sees)
 }
 
 }  // namespace glm::cuda

@@ -3,6 +3,8 @@
 // that every kernel keeps one definition and its name); not a header for other files.
 #pragma once
 
+#include "lanes_core.cuh"
+
 namespace glm::cuda {
 namespace {
 
@@ -76,8 +78,6 @@ constexpr int ln_smem_bytes() {
 __host__ __device__ inline int64_t lanes_x_chunks(const LinArgs& a) {
     return a.rh < a.R ? ((a.R - 1) / a.rh * a.xhs + a.C) / 64 : a.C / 64;
 }
-// pass p's lane: 0 4 2 6 1 5 3 7 (p's three bits reversed)
-GLM_DEV int ln_lane(int p) { return ((p & 1) << 2) | (p & 2) | ((p >> 2) & 1); }
 
 // Xp[((l * nch + c) * 8 + g) * ldT + t] = X[t][64c + 8g + l] for t < T, 0 for T <= t < ldT.
 // A block: 32 tokens of one chunk, read by rows, written by (lane, chain) rows of 32 tokens.
@@ -142,10 +142,9 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     float* const Xt = park + 3 * 8 * kLnThreads;               // experts: [2][S][8][XS]
     const int64_t C = a.C;
     const int nch = static_cast<int>(C / 64), nst = (nch + S - 1) / S, total = 8 * nst;
-    const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
-    const int g = (lane & 3) | ((lane >> 4) << 2), q = (lane >> 2) & 3;  // chain g; tile q of the warp's 4
-    constexpr int RWG = BM / 16;                                        // warps across the rows
-    const int rg = 2 * (warp % RWG) + (q & 1), tg = 2 * (warp / RWG) + (q >> 1);
+    const int tid = static_cast<int>(threadIdx.x);
+    const LaneSeat seat = lane_seat(tid, BM / 16);  // (BM / 16 warps across the rows)
+    const int g = seat.g, rg = seat.rg, tg = seat.tg;
     const int row_base = static_cast<int>(blockIdx.x) * BM;
     const int64_t rb = row_bytes(FMT, C);
     auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
@@ -278,18 +277,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         const float* W = Wt + wbuf * (S * 8 * WS) + g * WS + 4 * rg;
         const float* X = (EXPERT ? static_cast<const float*>(Xt + wbuf * (S * 8 * XS))
                                  : reinterpret_cast<const float*>(sm + stage * SB + XOFF)) + g * XS + 4 * tg;
-        auto one = [&](int u) {
-            const float4 w0 = *reinterpret_cast<const float4*>(W + u * 8 * WS);
-            const float4 w1 = *reinterpret_cast<const float4*>(W + u * 8 * WS + BM / 2);
-            const float4 x0 = *reinterpret_cast<const float4*>(X + u * 8 * XS);
-            const float4 x1 = *reinterpret_cast<const float4*>(X + u * 8 * XS + BN / 2);
-            const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-            const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[i][j] = ffma(wv[i], xv[j], acc[i][j]);
-        };
+        auto one = [&](int u) { lane_chunk<BM / 2, BN / 2>(acc, W + u * 8 * WS, X + u * 8 * XS); };
         const int nc = chunks_of(s);
         if (nc == S) {  // a whole slab: no test per chunk
 #pragma unroll
@@ -302,55 +290,17 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     // lane pass p is over: fold its chains into Q[l] (thread g: row g of its tile, 8 tokens) and that into
     // the parked partials; after the last, write the outputs
     auto end_pass = [&](int p) {
-        float* const f = &acc[0][0];  // [8 i + j]
-        float r1[32], r2[16], Q[8];
-        const bool b2 = (g >> 2) & 1, b1 = (g >> 1) & 1, b0 = g & 1;
+        float Q[8];
+        if (!lane_pass_end(acc, g, p, park + tid, kLnThreads, Q)) return;
+        const int r = row_base + lane_row(g, rg, BM / 2);
+        if (r < a.R) {
+            float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
 #pragma unroll
-        for (int e = 0; e < 32; ++e) {  // P[g] + P[g + 4]: chains g < 4 keep rows 0-3, the others rows 4-7
-            const float lo = f[e], hi = f[32 + e];
-            r1[e] = fadd(b2 ? hi : lo, __shfl_xor_sync(0xFFFFFFFFu, b2 ? lo : hi, 16));
-        }
-#pragma unroll
-        for (int e = 0; e < 16; ++e) {  // + (P[g + 2] + P[g + 6])
-            const float lo = r1[e], hi = r1[16 + e];
-            r2[e] = fadd(b1 ? hi : lo, __shfl_xor_sync(0xFFFFFFFFu, b1 ? lo : hi, 2));
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {  // + (the odd chains' sum): thread g now holds row g's Q[l]
-            const float lo = r2[e], hi = r2[8 + e];
-            Q[e] = fadd(b0 ? hi : lo, __shfl_xor_sync(0xFFFFFFFFu, b0 ? lo : hi, 1));
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
-        // lanes in the order 0 4 2 6 1 5 3 7: P0 = Q0 + Q4, P1 = Q2 + Q6 -> P0 += P1; P1 = Q1 + Q5, P2 = Q3 + Q7 -> ...
-        float* const pk = park + tid;
-        auto at = [&](int slot, int j) -> float& { return pk[(slot * 8 + j) * kLnThreads]; };
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            switch (p) {
-                case 0: at(0, j) = Q[j]; break;
-                case 1: at(0, j) = fadd(at(0, j), Q[j]); break;
-                case 2: at(1, j) = Q[j]; break;
-                case 3: at(0, j) = fadd(at(0, j), fadd(at(1, j), Q[j])); break;
-                case 4: at(1, j) = Q[j]; break;
-                case 5: at(1, j) = fadd(at(1, j), Q[j]); break;
-                case 6: at(2, j) = Q[j]; break;
-                default: Q[j] = fadd(at(0, j), fadd(at(1, j), fadd(at(2, j), Q[j]))); break;
-            }
-        }
-        if (p == 7) {
-            const int r = row_base + (g < 4 ? 4 * rg + g : BM / 2 + 4 * rg + g - 4);
-            if (r < a.R) {
-                float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int t = j < 4 ? 4 * tg + j : BN / 2 + 4 * tg + j - 4;
-                    if (t < cnt) {
-                        const int64_t yrow = EXPERT ? a.pairs[start + t] : static_cast<int64_t>(start) + t;
-                        Y[yrow * a.ldy + r] = a.round ? bf16r(Q[j]) : Q[j];
-                    }
+            for (int j = 0; j < 8; ++j) {
+                const int t = lane_col(j, tg, BN / 2);
+                if (t < cnt) {
+                    const int64_t yrow = EXPERT ? a.pairs[start + t] : static_cast<int64_t>(start) + t;
+                    Y[yrow * a.ldy + r] = a.round ? bf16r(Q[j]) : Q[j];
                 }
             }
         }

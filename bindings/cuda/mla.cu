@@ -8,6 +8,7 @@
 // attends <= 128 positions, else groups of eight threads for a tile of HT heads at once (one read of a
 // latent column serves HT heads). Each (head, element) has its own canonical cdot in every mapping.
 #include "engine.cuh"
+#include "lanes_core.cuh"
 
 namespace glm::cuda {
 namespace {
@@ -149,6 +150,86 @@ __global__ void __launch_bounds__(kAttnThreads) k_mla_scores_tiled(const float* 
             const int h = h0 + 2 * th + hh, j = j0 + 4 * tp + pp;
             if (h < nh && j < ns) out[static_cast<int64_t>(h) * ns + j] = fmul(dots[hh][pp], scale);
         }
+}
+
+// mla.scores for a prefill of one sequence whose rows all see every position before them (the indexer's
+// dense selection: row t's j-th selected position is j): the same values as k_mla_scores, as a lane-pass
+// product (lanes_core.cuh). q_abs and the latent rows come re-laid by x_lanes (Xq: tokens (t, h), t nh + h;
+// Xc: positions), so a lane's values of 64 heads or 64 positions are 16-byte copies. A block: row t, 64
+// heads x 64 positions, 512 threads (a thread chain g of 8 heads x 8 positions); C chunks (r = 64 C) are
+// one stage per lane, four stages in flight; each lane's chains folded by shuffles, the lanes as they
+// arrive. 4096 dots of r elements a block from 32 KB of copies a lane, where k_mla_scores_tiled's 256
+// threads held 2048 dots' operands whole (192 KB: one block an SM) and read them twice per FMA pair.
+constexpr int kSlThreads = 512, kSlStages = 4, kSlPad = 72;  // 64 + 8: a half warp's 16-byte loads cover 32 banks once
+template <int C>
+constexpr int sl_stage_floats() {
+    return 2 * C * 8 * kSlPad;  // heads' and positions' (chunk, chain) rows of the lane
+}
+template <int C>
+constexpr size_t sl_smem_bytes() {
+    return static_cast<size_t>(kSlStages * sl_stage_floats<C>() + 3 * 8 * kSlThreads) * 4;
+}
+template <int C>
+__global__ void __launch_bounds__(kSlThreads, 1) k_mla_scores_lanes(const float* __restrict__ xq, int64_t ldq,
+                                                                  const float* __restrict__ xc, int64_t ldc, int nh,
+                                                                  const int64_t* __restrict__ sel_off,
+                                                                  const int* __restrict__ sel_n, float scale,
+                                                                  float* scores) {
+    pdl_enter();
+    GLM_DYN_SMEM(float, sm);
+    const int j0 = static_cast<int>(blockIdx.x) * 64, t = static_cast<int>(blockIdx.y), h0 = static_cast<int>(blockIdx.z) * 64;
+    const int ns = sel_n[t];
+    if (j0 >= ns) return;  // uniform over the block
+    constexpr int SF = sl_stage_floats<C>(), HALF = C * 8 * kSlPad;
+    float* const park = sm + kSlStages * SF;
+    const int tid = static_cast<int>(threadIdx.x);
+    const LaneSeat seat = lane_seat(tid, 4);
+    const uint32_t sm_s = smem_u32(sm);
+    const int64_t q0 = static_cast<int64_t>(t) * nh + h0;
+    // pass p into stage p % kSlStages: rows (chunk u, chain g) of lane l, 64 heads then 64 positions, as
+    // 16-byte pieces (piece i: row i / 16, floats 4 (i % 16) ..)
+    auto issue = [&](int p) {
+        const int l = ln_lane(p);
+        const uint32_t buf = sm_s + static_cast<uint32_t>((p % kSlStages) * SF * 4);
+#pragma unroll
+        for (int i = tid; i < C * 8 * 16; i += kSlThreads) {
+            const int row = i >> 4, c4 = 4 * (i & 15);
+            const int64_t lr = static_cast<int64_t>(l) * C * 8 + row;
+            cp_async16_s(buf + static_cast<uint32_t>((row * kSlPad + c4) * 4), xq + lr * ldq + q0 + c4);
+            cp_async16_s(buf + static_cast<uint32_t>((HALF + row * kSlPad + c4) * 4), xc + lr * ldc + j0 + c4);
+        }
+    };
+#pragma unroll
+    for (int p = 0; p < kSlStages - 1; ++p) {
+        issue(p);
+        cp_async_commit();
+    }
+    float acc[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+    float Q[8];
+    for (int p = 0; p < 8; ++p) {
+        cp_async_wait<kSlStages - 2>();
+        __syncthreads();  // pass p arrived; every thread is done with pass p - 1's stage, which p + 3 refills
+        if (p + kSlStages - 1 < 8) issue(p + kSlStages - 1);
+        cp_async_commit();
+        const float* A = sm + (p % kSlStages) * SF + seat.g * kSlPad + 4 * seat.rg;
+        const float* B = A + HALF + 4 * (seat.tg - seat.rg);
+#pragma unroll
+        for (int u = 0; u < C; ++u) lane_chunk<32, 32>(acc, A + u * 8 * kSlPad, B + u * 8 * kSlPad);
+        lane_pass_end(acc, seat.g, p, park + tid, kSlThreads, Q);
+    }
+    cp_async_wait<0>();
+    const int h = h0 + lane_row(seat.g, seat.rg, 32);
+    if (h >= nh) return;
+    float* const out = scores + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int pos = j0 + lane_col(j, seat.tg, 32);
+        if (pos < ns) out[pos] = fmul(Q[j], scale);
+    }
 }
 
 // mla.probs per (t, h), one warp: m = max (NaN semantics of a left-to-right std::max: a NaN first
@@ -430,7 +511,28 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     {
         // prefill-sized steps: the tiled kernel (unless attn_tiled is off); else positions per warp: one while the grid is small
         // (latency), four once it is large (q_abs reuse)
-        if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && r <= 512) {
+        // one sequence's prefill over a dense selection: the lane-pass product (x_lanes re-lays q_abs and
+        // the latent rows its rows see)
+        const bool lanes = launch_options().attn_tiled && !nm.seq && T >= 64 && r % 64 == 0 && r <= 512 &&
+                           nh % 4 == 0 && s.sel_dense && !s.injects(layer, S_MLA_SELECTED) && s.segs.size() == 1;
+        if (lanes) {
+            static const decltype(&k_mla_scores_lanes<1>) kByChunks[] = {
+                k_mla_scores_lanes<1>, k_mla_scores_lanes<2>, k_mla_scores_lanes<3>, k_mla_scores_lanes<4>,
+                k_mla_scores_lanes<5>, k_mla_scores_lanes<6>, k_mla_scores_lanes<7>, k_mla_scores_lanes<8>};
+            static const size_t kSmem[] = {sl_smem_bytes<1>(), sl_smem_bytes<2>(), sl_smem_bytes<3>(), sl_smem_bytes<4>(),
+                                           sl_smem_bytes<5>(), sl_smem_bytes<6>(), sl_smem_bytes<7>(), sl_smem_bytes<8>()};
+            const int nch = r / 64;
+            const int64_t nq = static_cast<int64_t>(T) * nh, ldq = (nq + 64 + 31) / 32 * 32;  // (a last head tile's reads)
+            const int64_t ldc = (static_cast<int64_t>(max_ns) + 63) / 64 * 64;
+            float* xq = s.scratch.d<float>(static_cast<size_t>(ldq) * r);
+            float* xc = s.scratch.d<float>(static_cast<size_t>(ldc) * r);
+            x_lanes(q_abs, r, static_cast<int>(nq), nch, ldq, xq);
+            x_lanes(s.segs[0].seq->mla[static_cast<size_t>(layer)].c.as<float>(), r, max_ns, nch, ldc, xc);
+            auto k = kByChunks[nch - 1];
+            allow_smem(k, kSmem[nch - 1]);
+            GLM_LAUNCH(k, dim3(static_cast<unsigned>(ldc / 64), T, static_cast<unsigned>((nh + 63) / 64)), kSlThreads,
+                       kSmem[nch - 1], xq, ldq, xc, ldc, nh, s.d_sel_off, s.d_sel_n, scale, scores);
+        } else if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && r <= 512) {
             static const decltype(&k_mla_scores_tiled<1>) kByChunks[] = {
                 k_mla_scores_tiled<1>, k_mla_scores_tiled<2>, k_mla_scores_tiled<3>, k_mla_scores_tiled<4>,
                 k_mla_scores_tiled<5>, k_mla_scores_tiled<6>, k_mla_scores_tiled<7>, k_mla_scores_tiled<8>};

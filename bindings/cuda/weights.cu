@@ -361,9 +361,7 @@ void launch_lanes_bn(const LinArgs& a, dim3 grid) {
         const int n = static_cast<int>(std::min<int64_t>(per, a.T - t0));
         const int64_t ldT = (n + BN - 1) / BN * BN;
         float* xp = lanes_scratch(ldT * 64 * nch);
-        auto kx = k_x_lanes;
-        GLM_LAUNCH(kx, dim3(static_cast<unsigned>(ldT / 32), static_cast<unsigned>(nch)), 256, 0, a.X + t0 * a.ldx, a.ldx,
-                   n, nch, ldT, xp);
+        x_lanes(a.X + t0 * a.ldx, a.ldx, n, nch, ldT, xp);
         LinArgs b = a;
         b.X = xp;
         b.ldx = ldT;
@@ -1018,6 +1016,11 @@ int expert_tile(int T, int k, int E, bool gemm16) {
 bool experts_may_take16(int T, int k, int E) { return T > 1 && T * k >= 16 * E; }
 bool experts_take_lanes(const ExpertTable& W, const float* X, int64_t ldx) {
     return lanes_applies(expert_args(W, nullptr, nullptr, 1, nullptr, X, ldx, 1, 0, nullptr, 0, kLanesItem), true);
+}
+void x_lanes(const float* X, int64_t ldx, int T, int nch, int64_t ldT, float* Xp) {
+    if (ldT % 32 != 0 || ldT < T || nch > 65535) throw std::invalid_argument("x_lanes: ldT a multiple of 32, at least T");
+    auto k = k_x_lanes;
+    GLM_LAUNCH(k, dim3(static_cast<unsigned>(ldT / 32), static_cast<unsigned>(nch)), 256, 0, X, ldx, T, nch, ldT, Xp);
 }
 void rows_lanes(const float* X, int64_t ldx, int rows, int64_t C, float* Y) {
     if (rows <= 0) return;

@@ -174,6 +174,9 @@ bool experts_take_lanes(const ExpertTable& W, const float* X, int64_t ldx);
 // C at most kLanesRowMax (a row staged in shared memory).
 constexpr int kLanesRowMax = 48 * 1024;
 void rows_lanes(const float* X, int64_t ldx, int rows, int64_t C, float* Y);
+// Rows as the lane-pass kernel's x: Xp[((l * nch + c) * 8 + g) * ldT + t] = X[t][64c + 8g + l] for t < T,
+// 0 for T <= t < ldT (a multiple of 32): a lane's (chunk, chain) values of consecutive rows contiguous.
+void x_lanes(const float* X, int64_t ldx, int T, int nch, int64_t ldT, float* Xp);
 // The column whose value stands at position o of a row of nch chunks in lane order.
 GLM_DEV int lane_order_col(int o, int nch) {
     const int l = o / (8 * nch), cg = o % (8 * nch);
