@@ -125,6 +125,14 @@ GLM_DEV void cp_async16_s(uint32_t sa, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
 #endif
 }
+// 16 zero bytes at a shared address from smem_u32 (a piece that a stage takes instead of a copy)
+GLM_DEV void store_zero16_s(uint32_t sa) {
+#if defined(GLM_CUDA_EMU)
+    std::memset(static_cast<unsigned char*>(::glm_emu::dyn_smem()) + sa, 0, 16);
+#else
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sa), "r"(0) : "memory");
+#endif
+}
 // ... from a generic pointer into any shared memory (the emulation copies to the pointer itself)
 GLM_DEV void cp_async16(void* smem, const void* gmem) {
 #if defined(GLM_CUDA_EMU)

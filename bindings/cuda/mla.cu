@@ -275,6 +275,108 @@ __global__ void k_mla_softmax(const float* __restrict__ scores, int T, int nh, c
         for (int jj = lane; jj < ns; jj += 32) p[jj] = bf16r(fdiv(p[jj], sum));
 }
 
+// The probabilities of one sequence's dense prefill as k_mla_olat_lanes reads them: Xp[((l ncp + c) 8 + g)
+// ldp + t nh + h] = p[t][h][64c + 8g + l] (0 past the row's positions), for the chunks c a row's positions
+// reach. A block per (chunk c, row t, 32 heads): the heads' 64 values through a padded tile, written as 32
+// consecutive heads per (lane, chain).
+__global__ void __launch_bounds__(256) k_probs_lanes(const float* __restrict__ probs, int nh, int ncp,
+                                                     const int64_t* __restrict__ sel_off,
+                                                     const int* __restrict__ sel_n, int64_t ldp, float* __restrict__ xp) {
+    pdl_enter();
+    __shared__ float tile[32][65];
+    const int c = static_cast<int>(blockIdx.x), t = static_cast<int>(blockIdx.y), h0 = static_cast<int>(blockIdx.z) * 32;
+    const int ns = sel_n[t], tid = static_cast<int>(threadIdx.x);
+    if (64 * c >= ns) return;  // (uniform) never read: the row's positions end before this chunk
+    const float* pr = probs + sel_off[t] * nh;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        const int i = tid + 256 * n, hh = i >> 6, j = i & 63, pos = 64 * c + j;
+        tile[hh][j] = h0 + hh < nh && pos < ns ? pr[static_cast<int64_t>(h0 + hh) * ns + pos] : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        const int i = tid + 256 * n, hh = i & 31, lg = i >> 5, l = lg >> 3, g = lg & 7;
+        if (h0 + hh < nh)
+            xp[((static_cast<int64_t>(l) * ncp + c) * 8 + g) * ldp + static_cast<int64_t>(t) * nh + h0 + hh] = tile[hh][8 * g + l];
+    }
+}
+
+// mla.o_lat for a prefill of one sequence over a dense selection: the same values as k_mla_olat, as a
+// lane-pass product. A = the probabilities (k_probs_lanes), B = the latent rows themselves (B^T's row of
+// (chunk u, chain g) is position 64u + 8g + l's 64 columns of the block: 16-byte copies, zeros past the
+// row's positions). A block: row t, 64 heads x 64 latent columns; the row's chunks in slabs of kOlSlab, four
+// stages, slabs running on across lane passes.
+constexpr int kOlSlab = 4, kOlStages = 4;
+constexpr int kOlStageFloats = 2 * kOlSlab * 8 * kSlPad;
+constexpr size_t kOlSmem = static_cast<size_t>(kOlStages * kOlStageFloats + 3 * 8 * kSlThreads) * 4;
+__global__ void __launch_bounds__(kSlThreads, 1) k_mla_olat_lanes(const float* __restrict__ xp, int64_t ldp, int ncp,
+                                                                const float* __restrict__ cache, int r, int nh,
+                                                                const int* __restrict__ sel_n, float* o_lat) {
+    pdl_enter();
+    GLM_DYN_SMEM(float, sm);
+    const int k0 = static_cast<int>(blockIdx.x) * 64, t = static_cast<int>(blockIdx.y), h0 = static_cast<int>(blockIdx.z) * 64;
+    const int ns = sel_n[t], nc = (ns + 63) / 64, nst = (nc + kOlSlab - 1) / kOlSlab, total = 8 * nst;
+    constexpr int HALF = kOlSlab * 8 * kSlPad;
+    float* const park = sm + kOlStages * kOlStageFloats;
+    const int tid = static_cast<int>(threadIdx.x);
+    const LaneSeat seat = lane_seat(tid, 4);
+    const uint32_t sm_s = smem_u32(sm);
+    const int64_t q0 = static_cast<int64_t>(t) * nh + h0;
+    // slab q (pass q / nst, slab q % nst of it) into stage q % kOlStages: its chunks' rows (u, g) of lane l,
+    // 64 heads then 64 columns, 16-byte pieces (piece i: row i / 16, floats 4 (i % 16) ..)
+    auto issue = [&](int q) {
+        const int p = q / nst, s = q - p * nst, l = ln_lane(p), c0 = s * kOlSlab;
+        const uint32_t buf = sm_s + static_cast<uint32_t>((q % kOlStages) * kOlStageFloats * 4);
+        for (int i = tid; i < kOlSlab * 8 * 16; i += kSlThreads) {
+            const int row = i >> 4, c4 = 4 * (i & 15), c = c0 + (row >> 3);
+            if (c >= nc) continue;  // (past the row's chunks: never computed)
+            const int pos = 64 * c + 8 * (row & 7) + l;
+            cp_async16_s(buf + static_cast<uint32_t>((row * kSlPad + c4) * 4),
+                         xp + ((static_cast<int64_t>(l) * ncp + c) * 8 + (row & 7)) * ldp + q0 + c4);
+            const uint32_t dst = buf + static_cast<uint32_t>((HALF + row * kSlPad + c4) * 4);
+            if (pos < ns && k0 + c4 < r) cp_async16_s(dst, cache + static_cast<int64_t>(pos) * r + k0 + c4);
+            else store_zero16_s(dst);  // (fma(0, 0, P) = P: a past position or column leaves every chain as it is)
+        }
+    };
+    for (int q = 0; q < kOlStages - 1; ++q) {
+        if (q < total) issue(q);
+        cp_async_commit();
+    }
+    float acc[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+    float Q[8];
+    for (int q = 0; q < total; ++q) {
+        cp_async_wait<kOlStages - 2>();
+        __syncthreads();  // slab q arrived; every thread is done with slab q - 1's stage, which q + 3 refills
+        if (q + kOlStages - 1 < total) issue(q + kOlStages - 1);
+        cp_async_commit();
+        const int p = q / nst, s = q - p * nst, nu = nc - s * kOlSlab < kOlSlab ? nc - s * kOlSlab : kOlSlab;
+        const float* A = sm + (q % kOlStages) * kOlStageFloats + seat.g * kSlPad + 4 * seat.rg;
+        const float* B = A + HALF + 4 * (seat.tg - seat.rg);
+        if (nu == kOlSlab) {
+#pragma unroll
+            for (int u = 0; u < kOlSlab; ++u) lane_chunk<32, 32>(acc, A + u * 8 * kSlPad, B + u * 8 * kSlPad);
+        } else {
+#pragma unroll 1
+            for (int u = 0; u < nu; ++u) lane_chunk<32, 32>(acc, A + u * 8 * kSlPad, B + u * 8 * kSlPad);
+        }
+        if (s == nst - 1) lane_pass_end(acc, seat.g, p, park + tid, kSlThreads, Q);
+    }
+    cp_async_wait<0>();
+    const int h = h0 + lane_row(seat.g, seat.rg, 32);
+    if (h >= nh) return;
+    float* const out = o_lat + (static_cast<int64_t>(t) * nh + h) * r;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int k = k0 + lane_col(j, seat.tg, 32);
+        if (k < r) out[k] = bf16r(Q[j]);
+    }
+}
+
 // mla.o_lat for short selections (ns <= kOlatShort): a thread per (t, h, k) holds the 64 partial sums
 // P[g][l] in registers (fully unrolled, so no local memory): element j to P[j % 64] by FMA, chunks in
 // order, then the 4/2/1 trees: the canonical cdot (cdot_serial's operations). NP < 64 (only when every
@@ -508,13 +610,17 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     float* probs = s.scratch.d<float>(static_cast<size_t>(s.sel_total) * nh);
     SegDev* segs = s.seg_table(layer);
     const unsigned ntile = static_cast<unsigned>((nh + HT - 1) / HT);
+    // one sequence's prefill over a dense selection (row t's j-th position is j): mla.scores and mla.o_lat
+    // as lane-pass products (k_mla_scores_lanes, k_mla_olat_lanes)
+    const bool lanes = launch_options().attn_tiled && !nm.seq && T >= 64 && r % 64 == 0 && r <= 512 && nh % 4 == 0 &&
+                       s.sel_dense && !s.injects(layer, S_MLA_SELECTED) && s.segs.size() == 1;
+    const float* cache_c = s.segs[0].seq->mla[static_cast<size_t>(layer)].c.as<float>();
+    const int64_t ldq = (static_cast<int64_t>(T) * nh + 64 + 31) / 32 * 32;  // (a last head tile reads 64 rows on)
     {
         // prefill-sized steps: the tiled kernel (unless attn_tiled is off); else positions per warp: one while the grid is small
         // (latency), four once it is large (q_abs reuse)
         // one sequence's prefill over a dense selection: the lane-pass product (x_lanes re-lays q_abs and
         // the latent rows its rows see)
-        const bool lanes = launch_options().attn_tiled && !nm.seq && T >= 64 && r % 64 == 0 && r <= 512 &&
-                           nh % 4 == 0 && s.sel_dense && !s.injects(layer, S_MLA_SELECTED) && s.segs.size() == 1;
         if (lanes) {
             static const decltype(&k_mla_scores_lanes<1>) kByChunks[] = {
                 k_mla_scores_lanes<1>, k_mla_scores_lanes<2>, k_mla_scores_lanes<3>, k_mla_scores_lanes<4>,
@@ -522,12 +628,12 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
             static const size_t kSmem[] = {sl_smem_bytes<1>(), sl_smem_bytes<2>(), sl_smem_bytes<3>(), sl_smem_bytes<4>(),
                                            sl_smem_bytes<5>(), sl_smem_bytes<6>(), sl_smem_bytes<7>(), sl_smem_bytes<8>()};
             const int nch = r / 64;
-            const int64_t nq = static_cast<int64_t>(T) * nh, ldq = (nq + 64 + 31) / 32 * 32;  // (a last head tile's reads)
+            const int64_t nq = static_cast<int64_t>(T) * nh;
             const int64_t ldc = (static_cast<int64_t>(max_ns) + 63) / 64 * 64;
             float* xq = s.scratch.d<float>(static_cast<size_t>(ldq) * r);
             float* xc = s.scratch.d<float>(static_cast<size_t>(ldc) * r);
             x_lanes(q_abs, r, static_cast<int>(nq), nch, ldq, xq);
-            x_lanes(s.segs[0].seq->mla[static_cast<size_t>(layer)].c.as<float>(), r, max_ns, nch, ldc, xc);
+            x_lanes(cache_c, r, max_ns, nch, ldc, xc);
             auto k = kByChunks[nch - 1];
             allow_smem(k, kSmem[nch - 1]);
             GLM_LAUNCH(k, dim3(static_cast<unsigned>(ldc / 64), T, static_cast<unsigned>((nh + 63) / 64)), kSlThreads,
@@ -569,8 +675,19 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     float* o_lat = s.scratch.d<float>(static_cast<size_t>(T) * nh * r);
     {
         const size_t olat_smem = static_cast<size_t>(8 * ((max_ns + 63) / 64)) * (kOlatHeads + kOlatCols) * 4;
-        // prefill-sized steps: the tiled kernel (unless attn_tiled is off), short selections included
-        if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && olat_smem <= 200 * 1024) {
+        if (lanes) {
+            const int ncp = (max_ns + 63) / 64;
+            float* xp = s.scratch.d<float>(static_cast<size_t>(ldq) * ncp * 64);
+            auto kp = k_probs_lanes;
+            GLM_LAUNCH(kp, dim3(static_cast<unsigned>(ncp), T, static_cast<unsigned>((nh + 31) / 32)), 256, 0, probs, nh,
+                       ncp, s.d_sel_off, s.d_sel_n, ldq, xp);
+            check_launch("mla_probs_lanes");
+            auto k = k_mla_olat_lanes;
+            allow_smem(k, kOlSmem);
+            GLM_LAUNCH(k, dim3(static_cast<unsigned>((r + 63) / 64), T, static_cast<unsigned>((nh + 63) / 64)), kSlThreads,
+                       kOlSmem, xp, ldq, ncp, cache_c, r, nh, s.d_sel_n, o_lat);
+        } else if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && olat_smem <= 200 * 1024) {
+            // prefill-sized steps: the tiled kernel (unless attn_tiled is off), short selections included
             auto k = k_mla_olat_tiled;
             allow_smem(k, olat_smem);
             GLM_LAUNCH(k, dim3(blocks(r, kOlatCols), T, static_cast<unsigned>((nh + kOlatHeads - 1) / kOlatHeads)),
