@@ -681,11 +681,11 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
 
 
 @needs_gpu
-def test_mla_scores_lanes_equal_the_cpu_engine(tmp_path):
+def test_mla_attention_lanes_equal_the_cpu_engine(tmp_path):
     """mla.scores and mla.o_lat of one sequence's prefill over a dense selection (every row sees every
-    position before it: index_topk 256 here) as lane-pass products (k_mla_scores_lanes, q_abs and the
-    latent rows re-laid by x_lanes; k_mla_olat_lanes, the probabilities re-laid by k_probs_lanes): 4 heads over 2 latent chunks (one head tile of 4, rows of other positions' heads computed
-    and not stored) and 68 heads over 1 (two head tiles, the second of 4). A 100-token prefill (two
+    position before it: index_topk 256 here) as lane-pass products (k_mla_attn_lanes: q_abs and the
+    latent rows re-laid by x_lanes, the probabilities by k_probs_lanes): 4 heads over 2 latent chunks (one
+    head tile of 4, rows of other positions' heads computed and not stored) and 68 heads over 1 (two head tiles, the second of 4). A 100-token prefill (two
     position tiles, the second partial) and a second chunk of 70 at positions 100-169 (its rows see the
     cached positions too), the shared MLA layer reusing the full layer's selection: every stage of every
     position = the CPU engine's, and with the option attn_tiled off (the per-row kernels)."""

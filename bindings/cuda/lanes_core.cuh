@@ -1,5 +1,5 @@
 // The lane pass's core, shared by the lane-pass linear kernel (lin_lanes.cuh) and MLA's prefill scores
-// (mla.cu, k_mla_scores_lanes): a thread owns chain g of one lane for 8 rows x 8 columns (64
+// (mla.cu, k_mla_attn_lanes): a thread owns chain g of one lane for 8 rows x 8 columns (64
 // accumulators), both operands k-major in shared memory (A^T [chunk * 8 + chain][row], B^T [..][column]),
 // and a warp is the 8 chains of 4 such tiles. Why a lane at a time: cdot's fold adds the eight
 // accumulators of one lane first, so lane l's chains fold into one partial Q[l] without the other lanes

@@ -152,56 +152,73 @@ __global__ void __launch_bounds__(kAttnThreads) k_mla_scores_tiled(const float* 
         }
 }
 
-// mla.scores for a prefill of one sequence whose rows all see every position before them (the indexer's
-// dense selection: row t's j-th selected position is j): the same values as k_mla_scores, as a lane-pass
-// product (lanes_core.cuh). q_abs and the latent rows come re-laid by x_lanes (Xq: tokens (t, h), t nh + h;
-// Xc: positions), so a lane's values of 64 heads or 64 positions are 16-byte copies. A block: row t, 64
-// heads x 64 positions, 512 threads (a thread chain g of 8 heads x 8 positions); C chunks (r = 64 C) are
-// one stage per lane, four stages in flight; each lane's chains folded by shuffles, the lanes as they
-// arrive. 4096 dots of r elements a block from 32 KB of copies a lane, where k_mla_scores_tiled's 256
-// threads held 2048 dots' operands whole (192 KB: one block an SM) and read them twice per FMA pair.
+// mla.scores and mla.o_lat for a prefill of one sequence whose rows all see every position before them (the
+// indexer's dense selection: row t's j-th position is j), the same values as k_mla_scores and k_mla_olat,
+// as lane-pass products (lanes_core.cuh). A block: row t, 64 heads x 64 columns (scores: positions j0 ..;
+// o_lat: latent columns k0 ..), 512 threads (a thread chain g of 8 heads x 8 columns), the row's chunks in
+// slabs of S, four stages, slabs running on across lane passes; each lane's chains folded by shuffles, the
+// lanes as they arrive. A, the heads' side, comes re-laid so that a lane's (chunk, chain) values of 64 heads
+// are 16-byte copies: scores q_abs (x_lanes: token t nh + h), o_lat the probabilities (k_probs_lanes). B:
+// scores the latent rows re-laid likewise (x_lanes: token = position), r = 64 S, one slab a lane; o_lat the
+// latent rows themselves (B^T's row of (chunk u, chain g) is position 64u + 8g + l's 64 columns of the
+// block, zeros past the row's positions: fma(0, 0, P) = P), slabs of 4. Where this replaced
+// k_mla_scores_tiled (256 threads holding 2048 dots' operands whole, 192 KB: one block an SM) and
+// k_mla_olat_tiled, a 2048-token prefill of the slice took 6.5 + 6.7 ms for their 12.5 + 10.9.
 constexpr int kSlThreads = 512, kSlStages = 4, kSlPad = 72;  // 64 + 8: a half warp's 16-byte loads cover 32 banks once
-template <int C>
-constexpr int sl_stage_floats() {
-    return 2 * C * 8 * kSlPad;  // heads' and positions' (chunk, chain) rows of the lane
+constexpr int kOlSlab = 4;                                      // o_lat's chunks a slab
+template <int S>
+constexpr size_t sl_smem_bytes() {  // the stages (heads' and columns' rows (chunk, chain) of S chunks), the parked partials
+    return static_cast<size_t>(kSlStages * 2 * S * 8 * kSlPad + 3 * 8 * kSlThreads) * 4;
 }
-template <int C>
-constexpr size_t sl_smem_bytes() {
-    return static_cast<size_t>(kSlStages * sl_stage_floats<C>() + 3 * 8 * kSlThreads) * 4;
-}
-template <int C>
-__global__ void __launch_bounds__(kSlThreads, 1) k_mla_scores_lanes(const float* __restrict__ xq, int64_t ldq,
-                                                                  const float* __restrict__ xc, int64_t ldc, int nh,
-                                                                  const int64_t* __restrict__ sel_off,
-                                                                  const int* __restrict__ sel_n, float scale,
-                                                                  float* scores) {
+struct AttnLanes {
+    const float* xa;  // A re-laid: [l][chunk][g][lda], heads' token t nh + h
+    int64_t lda;
+    int nca;          // A's chunks a lane
+    const float* xb;  // scores: B re-laid ([l][S][g][ldb], token = position); o_lat: the latent rows (r floats apart)
+    int64_t ldb;
+    int nh, r;
+    const int64_t* sel_off;
+    const int* sel_n;
+    float scale;
+    float* out;       // scores [sel_off[t] nh + h ns + j]; o_lat [t nh + h][r]
+};
+template <bool SCORES, int S>
+__global__ void __launch_bounds__(kSlThreads, 1) k_mla_attn_lanes(AttnLanes a) {
     pdl_enter();
     GLM_DYN_SMEM(float, sm);
-    const int j0 = static_cast<int>(blockIdx.x) * 64, t = static_cast<int>(blockIdx.y), h0 = static_cast<int>(blockIdx.z) * 64;
-    const int ns = sel_n[t];
-    if (j0 >= ns) return;  // uniform over the block
-    constexpr int SF = sl_stage_floats<C>(), HALF = C * 8 * kSlPad;
+    const int x0 = static_cast<int>(blockIdx.x) * 64, t = static_cast<int>(blockIdx.y), h0 = static_cast<int>(blockIdx.z) * 64;
+    const int ns = a.sel_n[t];
+    if (SCORES && x0 >= ns) return;  // (uniform) positions this row does not see
+    const int nc = SCORES ? S : (ns + 63) / 64, nst = (nc + S - 1) / S, total = 8 * nst;
+    constexpr int SF = 2 * S * 8 * kSlPad, HALF = S * 8 * kSlPad;
     float* const park = sm + kSlStages * SF;
     const int tid = static_cast<int>(threadIdx.x);
     const LaneSeat seat = lane_seat(tid, 4);
     const uint32_t sm_s = smem_u32(sm);
-    const int64_t q0 = static_cast<int64_t>(t) * nh + h0;
-    // pass p into stage p % kSlStages: rows (chunk u, chain g) of lane l, 64 heads then 64 positions, as
-    // 16-byte pieces (piece i: row i / 16, floats 4 (i % 16) ..)
-    auto issue = [&](int p) {
-        const int l = ln_lane(p);
-        const uint32_t buf = sm_s + static_cast<uint32_t>((p % kSlStages) * SF * 4);
+    const int64_t q0 = static_cast<int64_t>(t) * a.nh + h0;
+    // slab q (pass q / nst, slab q % nst of it) into stage q % kSlStages: its chunks' rows (u, g) of lane l,
+    // 64 heads then 64 columns, 16-byte pieces (piece i: row i / 16, floats 4 (i % 16) ..)
+    auto issue = [&](int q) {
+        const int p = q / nst, sl = q - p * nst, l = ln_lane(p), c0 = sl * S;
+        const uint32_t buf = sm_s + static_cast<uint32_t>((q % kSlStages) * SF * 4);
 #pragma unroll
-        for (int i = tid; i < C * 8 * 16; i += kSlThreads) {
-            const int row = i >> 4, c4 = 4 * (i & 15);
-            const int64_t lr = static_cast<int64_t>(l) * C * 8 + row;
-            cp_async16_s(buf + static_cast<uint32_t>((row * kSlPad + c4) * 4), xq + lr * ldq + q0 + c4);
-            cp_async16_s(buf + static_cast<uint32_t>((HALF + row * kSlPad + c4) * 4), xc + lr * ldc + j0 + c4);
+        for (int i = tid; i < S * 8 * 16; i += kSlThreads) {
+            const int row = i >> 4, c4 = 4 * (i & 15), c = c0 + (row >> 3), g = row & 7;
+            if (c >= nc) continue;  // (past the row's chunks: never computed)
+            const uint32_t da = buf + static_cast<uint32_t>((row * kSlPad + c4) * 4), db = da + HALF * 4;
+            const int64_t lr = (static_cast<int64_t>(l) * a.nca + c) * 8 + g;
+            cp_async16_s(da, a.xa + lr * a.lda + q0 + c4);
+            if constexpr (SCORES) {
+                cp_async16_s(db, a.xb + lr * a.ldb + x0 + c4);
+            } else {
+                const int pos = 64 * c + 8 * g + l;
+                if (pos < ns && x0 + c4 < a.r) cp_async16_s(db, a.xb + static_cast<int64_t>(pos) * a.r + x0 + c4);
+                else store_zero16_s(db);
+            }
         }
     };
-#pragma unroll
-    for (int p = 0; p < kSlStages - 1; ++p) {
-        issue(p);
+    for (int q = 0; q < kSlStages - 1; ++q) {
+        if (q < total) issue(q);
         cp_async_commit();
     }
     float acc[8][8];
@@ -210,25 +227,32 @@ __global__ void __launch_bounds__(kSlThreads, 1) k_mla_scores_lanes(const float*
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
     float Q[8];
-    for (int p = 0; p < 8; ++p) {
+    for (int q = 0; q < total; ++q) {
         cp_async_wait<kSlStages - 2>();
-        __syncthreads();  // pass p arrived; every thread is done with pass p - 1's stage, which p + 3 refills
-        if (p + kSlStages - 1 < 8) issue(p + kSlStages - 1);
+        __syncthreads();  // slab q arrived; every thread is done with slab q - 1's stage, which q + 3 refills
+        if (q + kSlStages - 1 < total) issue(q + kSlStages - 1);
         cp_async_commit();
-        const float* A = sm + (p % kSlStages) * SF + seat.g * kSlPad + 4 * seat.rg;
+        const int p = q / nst, sl = q - p * nst, nu = nc - sl * S < S ? nc - sl * S : S;
+        const float* A = sm + (q % kSlStages) * SF + seat.g * kSlPad + 4 * seat.rg;
         const float* B = A + HALF + 4 * (seat.tg - seat.rg);
+        if (nu == S) {
 #pragma unroll
-        for (int u = 0; u < C; ++u) lane_chunk<32, 32>(acc, A + u * 8 * kSlPad, B + u * 8 * kSlPad);
-        lane_pass_end(acc, seat.g, p, park + tid, kSlThreads, Q);
+            for (int u = 0; u < S; ++u) lane_chunk<32, 32>(acc, A + u * 8 * kSlPad, B + u * 8 * kSlPad);
+        } else {
+#pragma unroll 1
+            for (int u = 0; u < nu; ++u) lane_chunk<32, 32>(acc, A + u * 8 * kSlPad, B + u * 8 * kSlPad);
+        }
+        if (sl == nst - 1) lane_pass_end(acc, seat.g, p, park + tid, kSlThreads, Q);
     }
     cp_async_wait<0>();
     const int h = h0 + lane_row(seat.g, seat.rg, 32);
-    if (h >= nh) return;
-    float* const out = scores + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
+    if (h >= a.nh) return;
+    float* const out = SCORES ? a.out + a.sel_off[t] * a.nh + static_cast<int64_t>(h) * ns
+                              : a.out + (static_cast<int64_t>(t) * a.nh + h) * a.r;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        const int pos = j0 + lane_col(j, seat.tg, 32);
-        if (pos < ns) out[pos] = fmul(Q[j], scale);
+        const int x = x0 + lane_col(j, seat.tg, 32);
+        if (x < (SCORES ? ns : a.r)) out[x] = SCORES ? fmul(Q[j], a.scale) : bf16r(Q[j]);
     }
 }
 
@@ -275,7 +299,7 @@ __global__ void k_mla_softmax(const float* __restrict__ scores, int T, int nh, c
         for (int jj = lane; jj < ns; jj += 32) p[jj] = bf16r(fdiv(p[jj], sum));
 }
 
-// The probabilities of one sequence's dense prefill as k_mla_olat_lanes reads them: Xp[((l ncp + c) 8 + g)
+// The probabilities of one sequence's dense prefill as k_mla_attn_lanes's o_lat reads them: Xp[((l ncp + c) 8 + g)
 // ldp + t nh + h] = p[t][h][64c + 8g + l] (0 past the row's positions), for the chunks c a row's positions
 // reach. A block per (chunk c, row t, 32 heads): the heads' 64 values through a padded tile, written as 32
 // consecutive heads per (lane, chain).
@@ -299,81 +323,6 @@ __global__ void __launch_bounds__(256) k_probs_lanes(const float* __restrict__ p
         const int i = tid + 256 * n, hh = i & 31, lg = i >> 5, l = lg >> 3, g = lg & 7;
         if (h0 + hh < nh)
             xp[((static_cast<int64_t>(l) * ncp + c) * 8 + g) * ldp + static_cast<int64_t>(t) * nh + h0 + hh] = tile[hh][8 * g + l];
-    }
-}
-
-// mla.o_lat for a prefill of one sequence over a dense selection: the same values as k_mla_olat, as a
-// lane-pass product. A = the probabilities (k_probs_lanes), B = the latent rows themselves (B^T's row of
-// (chunk u, chain g) is position 64u + 8g + l's 64 columns of the block: 16-byte copies, zeros past the
-// row's positions). A block: row t, 64 heads x 64 latent columns; the row's chunks in slabs of kOlSlab, four
-// stages, slabs running on across lane passes.
-constexpr int kOlSlab = 4, kOlStages = 4;
-constexpr int kOlStageFloats = 2 * kOlSlab * 8 * kSlPad;
-constexpr size_t kOlSmem = static_cast<size_t>(kOlStages * kOlStageFloats + 3 * 8 * kSlThreads) * 4;
-__global__ void __launch_bounds__(kSlThreads, 1) k_mla_olat_lanes(const float* __restrict__ xp, int64_t ldp, int ncp,
-                                                                const float* __restrict__ cache, int r, int nh,
-                                                                const int* __restrict__ sel_n, float* o_lat) {
-    pdl_enter();
-    GLM_DYN_SMEM(float, sm);
-    const int k0 = static_cast<int>(blockIdx.x) * 64, t = static_cast<int>(blockIdx.y), h0 = static_cast<int>(blockIdx.z) * 64;
-    const int ns = sel_n[t], nc = (ns + 63) / 64, nst = (nc + kOlSlab - 1) / kOlSlab, total = 8 * nst;
-    constexpr int HALF = kOlSlab * 8 * kSlPad;
-    float* const park = sm + kOlStages * kOlStageFloats;
-    const int tid = static_cast<int>(threadIdx.x);
-    const LaneSeat seat = lane_seat(tid, 4);
-    const uint32_t sm_s = smem_u32(sm);
-    const int64_t q0 = static_cast<int64_t>(t) * nh + h0;
-    // slab q (pass q / nst, slab q % nst of it) into stage q % kOlStages: its chunks' rows (u, g) of lane l,
-    // 64 heads then 64 columns, 16-byte pieces (piece i: row i / 16, floats 4 (i % 16) ..)
-    auto issue = [&](int q) {
-        const int p = q / nst, s = q - p * nst, l = ln_lane(p), c0 = s * kOlSlab;
-        const uint32_t buf = sm_s + static_cast<uint32_t>((q % kOlStages) * kOlStageFloats * 4);
-        for (int i = tid; i < kOlSlab * 8 * 16; i += kSlThreads) {
-            const int row = i >> 4, c4 = 4 * (i & 15), c = c0 + (row >> 3);
-            if (c >= nc) continue;  // (past the row's chunks: never computed)
-            const int pos = 64 * c + 8 * (row & 7) + l;
-            cp_async16_s(buf + static_cast<uint32_t>((row * kSlPad + c4) * 4),
-                         xp + ((static_cast<int64_t>(l) * ncp + c) * 8 + (row & 7)) * ldp + q0 + c4);
-            const uint32_t dst = buf + static_cast<uint32_t>((HALF + row * kSlPad + c4) * 4);
-            if (pos < ns && k0 + c4 < r) cp_async16_s(dst, cache + static_cast<int64_t>(pos) * r + k0 + c4);
-            else store_zero16_s(dst);  // (fma(0, 0, P) = P: a past position or column leaves every chain as it is)
-        }
-    };
-    for (int q = 0; q < kOlStages - 1; ++q) {
-        if (q < total) issue(q);
-        cp_async_commit();
-    }
-    float acc[8][8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
-    float Q[8];
-    for (int q = 0; q < total; ++q) {
-        cp_async_wait<kOlStages - 2>();
-        __syncthreads();  // slab q arrived; every thread is done with slab q - 1's stage, which q + 3 refills
-        if (q + kOlStages - 1 < total) issue(q + kOlStages - 1);
-        cp_async_commit();
-        const int p = q / nst, s = q - p * nst, nu = nc - s * kOlSlab < kOlSlab ? nc - s * kOlSlab : kOlSlab;
-        const float* A = sm + (q % kOlStages) * kOlStageFloats + seat.g * kSlPad + 4 * seat.rg;
-        const float* B = A + HALF + 4 * (seat.tg - seat.rg);
-        if (nu == kOlSlab) {
-#pragma unroll
-            for (int u = 0; u < kOlSlab; ++u) lane_chunk<32, 32>(acc, A + u * 8 * kSlPad, B + u * 8 * kSlPad);
-        } else {
-#pragma unroll 1
-            for (int u = 0; u < nu; ++u) lane_chunk<32, 32>(acc, A + u * 8 * kSlPad, B + u * 8 * kSlPad);
-        }
-        if (s == nst - 1) lane_pass_end(acc, seat.g, p, park + tid, kSlThreads, Q);
-    }
-    cp_async_wait<0>();
-    const int h = h0 + lane_row(seat.g, seat.rg, 32);
-    if (h >= nh) return;
-    float* const out = o_lat + (static_cast<int64_t>(t) * nh + h) * r;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int k = k0 + lane_col(j, seat.tg, 32);
-        if (k < r) out[k] = bf16r(Q[j]);
     }
 }
 
@@ -611,7 +560,7 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     SegDev* segs = s.seg_table(layer);
     const unsigned ntile = static_cast<unsigned>((nh + HT - 1) / HT);
     // one sequence's prefill over a dense selection (row t's j-th position is j): mla.scores and mla.o_lat
-    // as lane-pass products (k_mla_scores_lanes, k_mla_olat_lanes)
+    // as lane-pass products (k_mla_attn_lanes)
     const bool lanes = launch_options().attn_tiled && !nm.seq && T >= 64 && r % 64 == 0 && r <= 512 && nh % 4 == 0 &&
                        s.sel_dense && !s.injects(layer, S_MLA_SELECTED) && s.segs.size() == 1;
     const float* cache_c = s.segs[0].seq->mla[static_cast<size_t>(layer)].c.as<float>();
@@ -622,22 +571,22 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
         // one sequence's prefill over a dense selection: the lane-pass product (x_lanes re-lays q_abs and
         // the latent rows its rows see)
         if (lanes) {
-            static const decltype(&k_mla_scores_lanes<1>) kByChunks[] = {
-                k_mla_scores_lanes<1>, k_mla_scores_lanes<2>, k_mla_scores_lanes<3>, k_mla_scores_lanes<4>,
-                k_mla_scores_lanes<5>, k_mla_scores_lanes<6>, k_mla_scores_lanes<7>, k_mla_scores_lanes<8>};
+            static const decltype(&k_mla_attn_lanes<true, 1>) kByChunks[] = {
+                k_mla_attn_lanes<true, 1>, k_mla_attn_lanes<true, 2>, k_mla_attn_lanes<true, 3>, k_mla_attn_lanes<true, 4>,
+                k_mla_attn_lanes<true, 5>, k_mla_attn_lanes<true, 6>, k_mla_attn_lanes<true, 7>, k_mla_attn_lanes<true, 8>};
             static const size_t kSmem[] = {sl_smem_bytes<1>(), sl_smem_bytes<2>(), sl_smem_bytes<3>(), sl_smem_bytes<4>(),
                                            sl_smem_bytes<5>(), sl_smem_bytes<6>(), sl_smem_bytes<7>(), sl_smem_bytes<8>()};
             const int nch = r / 64;
-            const int64_t nq = static_cast<int64_t>(T) * nh;
             const int64_t ldc = (static_cast<int64_t>(max_ns) + 63) / 64 * 64;
             float* xq = s.scratch.d<float>(static_cast<size_t>(ldq) * r);
             float* xc = s.scratch.d<float>(static_cast<size_t>(ldc) * r);
-            x_lanes(q_abs, r, static_cast<int>(nq), nch, ldq, xq);
+            x_lanes(q_abs, r, T * nh, nch, ldq, xq);
             x_lanes(cache_c, r, max_ns, nch, ldc, xc);
             auto k = kByChunks[nch - 1];
             allow_smem(k, kSmem[nch - 1]);
+            const AttnLanes al{xq, ldq, nch, xc, ldc, nh, r, s.d_sel_off, s.d_sel_n, scale, scores};
             GLM_LAUNCH(k, dim3(static_cast<unsigned>(ldc / 64), T, static_cast<unsigned>((nh + 63) / 64)), kSlThreads,
-                       kSmem[nch - 1], xq, ldq, xc, ldc, nh, s.d_sel_off, s.d_sel_n, scale, scores);
+                       kSmem[nch - 1], al);
         } else if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && r <= 512) {
             static const decltype(&k_mla_scores_tiled<1>) kByChunks[] = {
                 k_mla_scores_tiled<1>, k_mla_scores_tiled<2>, k_mla_scores_tiled<3>, k_mla_scores_tiled<4>,
@@ -682,10 +631,11 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
             GLM_LAUNCH(kp, dim3(static_cast<unsigned>(ncp), T, static_cast<unsigned>((nh + 31) / 32)), 256, 0, probs, nh,
                        ncp, s.d_sel_off, s.d_sel_n, ldq, xp);
             check_launch("mla_probs_lanes");
-            auto k = k_mla_olat_lanes;
-            allow_smem(k, kOlSmem);
+            auto k = k_mla_attn_lanes<false, kOlSlab>;
+            allow_smem(k, sl_smem_bytes<kOlSlab>());
+            const AttnLanes al{xp, ldq, ncp, cache_c, r, nh, r, s.d_sel_off, s.d_sel_n, 1.0f, o_lat};
             GLM_LAUNCH(k, dim3(static_cast<unsigned>((r + 63) / 64), T, static_cast<unsigned>((nh + 63) / 64)), kSlThreads,
-                       kOlSmem, xp, ldq, ncp, cache_c, r, nh, s.d_sel_n, o_lat);
+                       sl_smem_bytes<kOlSlab>(), al);
         } else if (launch_options().attn_tiled && !nm.seq && T >= 16 && r % 4 == 0 && olat_smem <= 200 * 1024) {
             // prefill-sized steps: the tiled kernel (unless attn_tiled is off), short selections included
             auto k = k_mla_olat_tiled;
