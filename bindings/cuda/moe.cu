@@ -213,7 +213,7 @@ struct WeightArgs {
     float rsf;
     float* wts;
 };
-// Lane items (lanes_min > 0; weights.cuh, lanes_item_split): each expert's whole 64s of pairs, and its
+// Lane items (lanes_min > 0; weights.cuh, lanes_item_pairs): each expert's whole 64s of pairs, and its
 // remainder when that holds at least lanes_min pairs, are items of kLanesItem pairs in items_l (n_l of
 // them); what remains, items of `tile` in items. An expert's pairs stay contiguous: its lane items first.
 __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict__ sel, int nrouted, int nshared,
@@ -487,9 +487,9 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     const bool may16 = experts_may_take16(T, k, E) || (T > 1 && s.E.opts.expert_tile == 16);
     const bool gemm16 = may16 && w.t_gate.data && experts_take_gemm(w.t_gate, x, D) && experts_take_gemm(w.t_up, x, D) &&
                         experts_take_gemm(w.t_down, gbuf, Im);
-    // items of 64 through the lane-pass kernel (its x rows in lane order) only when the option asks for
-    // them: measured slower end to end than items of 16 (docs/perf.md, "Session 15"); else 16 where it does
-    // not apply
+    // every item of 64 through the lane-pass kernel (its x rows in lane order) only when the option asks for
+    // it: measured slower end to end than items of 16 (docs/perf.md, "Session 15"); else 16 where it does
+    // not apply (the engine's rule takes items of 64 beside items of 16: lane items, below)
     const bool lanes64 = T > 1 && s.E.opts.expert_tile == kLanesItem && w.t_gate.data &&
                          experts_take_lanes(w.t_gate, x, D) && experts_take_lanes(w.t_up, x, D) &&
                          experts_take_lanes(w.t_down, gbuf, Im);

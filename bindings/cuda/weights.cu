@@ -303,7 +303,8 @@ bool lanes_applies(const LinArgs& a, bool expert) {
         return false;
     return scale_offsets_32bit(a);
 }
-// (expert items of kLanesItem pairs only when the engine option expert_tile asks for them: moe.cu)
+// (expert items of kLanesItem pairs: lane items beside items of 16, or all of them when the engine option
+// expert_tile asks: moe.cu)
 // Only where its blocks fill half the SMs: matrices of few rows (KDA's low-rank and gate projections, the
 // router, the indexer's and MLA's down-projections: 32-1536 rows) made 1-48 blocks of 32 rows x 128 tokens
 // at 128 tokens, each walking the whole K alone on its SM; the register-tiled kernel's 32 x 16 blocks are

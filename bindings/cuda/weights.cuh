@@ -152,17 +152,18 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
 // experts_may_take16 and gemm16 (the register-tiled kernel takes the tables: experts_take_gemm): 32 rows x
 // 16 pairs a block, each weight decoded once for 16 pairs. Every tile gives the same bits.
 int expert_tile(int T, int k, int E, bool gemm16);
-// Items of 64 pairs through the lane-pass kernel: only where the engine option expert_tile asks for them
-// (64; their x rows in lane order: rows_lanes, moe.cu). At prefill 2048 on the slice (top-8 of 288, 57
+// Items of 64 pairs through the lane-pass kernel: every item so only where the engine option expert_tile
+// asks (64; their x rows in lane order: rows_lanes, moe.cu). At prefill 2048 on the slice (top-8 of 288, 57
 // pairs an expert) they were slower end to end than items of 16: an item costs its 64 slots whatever it
 // holds, and real routing leaves many experts a second, nearly empty item (docs/perf.md, "Session 15").
 constexpr int kLanesItem = 64;
 // Lane items beside items of 16 (the engine's rule where the experts take items of 16; option lanes_items,
 // its lanes_min): of an expert's c pairs, its whole 64s go to lane-pass items of 64 pairs, and the rest
 // too when they number at least lanes_min; what remains takes items of 16 through the register-tiled
-// kernel. An item costs its slots whatever it holds, and per slot the lane-pass kernel is the faster
-// (the x row of each pair decoded weight serves 64 pairs, not 16), so a nearly empty item of 64 is what
-// is kept out. Returns the pairs that go to lane items.
+// kernel. An item costs its slots whatever it holds, and per slot the lane-pass kernel is the faster (each
+// decoded weight serves 64 pairs, not 16; H200, bench_gemm at 2048 tokens: 6 %), so a nearly empty item of
+// 64 is what is kept out (a remainder of 48 costs about what three items of 16 cost; 32 and 64 were slower
+// end to end: docs/perf.md, "Session 28"). Returns the pairs that go to lane items.
 __host__ __device__ inline int lanes_item_pairs(int c, int lanes_min) {
     const int r = c % kLanesItem;
     return r >= lanes_min ? c : c - r;
