@@ -680,27 +680,35 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
         assert np.array_equal(bits(forced.prefill(ids[:40])), bits(ref)), opts
 
 
-@needs_gpu
-def test_mla_attention_lanes_equal_the_cpu_engine(tmp_path):
+# (heads, latent rank, tokens, chunk, options): the emulation runs the first (~35 s there), the GPU all
+MLA_LANES_CASES = [
+    pytest.param(4, 128, 100, None, ({},), id="h4-r128-100"),
+    pytest.param(4, 128, 170, 100, ({}, {"attn_tiled": False}), id="h4-r128-170-chunked", marks=needs_gpu),
+    pytest.param(68, 64, 170, 100, ({}, {"attn_tiled": False}), id="h68-r64-170-chunked", marks=needs_gpu),
+]
+
+
+@pytest.mark.parametrize("heads,rank,n,chunk,options", MLA_LANES_CASES)
+def test_mla_attention_lanes_equal_the_cpu_engine(tmp_path, heads, rank, n, chunk, options):
     """mla.scores and mla.o_lat of one sequence's prefill over a dense selection (every row sees every
     position before it: index_topk 256 here) as lane-pass products (k_mla_attn_lanes: q_abs and the
     latent rows re-laid by x_lanes, the probabilities by k_probs_lanes): 4 heads over 2 latent chunks (one
-    head tile of 4, rows of other positions' heads computed and not stored) and 68 heads over 1 (two head tiles, the second of 4). A 100-token prefill (two
-    position tiles, the second partial) and a second chunk of 70 at positions 100-169 (its rows see the
-    cached positions too), the shared MLA layer reusing the full layer's selection: every stage of every
-    position = the CPU engine's, and with the option attn_tiled off (the per-row kernels)."""
+    head tile of 4, rows of other positions' heads computed and not stored) and 68 heads over 1 (two head
+    tiles, the second of 4). A 100-token prefill (two position tiles, the second partial), and on the GPU a
+    second chunk of 70 at positions 100-169 (its rows see the cached positions too); the shared MLA layer
+    reuses the full layer's selection. Every stage of every position = the CPU engine's, and with the
+    option attn_tiled off (the per-row kernels)."""
     from tools.zoo import make_checkpoint
-    for heads, rank in ((4, 128), (68, 64)):
-        path = str(make_checkpoint("tiny", "fp8", tmp_path / f"h{heads}", hidden_size=128, num_attention_heads=heads,
-                                   num_key_value_heads=heads, kv_lora_rank=rank, index_topk=256))
-        cpu = fast.Engine(path, device="cpu")
-        ids = prompt(cpu.config.vocab_size, 170, 5)
-        want = Capture()
-        logits = cpu.prefill(ids, chunk=100, capture=want)
-        for opts in ({}, {"attn_tiled": False}):
-            eng, got = CudaEngine(path, cuda_options=opts), Capture()
-            assert np.array_equal(bits(logits), bits(eng.prefill(ids, chunk=100, capture=got))), (heads, opts)
-            assert_same_capture(eng.config, want, got, range(len(ids)))
+    path = str(make_checkpoint("tiny", "fp8", tmp_path / f"h{heads}", hidden_size=128, num_attention_heads=heads,
+                               num_key_value_heads=heads, kv_lora_rank=rank, index_topk=256))
+    cpu = fast.Engine(path, device="cpu")
+    ids = prompt(cpu.config.vocab_size, n, 5)
+    want = Capture()
+    logits = cpu.prefill(ids, chunk=chunk, capture=want)
+    for opts in options:
+        eng, got = CudaEngine(path, cuda_options=opts), Capture()
+        assert np.array_equal(bits(logits), bits(eng.prefill(ids, chunk=chunk, capture=got))), opts
+        assert_same_capture(eng.config, want, got, range(len(ids)))
 
 
 def test_engine_options(tmp_path, monkeypatch):
