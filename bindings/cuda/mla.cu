@@ -563,7 +563,7 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     // as lane-pass products (k_mla_attn_lanes)
     const bool lanes = launch_options().attn_tiled && !nm.seq && T >= 64 && r % 64 == 0 && r <= 512 && nh % 4 == 0 &&
                        s.sel_dense && !s.injects(layer, S_MLA_SELECTED) && s.segs.size() == 1;
-    const float* cache_c = s.segs[0].seq->mla[static_cast<size_t>(layer)].c.as<float>();
+    const float* cache_c = lanes ? s.segs[0].seq->mla[static_cast<size_t>(layer)].c.as<float>() : nullptr;
     const int64_t ldq = (static_cast<int64_t>(T) * nh + 64 + 31) / 32 * 32;  // (a last head tile reads 64 rows on)
     {
         // prefill-sized steps: the tiled kernel (unless attn_tiled is off); else positions per warp: one while the grid is small
