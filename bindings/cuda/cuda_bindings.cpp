@@ -132,7 +132,8 @@ EngineOptions options_from_dict(const py::dict& d) {
         } else {
             std::string names;
             for (const FlagOption& c : kFlagOptions) names += std::string(c.name) + ", ";
-            for (const IntOption& c : kIntOptions) names += std::string(c.name) + (&c == std::end(kIntOptions) - 1 ? "" : ", ");
+            for (const IntOption& c : kIntOptions) names += std::string(c.name) + ", ";
+            names.resize(names.size() - 2);
             bad("options: unknown option '" + k + "' (" + names + ")");
         }
     }

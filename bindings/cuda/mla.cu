@@ -174,7 +174,8 @@ struct AttnLanes {
     const float* xa;  // A re-laid: [l][chunk][g][lda], heads' token t nh + h
     int64_t lda;
     int nca;          // A's chunks a lane
-    const float* xb;  // scores: B re-laid ([l][S][g][ldb], token = position); o_lat: the latent rows (r floats apart)
+    const float* xb;  // scores: B re-laid ([l][S][g][ldb], token = position); o_lat: the latent rows (r floats apart,
+                      // r a multiple of 64: a block's 64 columns lie in the row)
     int64_t ldb;
     int nh, r;
     const int64_t* sel_off;
@@ -212,7 +213,7 @@ __global__ void __launch_bounds__(kSlThreads, 1) k_mla_attn_lanes(AttnLanes a) {
                 cp_async16_s(db, a.xb + lr * a.ldb + x0 + c4);
             } else {
                 const int pos = 64 * c + 8 * g + l;
-                if (pos < ns && x0 + c4 < a.r) cp_async16_s(db, a.xb + static_cast<int64_t>(pos) * a.r + x0 + c4);
+                if (pos < ns) cp_async16_s(db, a.xb + static_cast<int64_t>(pos) * a.r + x0 + c4);
                 else store_zero16_s(db);
             }
         }
@@ -566,10 +567,9 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     const float* cache_c = lanes ? s.segs[0].seq->mla[static_cast<size_t>(layer)].c.as<float>() : nullptr;
     const int64_t ldq = (static_cast<int64_t>(T) * nh + 64 + 31) / 32 * 32;  // (a last head tile reads 64 rows on)
     {
-        // prefill-sized steps: the tiled kernel (unless attn_tiled is off); else positions per warp: one while the grid is small
-        // (latency), four once it is large (q_abs reuse)
         // one sequence's prefill over a dense selection: the lane-pass product (x_lanes re-lays q_abs and
-        // the latent rows its rows see)
+        // the latent rows its rows see); other prefill-sized steps: the tiled kernel (unless attn_tiled is
+        // off); else positions per warp: one while the grid is small (latency), four once it is large (q_abs reuse)
         if (lanes) {
             static const decltype(&k_mla_attn_lanes<true, 1>) kByChunks[] = {
                 k_mla_attn_lanes<true, 1>, k_mla_attn_lanes<true, 2>, k_mla_attn_lanes<true, 3>, k_mla_attn_lanes<true, 4>,

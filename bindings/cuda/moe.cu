@@ -490,20 +490,17 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     // every item of 64 through the lane-pass kernel (its x rows in lane order) only when the option asks for
     // it: measured slower end to end than items of 16 (docs/perf.md, "Session 15"); else 16 where it does
     // not apply (the engine's rule takes items of 64 beside items of 16: lane items, below)
-    const bool lanes64 = T > 1 && s.E.opts.expert_tile == kLanesItem && w.t_gate.data &&
-                         experts_take_lanes(w.t_gate, x, D) && experts_take_lanes(w.t_up, x, D) &&
-                         experts_take_lanes(w.t_down, gbuf, Im);
+    const bool lanes_apply = w.t_gate.data && experts_take_lanes(w.t_gate, x, D) && experts_take_lanes(w.t_up, x, D) &&
+                             experts_take_lanes(w.t_down, gbuf, Im);
+    const bool lanes64 = T > 1 && s.E.opts.expert_tile == kLanesItem && lanes_apply;
     int tile = expert_tile(T, k, E, gemm16);
     if (T > 1 && s.E.opts.expert_tile > 0)
         tile = lanes64 ? kLanesItem : (s.E.opts.expert_tile >= 16 ? (gemm16 ? 16 : 8) : s.E.opts.expert_tile);
     const bool lanes = tile == kLanesItem;
     // lane items beside the items of 16 where the engine's rule chose 16 (option lanes_items: the smallest
     // remainder that takes one; weights.cuh, lanes_item_pairs)
-    const int lanes_min = tile == 16 && s.E.opts.expert_tile == 0 && s.E.opts.lanes_items > 0 &&
-                                  experts_take_lanes(w.t_gate, x, D) && experts_take_lanes(w.t_up, x, D) &&
-                                  experts_take_lanes(w.t_down, gbuf, Im)
-                              ? s.E.opts.lanes_items
-                              : 0;
+    const int lanes_min =
+        tile == 16 && s.E.opts.expert_tile == 0 && s.E.opts.lanes_items > 0 && lanes_apply ? s.E.opts.lanes_items : 0;
     int* pairs = s.scratch.d<int>(static_cast<size_t>(nall));
     int* items = s.scratch.d<int>(static_cast<size_t>(nall) * 3);
     int* n_items = s.scratch.d<int>(1);
