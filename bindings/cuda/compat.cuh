@@ -108,6 +108,17 @@ void allow_smem(K kernel, size_t bytes) {
     have = bytes;
 }
 
+// A hint: bring `bytes` (a multiple of 16, from a 16-byte aligned address) of global memory into L2 (sm_90's
+// bulk prefetch, one instruction; elsewhere and in the emulation nothing).
+GLM_DEV void prefetch_l2(const void* p, uint32_t bytes) {
+#if !defined(GLM_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
 // ---- cp.async: 16-byte copies global -> shared in commit groups (the emulation copies at issue) ----
 // The copy to a shared address from smem_u32 (the dynamic block's 32-bit shared-window address, computed
 // once: a generic pointer is converted at every copy, a cluster-id read and two more each).

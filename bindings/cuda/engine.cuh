@@ -223,7 +223,7 @@ void head_forward(Step& s, const float* X, const std::vector<int>& rows, float* 
 const float* head_normed(Step& s, const float* X, const std::vector<int>& rows);                        // head.cu
 void head_logits(Step& s, const float* normed, const std::vector<int>& rows, float* logits);            // head.cu
 bool head_bound_applies(Step& s, int rows);                                                                      // head_bound.cu
-void head_argmax_bounded(Step& s, const float* normed, int n, int* d_next, int* d_flag, int* d_count);  // head_bound.cu
+void head_argmax_bounded(Step& s, const float* normed, int n, int* d_next);  // head_bound.cu: d_next [2n + 1]
 // head.cu: the greedy token of each of `rows` rows of n logits, on the device (the segments' winners in
 // the step's scratch)
 void argmax_into(Step& s, const float* logits, int n, int* out, int rows);
@@ -355,11 +355,11 @@ class ActiveOptions {
     const EngineOptions* prev_;
 };
 
-// The bounded head's lm_head limbs and row statistics (head_bound.cu), made on first use.
+// The bounded head's one-byte lm_head and row statistics (head_bound.cu), made on first use.
 struct HeadBound {
     bool tried = false, usable = false;
     int KS = 0;          // 32-column steps of a row
-    DBuf wq, Ew, n2, l1, lo2;  // limbs in fragment order; per row: exponent, ||w||_2, ||w^||_1, ||lo_w||_2
+    DBuf wq, sw, n2, e2, l1;  // h in fragment order; per row: s_w, ||w||_2, ||e||_2, ||w^||_1
     double n2max = 0.0;  // the largest ||w||_2
     Engine::HeadBoundStats stats;
 };

@@ -727,7 +727,7 @@ void step_on(EngineCore& E_, const std::vector<int64_t>& seq_ids, const std::vec
         const size_t n = trows.size();
         d_next = s.scratch.d<int>(2 * n + 1);
         const float* normed = head_normed(s, X, trows);
-        head_argmax_bounded(s, normed, static_cast<int>(n), d_next, d_next + n, d_next + n + 1);
+        head_argmax_bounded(s, normed, static_cast<int>(n), d_next);
         s.mark("end");
         out.tokens.resize(2 * n + 1);
         check(cudaMemcpy(out.tokens.data(), d_next, (2 * n + 1) * sizeof(int), cudaMemcpyDeviceToHost), "tokens");
