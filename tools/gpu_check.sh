@@ -133,6 +133,10 @@ for kind in ("canonical", "expf", "__expf"):
           f"  ({r['seconds']:.2f} s)")
 EOF2
 
+# loads the compiler put before a kernel's PDL wait (docs/engine_cuda.md, "PDL"): seconds, and it reads the module only
+MOD=$(ls fast/_cuda.cpython-*.so 2>/dev/null | head -1)
+[ -n "$MOD" ] && python3 tools/pdl_sass_check.py "$MOD" 2>&1 | tail -8
+
 if [ "${TESTS:-1}" != "0" ]; then
 phase "GPU tests (tests/test_fast_cuda.py, tests/test_head_bound.py, the cuda side of tests/test_engines.py; the slice test comes last)"
 T_TESTS=$(( $(left) - 230 )); [ "$T_TESTS" -lt 150 ] && T_TESTS=150  # the quick set takes 50-100 s

@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(256) k_hb_quant_w(Lin W, int KS, int8_t* q, do
 // a b1 step on 128 dependent loads a lane.) Launched for whole 8-token tiles: the blocks past n, and
 // every row's columns past D, write the zeros of the tiles' padding.
 constexpr int kQxThreads = 256;
-__global__ void __launch_bounds__(kQxThreads) k_hb_quant_x(const float* __restrict__ x, int n, int D, int KS, int8_t* q,
+__global__ void __launch_bounds__(kQxThreads) k_hb_quant_x(const float* x, int n, int D, int KS, int8_t* q,
                                                            int* E_out, double* n2, int* bad, double n2w_max) {
     pdl_enter();
     __shared__ double wmx[kQxThreads / 32], wss[kQxThreads / 32];
@@ -362,8 +362,8 @@ void launch_product(const HeadBound& hb, int R, int n, const HbStats& st, const 
 // where R and ld are multiples of 4; one float a thread kept 8 KB in flight an SM: b128's 79 MB of upper
 // ends took 94 us). The candidates' order is the atomics' (k_hb_exact's choice does not depend on it).
 constexpr int kSelRows = 4;
-__global__ void __launch_bounds__(256) k_hb_select(const float* __restrict__ hi, int R, int64_t ld,
-                                                   const uint32_t* __restrict__ thr, int* count, int* cand) {
+__global__ void __launch_bounds__(256) k_hb_select(const float* hi, int R, int64_t ld, const uint32_t* thr, int* count,
+                                                   int* cand) {
     pdl_enter();
     const int t = static_cast<int>(blockIdx.y);
     const int r0 = (static_cast<int>(blockIdx.x) * 256 + static_cast<int>(threadIdx.x)) * kSelRows;
@@ -394,9 +394,10 @@ __global__ void __launch_bounds__(256) k_hb_select(const float* __restrict__ hi,
 // logit, then the lower row; logits here are finite, and -0 counts as +0 as np.argmax's comparison
 // does), and the token's last block (a ticket) writes the token and the flag.
 constexpr int kExactParts = 8;
-__global__ void __launch_bounds__(256) k_hb_exact(Lin W, const float* __restrict__ x, int D,
-                                                  const int* __restrict__ count, const int* __restrict__ cand,
-                                                  const int* __restrict__ bad_x, unsigned long long* keys,
+// (x, count, cand and bad_x come from this step's earlier kernels: not __restrict__, or the compiler may load
+// them before pdl_enter's wait, as it did in two variants measured in session 29: docs/engine_cuda.md, "PDL")
+__global__ void __launch_bounds__(256) k_hb_exact(Lin W, const float* x, int D, const int* count, const int* cand,
+                                                  const int* bad_x, unsigned long long* keys,
                                                   unsigned* tickets, int* out, int* flag) {
     pdl_enter();
     __shared__ float bv[32];
