@@ -56,13 +56,13 @@ GLM_DEV int hb_exponent(double mx) {
     return e;
 }
 
-// A row's max|v| and sum v^2 (lane l of the warp takes columns l, l + 32, ...; then a butterfly over the
-// lanes) and whether a value is not finite: k_hb_quant_w's first pass.
-template <class Get>
-GLM_DEV void hb_row_stats(int C, Get get, double& mx, double& ss, int& nonfinite) {
-    const int lane = static_cast<int>(threadIdx.x & 31u);
+// A row's max|v| and sum v^2 (thread i of STRIDE takes columns i, i + STRIDE, ...; then a butterfly over
+// the lanes of its warp) and whether a value is not finite: both quantizers' first pass.
+template <int STRIDE, class Get>
+GLM_DEV void hb_row_stats(int C, int i, Get get, double& mx, double& ss, int& nonfinite) {
     mx = 0.0, ss = 0.0, nonfinite = 0;
-    for (int k = lane; k < C; k += 32) {
+#pragma unroll 8
+    for (int k = i; k < C; k += STRIDE) {
         const double v = static_cast<double>(get(k));
         if (!(v - v == 0.0)) nonfinite = 1;
         const double a = v < 0 ? -v : v;
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(256) k_hb_quant_w(Lin W, int KS, int8_t* q, do
     auto get = [&](int k) { return decode_elem(W.fmt, W.data, W.scale, W.row0 + r, k, W.C); };
     double mx, ss;
     int nonfinite;
-    hb_row_stats(C, get, mx, ss, nonfinite);
+    hb_row_stats<32>(C, lane, get, mx, ss, nonfinite);
     const double s = nonfinite ? 0.0 : ddiv(mx, static_cast<double>(kHbW));
     double es = 0.0;
     long long l1h = 0;
@@ -135,25 +135,9 @@ __global__ void __launch_bounds__(kQxThreads) k_hb_quant_x(const float* x, int n
     __shared__ int wbad[kQxThreads / 32];
     const int t = static_cast<int>(blockIdx.x), tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
     const float* xt = x + static_cast<int64_t>(t) * D;
-    double mx = 0.0, ss = 0.0;
-    int nonfinite = 0;
-    if (t < n) {
-#pragma unroll 8
-        for (int k = tid; k < D; k += kQxThreads) {
-            const double v = static_cast<double>(xt[k]);
-            if (!(v - v == 0.0)) nonfinite = 1;
-            const double a = v < 0 ? -v : v;
-            mx = a > mx ? a : mx;
-            ss = dfma(v, v, ss);  // (v v is exact: v is a float)
-        }
-    }
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) {
-        const double m2 = __shfl_xor_sync(kFull, mx, o);
-        mx = m2 > mx ? m2 : mx;
-        ss = dadd(ss, __shfl_xor_sync(kFull, ss, o));
-        nonfinite |= __shfl_xor_sync(kFull, nonfinite, o);
-    }
+    double mx, ss;
+    int nonfinite;
+    hb_row_stats<kQxThreads>(t < n ? D : 0, tid, [&](int k) { return xt[k]; }, mx, ss, nonfinite);
     if (lane == 0) wmx[warp] = mx, wss[warp] = ss, wbad[warp] = nonfinite;
     __syncthreads();
     double a[kQxThreads / 32];
