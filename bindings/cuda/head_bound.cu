@@ -372,8 +372,8 @@ __global__ void __launch_bounds__(256) k_hb_select(const float* hi, int R, int64
 
 // The candidates' canonical logits (eight threads a dot: group_dot, every linear kernel's association)
 // and the best by np.argmax's rule; the flag when the bound could not decide. A token's candidates are
-// spread over kExactParts blocks (a block's 32 dots wait on their rows' loads: with tens of candidates a
-// token, one block a token kept the step waiting on a few of them in turn). Each block's best goes to
+// spread over kExactParts blocks of 32 dots (past 32 candidates a token, one block a token would take
+// them 32 at a time). Each block's best goes to
 // the token's key by a 64-bit atomicMax (the logit's order key above the row's complement: the larger
 // logit, then the lower row; logits here are finite, and -0 counts as +0 as np.argmax's comparison
 // does), and the token's last block (a ticket) writes the token and the flag.
@@ -393,7 +393,8 @@ __global__ void __launch_bounds__(256) k_hb_exact(Lin W, const float* x, int D, 
     // BF16 rows of whole 8-weight groups, 16-byte aligned (lm_head's: 40 us a step of scalar loads before)
     const bool bf16_rows = W.fmt == W_BF16 && W.C == D && D % 8 == 0 && reinterpret_cast<uintptr_t>(W.data) % 16 == 0 &&
                            reinterpret_cast<uintptr_t>(xt) % 16 == 0;
-    if (bf16_rows) {  // this block's rows into L2 at once (each dot's 64 loads a thread then wait on L2, not HBM)
+    if (bf16_rows) {  // this block's rows requested into L2 at once, one bulk prefetch a row (with the parts: b1's
+                      // exact dots 24.2 -> 20.4 us; what they still wait on is not known, docs/engine_cuda.md)
         const int c = part * 32 + (static_cast<int>(threadIdx.x) & 31) + 32 * kExactParts * (static_cast<int>(threadIdx.x) >> 5);
         if (c < nc)
             prefetch_l2(static_cast<const uint16_t*>(W.data) + (W.row0 + cand[static_cast<int64_t>(t) * kHbCap + c]) * W.C,
