@@ -427,10 +427,12 @@ LINEAR_EMU_CASES = [
     ("emu-fp8-lanes-128-slab8", "fp8", 40, 832, 130, False, False, False),
     ("emu-bf16-lanes-128", "bf16", 36, 256, 129, False, False, False),
     ("emu-mxfp4-lanes-128", "mxfp4", 33, 576, 140, False, False, True),
-    # expert items of 64 pairs through it: two items, the second of 36 (FP8), of 6 (BF16, MXFP4); 5 chunks
-    # (a slab of 4 and one of 1) and 13 (three of 4 and one of 1)
+    # expert items of 64 pairs through it (x re-laid per item): two items, the second of 36 (FP8), of 6
+    # (BF16, MXFP4); FP8 and MXFP4 take slabs of 8 chunks, BF16 of 4: 5 chunks (one slab of 5), 13 (8 and
+    # 5), 16 (two whole slabs), 9 (8 and 1), 4 (one whole slab)
     ("emu-fp8-experts-lanes", "fp8", 70, 320, 100, True, True, True),
     ("emu-fp8-experts-lanes-13", "fp8", 70, 832, 100, True, True, False),
+    ("emu-fp8-experts-lanes-16", "fp8", 64, 1024, 70, True, True, False),
     ("emu-bf16-experts-lanes", "bf16", 40, 256, 70, True, True, False),
     ("emu-mxfp4-experts-lanes", "mxfp4", 33, 576, 70, True, True, False),
 ]
@@ -532,8 +534,10 @@ def test_linear_kernels_match_cpu(case):
     # item's first slabs copied in while a block folds, where its fold buffer fits past the stages)
     gemm += ["gemm:8"] if gemm and expert else []
     # the lane-pass kernel: several tokens, BF16 / FP8 / MXFP4 rows of whole chunks (dense: 64 x 64 tiles
-    # below 128 tokens, 32 x 128 from there; experts: items of 64 pairs, x rows in lane order)
+    # below 128 tokens, 32 x 128 from there; experts: items of 64 pairs, their x re-laid per item; lanes:1
+    # re-lays and launches one item at a time, as launches past kLanesItemsGroup floats of x do in groups)
     lanes = ["lanes"] if C % 64 == 0 and T > 1 and release != "f32" else []
+    lanes += ["lanes:1"] if lanes and expert else []
     # the few-pair kernel: FP8 expert items of up to 8 pairs (the test's items of 8: a last one of T % 8)
     pairs = ["pairs"] if expert and release == "fp8" and C % 64 == 0 else []
     kernels = ["auto", "register"] + occ + wide + stream + tiled + gemm + lanes + pairs + (variants if staged else [])
@@ -548,7 +552,7 @@ def test_linear_kernels_match_cpu(case):
     for kernel in kernels:
         full = ("auto", "register", "register:occ5", "register:occ6", "register:w4", "register:w2", "stream:1", "stream:2",
                 "stream:3", "stream:1x",
-                "stream:2x", "tiled", "tiled:1", "gemm", "gemm:8", "lanes", "pairs",
+                "stream:2x", "tiled", "tiled:1", "gemm", "gemm:8", "lanes", "lanes:1", "pairs",
                 "staged:4:1", "staged:2:0")
         for decode in decodes if kernel in full else ("auto",):
             got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert, decode=decode)
@@ -654,7 +658,7 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
     second 128-token tile mostly empty: weights.cu, lanes_chosen; its dense engine path at real widths:
     tests/test_long_context.py's 8K slice prefill), and beside them lane items (the engine's rule: an
     expert's whole 64s of pairs and a remainder of at least lanes_items=48 take items of 64 through the
-    lane-pass kernel, x rows and h in lane order), with lanes_items=1 every pair in lane items (no item of
+    lane-pass kernel, x re-laid per item), with lanes_items=1 every pair in lane items (no item of
     16 left), 64 only the whole 64s (the shared expert's 200 pairs: three, its remainder in items of 16),
     0 none; with expert_tile=64 every item holds 64 pairs through the lane-pass kernel; the option lanes
     off changes nothing here. MLA's head-blocked W_UK^T and W_UV (heads of whole 32-row

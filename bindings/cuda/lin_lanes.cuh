@@ -27,51 +27,71 @@ namespace {
 //
 // The weights stay in their stored layout: every lane pass copies whole chunks of the block's rows
 // (cp.async) and decodes its lane's weights (FP8: one 16-byte load gives two, MXFP4 four, BF16 one 2-byte
-// load one), so the raw rows cross L2 eight times; x is re-laid once per launch by k_x_lanes into
-// Xp[l][c][g][token] (f32), so a lane's x^T arrives by plain 16-byte copies, nothing transposed in
-// the kernel. Per 64 FMAs a thread spends 4 shared loads, ~1 decoded weight (BN 64; half with BN 128)
-// and a fraction of a copy.
+// load one), so the raw rows cross L2 eight times; x is re-laid once per launch into Xp[l][c][g][token]
+// (f32; dense: k_x_lanes; expert items: k_items_lanes, each item's 64 pair slots as its tokens), so a
+// lane's x^T arrives by plain 16-byte copies, nothing transposed in the kernel. Per 64 FMAs a thread
+// spends 4 shared loads, ~1 decoded weight (BN 64; half with BN 128) and a fraction of a copy.
 //
-// Shared memory: ST stages of [raw rows BM x (S chunks + 16 bytes)] + [X^T S x 8 x (BN + 8) f32]; two
-// decoded W^T buffers S x 8 x (BM + 8); the parked partials [3][8][threads]. Paddings: raw rows are an
-// odd number of 16-byte pieces (a warp's 32 rows' 16-byte loads fall on distinct banks), W^T and X^T
-// rows are 8 floats past a multiple of 32 words (a half warp's 4 chains x 2 tiles x 16 bytes cover the
-// 32 banks once; a thread's rows and tokens are two groups of four, half a tile apart).
+// Shared memory: ST stages of [raw rows BM x S chunks] + [X^T S x 8 x XS f32]; two decoded W^T buffers
+// S x 8 x WS; the parked partials [3][8][threads]. A warp's 32 rows' 16-byte decode loads must fall on
+// distinct banks, and a half warp's 4 chains x 2 tiles x 16 bytes of W^T or X^T must cover the 32 banks
+// once (a thread's rows and tokens are two groups of four, half a tile apart): dense launches pad (raw rows
+// an odd number of 16-byte pieces, XS = BN + 8, WS = BM + 8), expert items swizzle (ln_swz, ln_piece),
+// which leaves them room for slabs of 8.
 constexpr int kLnThreads = 512;
-// Chunks per slab: 8 for FP8 rows at 128 tokens, else 4. A slab's cursor, copy and barrier logic costs
-// the same whatever its length (ncu, q|k|v FP8 at 128 tokens: 286 instructions for a slab's 256 FFMAs,
-// and ~150 more of that logic), so longer slabs spend fewer instructions a multiply; FP8 at 128 tokens
-// is the one shape whose slabs of 8 still leave three stages room (BF16 rows are twice as long, and 64
-// tokens a block take twice the rows).
-template <int FMT, int BN>
+// Chunks per slab: 8 for FP8 rows at 128 tokens and for FP8 and MXFP4 expert items, else 4. A slab's
+// cursor, copy and barrier logic costs the same whatever its length (ncu, q|k|v FP8 at 128 tokens: 286
+// instructions for a slab's 256 FFMAs, and ~150 more of that logic), so longer slabs spend fewer
+// instructions a multiply; BF16 rows are twice as long, and dense blocks of 64 tokens take twice the rows.
+// Expert items fit slabs of 8 in three stages because their x arrives as X^T (k_items_lanes) and their
+// buffers are swizzled instead of padded (ln_swz).
+template <int FMT, int BN, bool EXPERT>
 constexpr int ln_slab() {
-    return FMT == W_FP8 && BN == 128 ? 8 : 4;
+    return EXPERT ? (FMT == W_BF16 ? 4 : 8) : (FMT == W_FP8 && BN == 128 ? 8 : 4);
 }
 template <int BN>
 constexpr int ln_rows() {  // rows per block: 4096 outputs
     return 4096 / BN;
 }
-template <int FMT, int BN>
-constexpr int ln_raw_row() {  // bytes per staged raw row
-    return ln_slab<FMT, BN>() * chunk_bytes<FMT>() + 16;
+template <int FMT, int BN, bool EXPERT>
+constexpr int ln_raw_row() {  // bytes per staged raw row (dense: padded to an odd number of 16-byte pieces)
+    return ln_slab<FMT, BN, EXPERT>() * chunk_bytes<FMT>() + (EXPERT ? 0 : 16);
 }
-template <int FMT, int BN>
-constexpr int ln_stage_bytes() {  // raw rows, then x (dense: X^T [S][8][BN + 8]; experts: rows [BN][8S + 4])
-    constexpr int S = ln_slab<FMT, BN>();
-    return ln_rows<BN>() * ln_raw_row<FMT, BN>() + (S * 8 * (BN + 8) > BN * (8 * S + 4) ? S * 8 * (BN + 8) : BN * (8 * S + 4)) * 4;
+// Floats per W^T and X^T row (one (chunk, chain) of the block's rows or tokens): dense, 8 past a multiple
+// of 32; experts, unpadded and swizzled.
+template <int N, bool EXPERT>
+constexpr int ln_ld() {
+    return EXPERT ? N : N + 8;
 }
 template <int FMT, int BN, bool EXPERT>
-constexpr int ln_fixed_bytes() {  // the two W^T buffers (experts: and X^T buffers) and the parked partials
-    constexpr int S = ln_slab<FMT, BN>();
-    return 2 * S * 8 * (ln_rows<BN>() + 8) * 4 + (EXPERT ? 2 * S * 8 * (BN + 8) * 4 : 0) + 3 * 8 * kLnThreads * 4;
+constexpr int ln_stage_bytes() {  // raw rows, then X^T [S][8][XS]
+    constexpr int S = ln_slab<FMT, BN, EXPERT>();
+    return ln_rows<BN>() * ln_raw_row<FMT, BN, EXPERT>() + S * 8 * ln_ld<BN, EXPERT>() * 4;
+}
+template <int FMT, int BN, bool EXPERT>
+constexpr int ln_fixed_bytes() {  // the two W^T buffers and the parked partials
+    constexpr int S = ln_slab<FMT, BN, EXPERT>();
+    return 2 * S * 8 * ln_ld<ln_rows<BN>(), EXPERT>() * 4 + 3 * 8 * kLnThreads * 4;
 }
 template <int FMT, int BN, bool EXPERT>
 constexpr int ln_stages() {
-    return 4 * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<FMT, BN, EXPERT>() <= 227 * 1024 ? 4 : 3;
+    return 4 * ln_stage_bytes<FMT, BN, EXPERT>() + ln_fixed_bytes<FMT, BN, EXPERT>() <= 227 * 1024 ? 4 : 3;
 }
 template <int FMT, int BN, bool EXPERT>
 constexpr int ln_smem_bytes() {
-    return ln_stages<FMT, BN, EXPERT>() * ln_stage_bytes<FMT, BN>() + ln_fixed_bytes<FMT, BN, EXPERT>();
+    return ln_stages<FMT, BN, EXPERT>() * ln_stage_bytes<FMT, BN, EXPERT>() + ln_fixed_bytes<FMT, BN, EXPERT>();
+}
+// The swizzles of expert items (dense launches pad instead: none). A W^T or X^T row (chunk u, chain c)
+// holds column j at j ^ 8 (c & 3): a half warp's 4 chains x 2 tiles of 16-byte loads still cover the 32
+// banks once, and a row's halves (HA, HB = 32) stay apart. A raw row holds 16-byte piece q at q ^ (row & 7):
+// a warp's decode loads (32 rows of one piece) and copies (one row's pieces) meet each bank group once.
+template <bool EXPERT>
+GLM_DEV int ln_swz(int chain) {
+    return EXPERT ? 8 * (chain & 3) : 0;
+}
+template <bool EXPERT>
+GLM_DEV int ln_piece(int q, int row) {
+    return EXPERT ? q ^ (row & 7) : q;
 }
 // Chunks of x a dense launch re-lays (k_x_lanes) and reads: a head-blocked one's every head's columns
 // (head h's from chunk h xhs / 64), else one row's.
@@ -99,29 +119,43 @@ __global__ void __launch_bounds__(256) k_x_lanes(const float* __restrict__ X, in
     }
 }
 
-// Rows in lane order (the experts' x; weights.cuh, rows_lanes): a block per row, staged whole in shared
-// memory, written in order.
-__global__ void __launch_bounds__(256) k_rows_lanes(const float* __restrict__ X, int64_t ldx, int nch, float* __restrict__ Y) {
+// Expert items as the lane-pass kernel's x: Xi[i][((l * nch + c) * 8 + g) * kLanesItem + j] = x of item
+// item0 + i's pair j at column 64c + 8g + l (pair_xrow), 0 past the item's pairs. A block: one chunk of
+// one item, read by rows (the pairs' x rows gathered), written by (lane, chain) rows of the item's slots.
+__global__ void __launch_bounds__(256) k_items_lanes(LinArgs a, int nch, float* __restrict__ Xi) {
     pdl_enter();
-    GLM_DYN_SMEM(float, row);
-    const int64_t r = blockIdx.x;
-    const int C = 64 * nch;
-    for (int i = static_cast<int>(threadIdx.x); i < C; i += 256) row[i] = X[r * ldx + i];
+    const int it = a.item0 + static_cast<int>(blockIdx.x);
+    if (it >= *a.n_items) return;
+    __shared__ float tile[kLanesItem][65];
+    __shared__ int64_t xr[kLanesItem];
+    const int c = static_cast<int>(blockIdx.y), tid = static_cast<int>(threadIdx.x);
+    const int start = a.items[3 * it + 1], cnt = a.items[3 * it + 2];
+    if (tid < kLanesItem) xr[tid] = tid < cnt ? pair_xrow(a, a.pairs[start + tid]) : -1;
     __syncthreads();
-    for (int o = static_cast<int>(threadIdx.x); o < C; o += 256) Y[r * C + o] = row[lane_order_col(o, nch)];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        const int idx = tid + 256 * n, j = idx >> 6, col = idx & 63;
+        tile[j][col] = xr[j] >= 0 ? a.X[xr[j] * a.ldx + 64 * c + col] : 0.0f;
+    }
+    __syncthreads();
+    float* const out = Xi + static_cast<int64_t>(blockIdx.x) * kLanesItem * 64 * nch;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        const int idx = tid + 256 * n, j = idx & 63, lg = idx >> 6, l = lg >> 3, g = lg & 7;
+        out[((static_cast<int64_t>(l) * nch + c) * 8 + g) * kLanesItem + j] = tile[j][8 * g + l];
+    }
 }
 
 // Dense: a.X is Xp (k_x_lanes) with a.ldx = ldT; a.Y the launch's first token row; a.T its tokens. Head-blocked
 // (a.rh < a.R): Xp of x's whole width, every head's columns.
-// Experts (items of up to BN pairs): a.X rows in lane order (k_rows_lanes), gathered per pair into the
-// stage, transposed in the decode pass.
+// Experts (items of up to BN pairs): a.X is Xi (k_items_lanes) of items a.item0 .. a.item0 + a.item_count.
 template <int FMT, bool EXPERT, int DEC, int BN>
 __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
-    constexpr int CB = chunk_bytes<FMT>(), BM = ln_rows<BN>(), S = ln_slab<FMT, BN>(), ST = ln_stages<FMT, BN, EXPERT>();
-    constexpr int RW = ln_raw_row<FMT, BN>(), WS = BM + 8, XS = BN + 8;
-    constexpr int SB = ln_stage_bytes<FMT, BN>(), XOFF = BM * RW;
+    constexpr int CB = chunk_bytes<FMT>(), BM = ln_rows<BN>(), S = ln_slab<FMT, BN, EXPERT>(), ST = ln_stages<FMT, BN, EXPERT>();
+    constexpr int RW = ln_raw_row<FMT, BN, EXPERT>(), WS = ln_ld<BM, EXPERT>(), XS = ln_ld<BN, EXPERT>();
+    constexpr int SB = ln_stage_bytes<FMT, BN, EXPERT>(), XOFF = BM * RW;
     // decode tasks: FP8 two weights of one 16-byte piece (chains 2p, 2p + 1), MXFP4 four (4p .. 4p + 3),
     // BF16 one; a warp's 32 tasks are 32 rows of one piece
     constexpr int WPT = FMT == W_FP8 ? 2 : (FMT == W_MXFP4 ? 4 : 1);
@@ -131,15 +165,13 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     constexpr int XPIECES = S * 8 * BN / 4, NXP = XPIECES / kLnThreads;
     static_assert(FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4, "BF16, FP8 or MXFP4");
     static_assert(XPIECES % kLnThreads == 0 && BM % 32 == 0, "whole copy rounds; 32-row decode warps");
-    static_assert((RW / 16) % 2 == 1 && (WS / 4) % 8 == 2 && (XS / 4) % 8 == 2, "bank spreads");
-    static_assert(ln_smem_bytes<FMT, BN, EXPERT>() <= 227 * 1024, "shared memory");
-    static_assert(!EXPERT || BN * 8 == kLnThreads, "experts: one x piece and one transposition a thread");
-    constexpr int XR = 8 * S + 4;  // experts: floats per staged x row
+    static_assert(EXPERT || ((RW / 16) % 2 == 1 && (WS / 4) % 8 == 2 && (XS / 4) % 8 == 2), "bank spreads");
+    static_assert(!EXPERT || (BN == kLanesItem && BM == 64 && PPR >= 8 && RW % 128 == 0 && kLnThreads % PPR == 0 &&
+                              kLnThreads % (2 * BN) == 0), "expert items: the swizzles' shapes");
+    static_assert(ln_smem_bytes<FMT, BN, EXPERT>() + BM * 8 <= 227 * 1024, "shared memory");
     __shared__ const unsigned char* rowp[BM];
-    __shared__ const float* xrow[EXPERT ? BN : 1];
     float* const Wt = reinterpret_cast<float*>(sm + ST * SB);  // [2][S][8][WS]
     float* const park = Wt + 2 * S * 8 * WS;                   // [3][8][threads]
-    float* const Xt = park + 3 * 8 * kLnThreads;               // experts: [2][S][8][XS]
     const int64_t C = a.C;
     const int nch = static_cast<int>(C / 64), nst = (nch + S - 1) / S, total = 8 * nst;
     const int tid = static_cast<int>(threadIdx.x);
@@ -151,91 +183,98 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         return weight_row(a, r < a.R ? r : a.R - 1);
     };
     const uint32_t sm_s = smem_u32(sm);
-    // this thread's copies of a slab: weight pieces (row, 16-byte offset) and x pieces. Dense: chunk u,
-    // chain, 4 tokens (piece p: chunk p / 2BN, chain (p / (BN / 4)) % 8, tokens 4 (p % (BN / 4)) ..);
-    // experts: pair p / 8, floats 4 (p % 8) .. of its 8S (chunk, chain) values of the lane
-    const unsigned char* wsrc[NWP];
-    int wdst[NWP], woff[NWP];
-    int xsrc[NXP] = {}, xdst[NXP] = {}, xu[NXP] = {};
-    const float* xsp = nullptr;  // experts: this thread's pair's x row (+ its piece)
-    int start = 0, cnt = 0;      // the item's first token (pair slot) and how many
+    // this thread's copies of a slab, the same places in every slab (kept as a base and a step, not one
+    // register a copy: slabs of 8 spilled so): weight pieces p = tid + n kLnThreads, row p / PPR and 16-byte
+    // piece p % PPR, RPN rows apart from one n to the next; x pieces likewise, chunk p / 2BN, chain
+    // (p / (BN / 4)) % 8, tokens 4 (p % (BN / 4)) .., UPN chunks apart
+    constexpr int RPN = kLnThreads / PPR, UPN = kLnThreads / (2 * BN);
+    static_assert(kLnThreads % PPR == 0 && kLnThreads % (2 * BN) == 0 && (kLnThreads / (BN / 4)) % 8 == 0 &&
+                      (!EXPERT || RPN % 8 == 0),
+                  "copies: each n the same piece and chain, rows RPN and chunks UPN further (experts: row & 7 kept)");
+    const int wrow = tid / PPR, woff = 16 * (tid % PPR);
+    const int wdst = wrow * RW + 16 * ln_piece<EXPERT>(tid % PPR, wrow);
+    const int xu = tid / (2 * BN), xg = (tid / (BN / 4)) % 8, xj4 = tid % (BN / 4);
+    const int xdst = XOFF + 4 * ((xu * 8 + xg) * XS + (4 * xj4 ^ ln_swz<EXPERT>(xg)));
+    int start = 0, cnt = 0;  // the item's first token (pair slot) and how many
+    const float* xb = a.X;   // x of the block's tokens (dense: Xp; experts: the item's Xi)
+    const int64_t ldx = EXPERT ? BN : a.ldx;
+    const int64_t xsrc = (xu * 8 + xg) * ldx + 4 * xj4;
     auto chunks_of = [&](int s) { return nch - s * S < S ? nch - s * S : S; };
     // (slabs are named by their position: s within pass p, and their stage; no division per slab)
-    // xo: the issued slab's x offset (floats; lane ln_lane(p), chunk S s: issue_next keeps it), from a.X
-    // (dense) or from each pair's x row (experts)
-    // (dense, a whole slab: its copies without tests, a separate branch-free path; with one tested path for
-    // all, q|k|v FP8 at 2048 tokens ran 24.5 TFLOP/s against 25.2, another device session)
+    // xo: the issued slab's x offset (floats; lane ln_lane(p), chunk S s: issue_next keeps it)
+    // (a whole slab: its copies without tests, a separate branch-free path; with one tested path for
+    // all, dense q|k|v FP8 at 2048 tokens ran 24.5 TFLOP/s against 25.2, another device session)
+    auto wvalid = [&](int n) { return WPIECES % kLnThreads == 0 || tid + n * kLnThreads < WPIECES; };
     auto issue = [&](int s, int64_t xo, int stage) {
         const int nc = chunks_of(s), c0 = s * S;
         const uint32_t buf = sm_s + static_cast<uint32_t>(stage * SB);
-        if (!EXPERT && nc == S) {
+        const float* const xs = xb + xo + xsrc;
+        if (nc == S) {
 #pragma unroll
             for (int n = 0; n < NWP; ++n)
-                if (WPIECES % kLnThreads == 0 || wdst[n] >= 0) cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
+                if (wvalid(n)) cp_async16_s(buf + wdst + n * RPN * RW, rowp[wrow + n * RPN] + woff + c0 * CB);
 #pragma unroll
-            for (int n = 0; n < NXP; ++n) cp_async16_s(buf + xdst[n], a.X + xo + xsrc[n]);
+            for (int n = 0; n < NXP; ++n) cp_async16_s(buf + xdst + 4 * n * UPN * 8 * XS, xs + n * UPN * 8 * ldx);
             return;
         }
 #pragma unroll
         for (int n = 0; n < NWP; ++n)
-            if ((WPIECES % kLnThreads == 0 || wdst[n] >= 0) && woff[n] < nc * CB) cp_async16_s(buf + wdst[n], wsrc[n] + c0 * CB);
+            if (wvalid(n) && woff < nc * CB) cp_async16_s(buf + wdst + n * RPN * RW, rowp[wrow + n * RPN] + woff + c0 * CB);
 #pragma unroll
         for (int n = 0; n < NXP; ++n)
-            if (xu[n] < nc) cp_async16_s(buf + xdst[n], (EXPERT ? xsp : a.X + xsrc[n]) + xo);
+            if (xu + n * UPN < nc) cp_async16_s(buf + xdst + 4 * n * UPN * 8 * XS, xs + n * UPN * 8 * ldx);
     };
-    // this thread's decode tasks (the same in every slab): row i, piece tk of chunk u; their scales'
-    // offsets (32-bit: lanes_applies)
-    int dsc[NT];
+    // this thread's decode tasks n = tid + n kLnThreads (the same in every slab): row di, piece dk of chunk
+    // du + n UT (the row, the piece and so the scale's offset the same for every n: base and step again);
+    // the scales' offset 32-bit (lanes_applies)
+    constexpr int UT = kLnThreads / (BM * TPC);
+    static_assert(kLnThreads % (BM * TPC) == 0 && (!EXPERT || (UT * (CB / 16)) % 8 == 0),
+                  "decode tasks: each n the same row and piece, UT chunks further (experts: the piece's swizzle kept)");
+    const int di = tid % BM, dk = (tid / BM) % TPC, du = tid / (BM * TPC);
+    const int dsrc = di * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + dk, di);  // + n UT CB
     const void* scale = a.scale;  // (experts: the item's)
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const int ti = tid + n * kLnThreads, i = ti % BM, tk = (ti / BM) % TPC;
-        const int64_t ar = abs_row(row_base + i);
-        dsc[n] = static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) + tk : 0));
-    }
+    const int dsc = [&] {
+        const int64_t ar = abs_row(row_base + di);
+        return static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) + dk : 0));
+    }();
+    auto dvalid = [&](int n) { return TASKS % kLnThreads == 0 || tid + n * kLnThreads < TASKS; };
     // the decode tasks' multipliers for slab s (chunks past the last read the last chunk's, never used)
     auto load_scales = [&](int s, float (&sc)[NT]) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const int ti = tid + n * kLnThreads;
-            int c = s * S + ti / (BM * TPC);
+            int c = s * S + du + n * UT;
             c = c < nch ? c : nch - 1;
             sc[n] = 0.0f;
             if constexpr (FMT == W_FP8) {
-                sc[n] = fp8_mult<DEC>(__ldg(static_cast<const float*>(scale) + dsc[n] + (c >> 1)));
+                sc[n] = fp8_mult<DEC>(__ldg(static_cast<const float*>(scale) + dsc + (c >> 1)));
             } else if constexpr (FMT == W_MXFP4) {
-                const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + dsc[n] + 2 * c);
+                const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + dsc + 2 * c);
                 sc[n] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
             }
         }
     };
-    // slab s of pass p, lane ln_lane(p): raw stage -> W^T buffer wbuf
+    // slab s of pass p, lane ln_lane(p): raw stage -> W^T buffer wbuf (row u * 8 + chain, column i: at
+    // i ^ ln_swz(chain))
     auto decode = [&](int s, int p, int stage, int wbuf, const float (&sc)[NT]) {
         const int l = ln_lane(p), nc = chunks_of(s);
         const unsigned char* rs = sm + stage * SB;
-        float* const W = Wt + wbuf * (S * 8 * WS);
-        if constexpr (EXPERT) {  // the pairs' x rows -> X^T: pair j, floats 4k .. (chunk k / 2, chains 4 (k % 2) ..)
-            const int j = tid % BN, k = tid / BN, u = k >> 1;
-            if (u < nc) {
-                const float4 v = *reinterpret_cast<const float4*>(rs + XOFF + 4 * (j * XR + 4 * k));
-                float* d = Xt + wbuf * (S * 8 * XS) + (u * 8 + 4 * (k & 1)) * XS + j;
-                d[0] = v.x;
-                d[XS] = v.y;
-                d[2 * XS] = v.z;
-                d[3 * XS] = v.w;
-            }
-        }
+        float* const W = Wt + wbuf * (S * 8 * WS) + du * 8 * WS;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            const int ti = tid + n * kLnThreads, i = ti % BM, tk = (ti / BM) % TPC, u = ti / (BM * TPC);
-            if (!((TASKS % kLnThreads == 0 || ti < TASKS) && u < nc)) continue;
-            float* d = W + (u * 8 + WPT * tk) * WS + i;
+            if (!(dvalid(n) && du + n * UT < nc)) continue;
+            float* const d = W + n * UT * 8 * WS;
+            auto put = [&](int m, float v) {  // chain WPT dk + m
+                const int ch = WPT * dk + m;
+                d[ch * WS + (di ^ ln_swz<EXPERT>(ch))] = v;
+            };
+            // (piece dk of the chunk: FP8 and MXFP4 the task's weights, BF16 chain dk's eight)
+            const unsigned char* piece = rs + dsrc + n * UT * CB;
             if constexpr (FMT == W_BF16) {
-                const uint32_t h = *reinterpret_cast<const uint16_t*>(rs + i * RW + u * CB + 16 * tk + 2 * l);
-                d[0] = f32_from_bits(h << 16);
+                const uint32_t h = *reinterpret_cast<const uint16_t*>(piece + 2 * l);
+                put(0, f32_from_bits(h << 16));
             } else {
-                const uint4 v = *reinterpret_cast<const uint4*>(rs + i * RW + u * CB + 16 * tk);
-                if constexpr (FMT == W_FP8) {  // chain 2tk: byte l of the piece; 2tk + 1: byte 8 + l
+                const uint4 v = *reinterpret_cast<const uint4*>(piece);
+                if constexpr (FMT == W_FP8) {  // chain 2dk: byte l of the piece; 2dk + 1: byte 8 + l
                     const uint32_t lo = (l & 4) ? v.y : v.x, hi = (l & 4) ? v.w : v.z;
                     const uint32_t pair = __byte_perm(lo, hi, static_cast<uint32_t>((l & 3) | (((l & 3) + 4) << 4)));
                     float w0, w1;
@@ -245,24 +284,24 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
                     } else {
                         e4m3x2<DEC == kDecHw>(pair, w0, w1);
                     }
-                    d[0] = fmul(w0, sc[n]);
-                    d[WS] = fmul(w1, sc[n]);
-                } else {  // MXFP4: chain 4tk + k is word k's nibble l
+                    put(0, fmul(w0, sc[n]));
+                    put(1, fmul(w1, sc[n]));
+                } else {  // MXFP4: chain 4dk + k is word k's nibble l
                     const uint32_t sh = 4u * static_cast<uint32_t>(l);
                     const uint32_t c0 = (v.x >> sh) & 15u, c1 = (v.y >> sh) & 15u, c2 = (v.z >> sh) & 15u, c3 = (v.w >> sh) & 15u;
                     if constexpr (DEC == kDecInt) {
                         float w0, w1, w2, w3;
                         e2m1_pair<0>(c0 | (c1 << 16), w0, w1);
                         e2m1_pair<0>(c2 | (c3 << 16), w2, w3);
-                        d[0] = fmul(w0, sc[n]);
-                        d[WS] = fmul(w1, sc[n]);
-                        d[2 * WS] = fmul(w2, sc[n]);
-                        d[3 * WS] = fmul(w3, sc[n]);
+                        put(0, fmul(w0, sc[n]));
+                        put(1, fmul(w1, sc[n]));
+                        put(2, fmul(w2, sc[n]));
+                        put(3, fmul(w3, sc[n]));
                     } else {
-                        d[0] = mxfp4_w(c0, sc[n]);
-                        d[WS] = mxfp4_w(c1, sc[n]);
-                        d[2 * WS] = mxfp4_w(c2, sc[n]);
-                        d[3 * WS] = mxfp4_w(c3, sc[n]);
+                        put(0, mxfp4_w(c0, sc[n]));
+                        put(1, mxfp4_w(c1, sc[n]));
+                        put(2, mxfp4_w(c2, sc[n]));
+                        put(3, mxfp4_w(c3, sc[n]));
                     }
                 }
             }
@@ -274,9 +313,8 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
     auto compute = [&](int s, int stage, int wbuf) {
-        const float* W = Wt + wbuf * (S * 8 * WS) + g * WS + 4 * rg;
-        const float* X = (EXPERT ? static_cast<const float*>(Xt + wbuf * (S * 8 * XS))
-                                 : reinterpret_cast<const float*>(sm + stage * SB + XOFF)) + g * XS + 4 * tg;
+        const float* W = Wt + wbuf * (S * 8 * WS) + g * WS + (4 * rg ^ ln_swz<EXPERT>(g));
+        const float* X = reinterpret_cast<const float*>(sm + stage * SB + XOFF) + g * XS + (4 * tg ^ ln_swz<EXPERT>(g));
         auto one = [&](int u) { lane_chunk<BM / 2, BN / 2>(acc, W + u * 8 * WS, X + u * 8 * XS); };
         const int nc = chunks_of(s);
         if (nc == S) {  // a whole slab: no test per chunk
@@ -317,13 +355,13 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     };
     auto next_stage = [](int& st) { st = st + 1 == ST ? 0 : st + 1; };
     // x offsets: from one slab to the next, and to a lane's first slab
-    const int64_t xstep = EXPERT ? S * 8 : static_cast<int64_t>(S) * 8 * a.ldx;
+    const int64_t xstep = static_cast<int64_t>(S) * 8 * ldx;
     // Head-blocked launches (dense; the block's rows lie in one head, lanes_applies): Xp holds the chunks
     // of every head's x (head h's from chunk h xhs / 64), and the block reads its head's.
     const bool heads = !EXPERT && a.rh < a.R;
     const int64_t nchx = EXPERT ? nch : lanes_x_chunks(a);  // chunks of a lane in Xp
-    const int64_t xbase = heads ? static_cast<int64_t>(row_base / a.rh) * (a.xhs / 64) * 8 * a.ldx : 0;
-    const int64_t xlane = EXPERT ? static_cast<int64_t>(nch) * 8 : nchx * 8 * a.ldx;
+    const int64_t xbase = heads ? static_cast<int64_t>(row_base / a.rh) * (a.xhs / 64) * 8 * ldx : 0;
+    const int64_t xlane = nchx * 8 * ldx;
     auto issue_next = [&](int& s, int& p, int64_t& xo, int& st) {
         if (++s == nst) {
             s = 0;
@@ -335,42 +373,19 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         st = st + 1 == ST ? 0 : st + 1;
     };
     float sc[NT];
-    const int n_items = EXPERT ? *a.n_items : 1;
+    // the launch's items (experts: a.item0 + blockIdx.y, then every gridDim.y-th, of a.item_count)
+    const int n_items = EXPERT ? (*a.n_items - a.item0 < a.item_count ? *a.n_items - a.item0 : a.item_count) : 1;
     for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
          item += EXPERT ? static_cast<int>(gridDim.y) : 1) {
-        const BlockWork bw = block_work<EXPERT>(a, item, static_cast<int>(blockIdx.y), BN);
+        const BlockWork bw = block_work<EXPERT>(a, a.item0 + item, static_cast<int>(blockIdx.y), BN);
         const void* data = bw.data;
         scale = bw.scale;
         start = bw.start;
         cnt = bw.cnt;
-        __syncthreads();  // the previous item is done with rowp, xrow and every buffer
+        xb = EXPERT ? a.X + static_cast<int64_t>(item) * BN * C : a.X + start;
+        __syncthreads();  // the previous item is done with rowp and every buffer
         if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(data) + abs_row(row_base + tid) * rb;
-        if (EXPERT && tid < BN) {  // slots past cnt compute the last pair again (not stored)
-            const int j = tid < cnt ? tid : cnt - 1;
-            xrow[EXPERT ? tid : 0] = a.X + pair_xrow(a, a.pairs[start + j]) * a.ldx;
-        }
         __syncthreads();
-#pragma unroll
-        for (int n = 0; n < NWP; ++n) {
-            const int p = tid + n * kLnThreads, i = p / PPR < BM ? p / PPR : BM - 1;
-            woff[n] = 16 * (p % PPR);
-            wsrc[n] = rowp[i] + woff[n];
-            wdst[n] = WPIECES % kLnThreads == 0 || p < WPIECES ? i * RW + woff[n] : -1;
-        }
-        if constexpr (EXPERT) {
-            const int j = tid / 8, k = tid % 8;
-            xu[0] = k >> 1;
-            xsp = xrow[EXPERT ? j : 0] + 4 * k;
-            xdst[0] = XOFF + 4 * (j * XR + 4 * k);
-        } else {
-#pragma unroll
-            for (int n = 0; n < NXP; ++n) {
-                const int p = tid + n * kLnThreads, u = p / (2 * BN), gg = (p / (BN / 4)) % 8, j4 = p % (BN / 4);
-                xu[n] = u;
-                xsrc[n] = (u * 8 + gg) * static_cast<int>(a.ldx) + start + 4 * j4;
-                xdst[n] = XOFF + 4 * ((u * 8 + gg) * XS + 4 * j4);
-            }
-        }
         int is = 0, ip = 0, ist = 0;
         int64_t ixo = xbase;  // lane 0, chunk 0
         for (int n = 0; n < ST - 1; ++n) {

@@ -31,24 +31,6 @@ __global__ void k_swiglu_act(const float* __restrict__ g, const float* __restric
     if (i >= n) return;
     h[i] = swiglu_one(g[i], u[i], L, nm);
 }
-// The same activation with each row written in lane order (weights.cuh, rows_lanes: the down projection's
-// x when its items take the lane-pass kernel): into g itself, or with hl given, in order into g and in lane
-// order into hl (lane items beside items of 16). A block per row reads it whole first (as k_rows_lanes does).
-__global__ void k_swiglu_lanes(float* g, const float* __restrict__ u, int I, float L, Nm nm, float* __restrict__ hl) {
-    pdl_enter();
-    GLM_DYN_SMEM(float, h);
-    const int64_t r = blockIdx.x;
-    const int nch = I / 64;
-    for (int i = static_cast<int>(threadIdx.x); i < I; i += static_cast<int>(blockDim.x)) {
-        const float v = swiglu_one(g[r * I + i], u[r * I + i], L, nm);
-        h[i] = v;
-        if (hl) g[r * I + i] = v;
-    }
-    __syncthreads();
-    float* const out = hl ? hl : g;
-    for (int o = static_cast<int>(threadIdx.x); o < I; o += static_cast<int>(blockDim.x)) out[r * I + o] = h[lane_order_col(o, nch)];
-}
-
 GLM_DEV float key_of(float v) { return is_nan(v) ? -INFINITY : v; }
 
 // The routing order as one integer: larger is better. The f32 key (NaN as -inf, -0 as +0) mapped to
@@ -520,34 +502,21 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     }
     s.emit(layer, S_MOE_WEIGHTS, wts, k, {k});
     if (w.t_gate.data) {  // (a rank of expert parallelism may hold no expert of the layer)
-        // gate and up read the same x rows for the same work list (one launch when their tables match)
-        // (lane items read x, and the down projection h, as rows in lane order: rows_lanes)
-        const float* xe = x;
-        float* xl = nullptr;
-        if (lanes || lanes_min > 0) {
-            xl = s.scratch.d<float>(static_cast<size_t>(T) * D);
-            rows_lanes(x, D, T, D, xl);
-            if (lanes) xe = xl;
-        }
+        // gate and up read the same x rows for the same work list (one launch when their tables match);
+        // lane items (at most one partly filled an expert: max_l) and items of 16 read the same rows
+        const int max_l = std::min(nall, nall / kLanesItem + E + 1);  // (the shared expert: entry E)
         if (lanes_min > 0)
-            linear_experts2(w.t_gate, w.t_up, items_l, n_l, nall, pairs, xl, D, k, npairs, gbuf, ubuf, Im, kLanesItem, nm, s.hw8);
-        linear_experts2(w.t_gate, w.t_up, items, n_items, nall, pairs, xe, D, k, npairs, gbuf, ubuf, Im, tile, nm, s.hw8);
-        float* hl = nullptr;  // lane items beside items of 16: h in lane order here, in order in gbuf
-        if (lanes || lanes_min > 0) {
-            if (!lanes) hl = s.scratch.d<float>(static_cast<size_t>(nall) * Im);
-            auto kk = k_swiglu_lanes;
-            const size_t smem = static_cast<size_t>(Im) * 4;
-            allow_smem(kk, smem);
-            GLM_LAUNCH(kk, static_cast<unsigned>(nall), 256, smem, gbuf, ubuf, Im, static_cast<float>(c.swiglu_limit), nm, hl);
-            check_launch("moe_act");
-        } else {
+            linear_experts2(w.t_gate, w.t_up, items_l, n_l, max_l, pairs, x, D, k, npairs, gbuf, ubuf, Im, kLanesItem, nm, s.hw8);
+        linear_experts2(w.t_gate, w.t_up, items, n_items, lanes ? max_l : nall, pairs, x, D, k, npairs, gbuf, ubuf, Im, tile, nm,
+                        s.hw8);
+        {
             const int64_t n = static_cast<int64_t>(nall) * Im;
             auto kk = k_swiglu_act;
             GLM_LAUNCH(kk, blocks(n, 256), 256, 0, gbuf, ubuf, gbuf, n, static_cast<float>(c.swiglu_limit), nm);
             check_launch("moe_act");
         }
-        if (lanes_min > 0) linear_experts(w.t_down, items_l, n_l, nall, pairs, hl, Im, 1, nall, ys, D, kLanesItem, nm, s.hw8);
-        linear_experts(w.t_down, items, n_items, nall, pairs, gbuf, Im, 1, nall, ys, D, tile, nm, s.hw8);  // h row p
+        if (lanes_min > 0) linear_experts(w.t_down, items_l, n_l, max_l, pairs, gbuf, Im, 1, nall, ys, D, kLanesItem, nm, s.hw8);
+        linear_experts(w.t_down, items, n_items, lanes ? max_l : nall, pairs, gbuf, Im, 1, nall, ys, D, tile, nm, s.hw8);  // h row p
     }
     if (s.E.ep.part.distributed()) ep_exchange(s, layer, sel, npairs, ys);  // the other ranks' experts' rows
     s.emit(layer, S_MOE_EXPERTS, ys, static_cast<int64_t>(k) * D, {k, D});

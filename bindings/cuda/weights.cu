@@ -286,6 +286,7 @@ void launch_gemm(const LinArgs& a, dim3 grid) {
 // time: larger launches run in groups of tokens.
 constexpr int kLanesMinT = 128;
 constexpr int64_t kLanesGroup = int64_t{32} << 20;  // floats of re-laid x (128 MiB) per group of tokens
+constexpr int64_t kLanesItemsGroup = int64_t{128} << 20;  // expert items: floats of re-laid x (512 MiB) per group
 // Head-blocked launches (MLA's W_UK^T and W_UV by head) where each head is whole 64-row blocks and its x
 // whole chunks: a block's rows, 32 or 64, then lie in one head, and x is re-laid over its whole width.
 // (Through the register-tiled kernel their 4 and 8 chunks a row made 8192 and 4096 blocks of 32 rows x 16
@@ -296,11 +297,9 @@ bool lanes_applies(const LinArgs& a, bool expert) {
     if (!(a.fmt == W_BF16 || a.fmt == W_FP8 || a.fmt == W_MXFP4)) return false;
     const int64_t rb = row_bytes(a.fmt, a.C);
     if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
-    // experts: 16-byte pieces of x rows in lane order (rows_lanes: at most kLanesRowMax columns); weights
-    // are arena allocations (256-byte aligned)
-    if (expert ? reinterpret_cast<uintptr_t>(a.X) % 16 != 0 || a.ldx % 4 != 0 || a.C > kLanesRowMax
-               : reinterpret_cast<uintptr_t>(a.data) % 16 != 0)
-        return false;
+    // (experts: x re-laid per item, any rows; weights are arena allocations, 256-byte aligned)
+    if (!expert && reinterpret_cast<uintptr_t>(a.data) % 16 != 0) return false;
+    if (expert && int64_t{kLanesItem} * a.C > kLanesItemsGroup) return false;
     return scale_offsets_32bit(a);
 }
 // (expert items of kLanesItem pairs: lane items beside items of 16, or all of them when the engine option
@@ -351,9 +350,25 @@ void launch_lanes_bn(const LinArgs& a, dim3 grid) {
     constexpr size_t smem = static_cast<size_t>(ln_smem_bytes<FMT, BN, EXPERT>());
     allow_smem(k, smem);
     grid.x = static_cast<unsigned>((a.R + ln_rows<BN>() - 1) / ln_rows<BN>());
-    if constexpr (EXPERT) {  // (x rows already in lane order: moe.cu, rows_lanes)
-        grid.y = item_grid_y(grid, 8);
-        GLM_LAUNCH(k, grid, kLnThreads, smem, a);
+    if constexpr (EXPERT) {  // x re-laid per item (k_items_lanes), kLanesItemsGroup floats at most at a time
+        const int nch = static_cast<int>(a.C / 64);
+        const int64_t per_item = int64_t{kLanesItem} * a.C;
+        const int group = a.lanes_group > 0 ? a.lanes_group
+                                            : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(a.max_items, kLanesItemsGroup / per_item)));
+        for (int i0 = 0; i0 < a.max_items; i0 += group) {
+            const int n = std::min(group, a.max_items - i0);
+            float* xi = lanes_scratch(n * per_item);
+            LinArgs b = a;
+            b.item0 = i0;
+            b.item_count = n;
+            auto kx = k_items_lanes;
+            GLM_LAUNCH(kx, dim3(static_cast<unsigned>(n), static_cast<unsigned>(nch)), 256, 0, b, nch, xi);
+            check_launch("items_lanes");
+            b.X = xi;
+            grid.y = static_cast<unsigned>(n);
+            grid.y = item_grid_y(grid, 8);
+            GLM_LAUNCH(k, grid, kLnThreads, smem, b);
+        }
         return;
     }
     const int nch = static_cast<int>(lanes_x_chunks(a));
@@ -1023,15 +1038,6 @@ void x_lanes(const float* X, int64_t ldx, int T, int nch, int64_t ldT, float* Xp
     auto k = k_x_lanes;
     GLM_LAUNCH(k, dim3(static_cast<unsigned>(ldT / 32), static_cast<unsigned>(nch)), 256, 0, X, ldx, T, nch, ldT, Xp);
 }
-void rows_lanes(const float* X, int64_t ldx, int rows, int64_t C, float* Y) {
-    if (rows <= 0) return;
-    if (C % 64 != 0 || C > kLanesRowMax) throw std::invalid_argument("rows_lanes: rows of whole chunks, at most 48K columns");
-    auto k = k_rows_lanes;
-    const size_t smem = static_cast<size_t>(C) * 4;
-    allow_smem(k, smem);
-    GLM_LAUNCH(k, static_cast<unsigned>(rows), 256, smem, X, ldx, static_cast<int>(C / 64), Y);
-    check_launch("rows_lanes");
-}
 
 bool experts_take_gemm(const ExpertTable& W, const float* X, int64_t ldx) {
     return launch_options().gemm && gemm_takes_items16(expert_args(W, nullptr, nullptr, 1, nullptr, X, ldx, 1, 0, nullptr, 0, 16));
@@ -1224,7 +1230,10 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
     // "gemm:8": the gemm kernel with expert items of 8 pairs whatever T (so that a test's blocks take several
     // items each, as the engine's decode batches do)
     const bool gemm8 = expert && kernel == "gemm:8";
-    const LinChoice choice = parse_kernel(gemm8 ? "gemm" : kernel, no_staged, require_staged);
+    // "lanes:1": the lane-pass kernel's expert launch one item at a time (x re-laid and the kernel launched
+    // per group of items, as launches past kLanesItemsGroup floats of x take them)
+    const bool lanes1 = expert && kernel == "lanes:1";
+    const LinChoice choice = parse_kernel(gemm8 ? "gemm" : (lanes1 ? "lanes" : kernel), no_staged, require_staged);
     if (R <= 0 || C <= 0 || T <= 0) throw std::invalid_argument("linear: R, C and T must be positive");
     if (expert && T > 65535) throw std::invalid_argument("linear: at most 65535 pairs");
     const int64_t ldx = heads ? heads->ldx : C, out_rows = heads ? heads->out_rows : R;
@@ -1264,15 +1273,11 @@ std::vector<float> linear_device(const std::string& release, const void* data, s
         check(cudaMemcpy(dtab, tab, sizeof(tab), cudaMemcpyHostToDevice), "linear: table");
         const int tile = gemm8 || kernel == "pairs" ? 8
                          : kernel == "gemm" ? gemm_tile_for(T)
-                                            : (kernel == "tiled" ? tile_for(T) : (kernel == "lanes" ? kLanesItem : 1));
-        if (kernel == "lanes" && C % 64 == 0 && C <= kLanesRowMax) {  // its x rows in lane order
-            void* dxl = B.alloc(static_cast<size_t>(T) * C * 4);
-            rows_lanes(static_cast<const float*>(dx), C, T, C, static_cast<float*>(dxl));
-            a.X = static_cast<const float*>(dxl);
-        }
+                                            : (kernel == "tiled" ? tile_for(T) : (kernel == "lanes" || lanes1 ? kLanesItem : 1));
         const std::vector<int> it = expert_items(T, 1, tile);
         check(cudaMemcpy(ditems, it.data(), it.size() * 4, cudaMemcpyHostToDevice), "linear: items");
         set_expert_args(a, dtab, ditems, T, 1, tile);
+        a.lanes_group = lanes1 ? 1 : 0;
         check_forced(a, true, require_staged, "linear");
         run(a, true, tile, Nm{});
     } else {

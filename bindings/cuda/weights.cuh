@@ -113,6 +113,8 @@ struct LinArgs {
     const void* const* stab2 = nullptr;
     float* Y2 = nullptr;
     int max_items = 0;
+    int item0 = 0, item_count = 1 << 30;       // the lane-pass kernel's launch: items item0 .. + item_count
+    int lanes_group = 0;                       // ... and its items per launch (0: as many as kLanesItemsGroup floats)
     int tile_pairs = 1;                        // pairs per work item (at most)
     int experts = 0;                           // expert launches: the tables' entries (the few-pair kernel's rule)
     bool no_staged = false;                    // keep the register kernel (tests compare the two)
@@ -153,7 +155,7 @@ void linear_experts(const ExpertTable& W, const int* items, const int* n_items, 
 // 16 pairs a block, each weight decoded once for 16 pairs. Every tile gives the same bits.
 int expert_tile(int T, int k, int E, bool gemm16);
 // Items of 64 pairs through the lane-pass kernel: every item so only where the engine option expert_tile
-// asks (64; their x rows in lane order: rows_lanes, moe.cu). At prefill 2048 on the slice (top-8 of 288, 57
+// asks (64; their x re-laid per item by the launch: lin_lanes.cuh, k_items_lanes). At prefill 2048 on the slice (top-8 of 288, 57
 // pairs an expert) they were slower end to end than items of 16: an item costs its 64 slots whatever it
 // holds, and real routing leaves many experts a second, nearly empty item (docs/perf.md, "Session 15").
 constexpr int kLanesItem = 64;
@@ -170,19 +172,9 @@ __host__ __device__ inline int lanes_item_pairs(int c, int lanes_min) {
 }
 // True when the lane-pass kernel takes items of 64 pairs of table W with x rows X (ldx floats apart).
 bool experts_take_lanes(const ExpertTable& W, const float* X, int64_t ldx);
-// Rows in lane order: Y[r][(l * C/64 + c) * 8 + g] = X[r][64c + 8g + l] (Y rows C apart): what the lane-pass
-// kernel's expert items read (the columns of each chain of one lane, chunk after chunk, lane after lane).
-// C at most kLanesRowMax (a row staged in shared memory).
-constexpr int kLanesRowMax = 48 * 1024;
-void rows_lanes(const float* X, int64_t ldx, int rows, int64_t C, float* Y);
 // Rows as the lane-pass kernel's x: Xp[((l * nch + c) * 8 + g) * ldT + t] = X[t][64c + 8g + l] for t < T,
 // 0 for T <= t < ldT (a multiple of 32): a lane's (chunk, chain) values of consecutive rows contiguous.
 void x_lanes(const float* X, int64_t ldx, int T, int nch, int64_t ldT, float* Xp);
-// The column whose value stands at position o of a row of nch chunks in lane order.
-GLM_DEV int lane_order_col(int o, int nch) {
-    const int l = o / (8 * nch), cg = o % (8 * nch);
-    return 64 * (cg >> 3) + 8 * (cg & 7) + l;
-}
 // Items of 16 pairs where the experts average 16 pairs or more (T * k >= 16 E); below, items of 8 through
 // the same kernel were as fast or faster (docs/perf.md, "Session 14").
 bool experts_may_take16(int T, int k, int E);
