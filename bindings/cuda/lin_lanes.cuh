@@ -238,37 +238,42 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         return static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) + dk : 0));
     }();
     auto dvalid = [&](int n) { return TASKS % kLnThreads == 0 || tid + n * kLnThreads < TASKS; };
-    // the decode tasks' multipliers for slab s (chunks past the last read the last chunk's, never used)
+    // the decode tasks' multipliers for slab s (chunks past the last: 0, never used). FP8 scales are per
+    // 128 columns, two chunks: slabs and UT even, so task n's is UT / 2 n past the slab's first
+    static_assert(FMT != W_FP8 || (S % 2 == 0 && UT % 2 == 0), "FP8 scales: a slab's tasks UT / 2 scales apart");
     auto load_scales = [&](int s, float (&sc)[NT]) {
+        const int c0 = s * S + du;
+        const float* const fs = static_cast<const float*>(scale) + dsc + (c0 >> 1);
+        const uint8_t* const es = static_cast<const uint8_t*>(scale) + dsc + 2 * c0;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            int c = s * S + du + n * UT;
-            c = c < nch ? c : nch - 1;
+            const bool in = c0 + n * UT < nch;
             sc[n] = 0.0f;
             if constexpr (FMT == W_FP8) {
-                sc[n] = fp8_mult<DEC>(__ldg(static_cast<const float*>(scale) + dsc + (c >> 1)));
+                if (in) sc[n] = fp8_mult<DEC>(__ldg(fs + n * (UT / 2)));
             } else if constexpr (FMT == W_MXFP4) {
-                const uint32_t e = __ldg(static_cast<const uint8_t*>(scale) + dsc + 2 * c);
-                sc[n] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
+                if (in) {
+                    const uint32_t e = __ldg(es + 2 * n * UT);
+                    sc[n] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
+                }
             }
         }
     };
     // slab s of pass p, lane ln_lane(p): raw stage -> W^T buffer wbuf (row u * 8 + chain, column i: at
-    // i ^ ln_swz(chain))
+    // i ^ ln_swz(chain)); a whole slab's tasks without a test each (as its copies and its FMAs)
     auto decode = [&](int s, int p, int stage, int wbuf, const float (&sc)[NT]) {
         const int l = ln_lane(p), nc = chunks_of(s);
-        const unsigned char* rs = sm + stage * SB;
+        const unsigned char* const rs = sm + stage * SB + dsrc;
         float* const W = Wt + wbuf * (S * 8 * WS) + du * 8 * WS;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            if (!(dvalid(n) && du + n * UT < nc)) continue;
+        const uint32_t fsel = static_cast<uint32_t>((l & 3) | (((l & 3) + 4) << 4));  // FP8: bytes l, 8 + l
+        auto task = [&](int n) {
             float* const d = W + n * UT * 8 * WS;
             auto put = [&](int m, float v) {  // chain WPT dk + m
                 const int ch = WPT * dk + m;
                 d[ch * WS + (di ^ ln_swz<EXPERT>(ch))] = v;
             };
             // (piece dk of the chunk: FP8 and MXFP4 the task's weights, BF16 chain dk's eight)
-            const unsigned char* piece = rs + dsrc + n * UT * CB;
+            const unsigned char* piece = rs + n * UT * CB;
             if constexpr (FMT == W_BF16) {
                 const uint32_t h = *reinterpret_cast<const uint16_t*>(piece + 2 * l);
                 put(0, f32_from_bits(h << 16));
@@ -276,7 +281,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
                 const uint4 v = *reinterpret_cast<const uint4*>(piece);
                 if constexpr (FMT == W_FP8) {  // chain 2dk: byte l of the piece; 2dk + 1: byte 8 + l
                     const uint32_t lo = (l & 4) ? v.y : v.x, hi = (l & 4) ? v.w : v.z;
-                    const uint32_t pair = __byte_perm(lo, hi, static_cast<uint32_t>((l & 3) | (((l & 3) + 4) << 4)));
+                    const uint32_t pair = __byte_perm(lo, hi, fsel);
                     float w0, w1;
                     if constexpr (DEC == kDecInt) {
                         w0 = e4m3_int<0>(pair);
@@ -305,6 +310,15 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
                     }
                 }
             }
+        };
+        if (nc == S) {
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                if (dvalid(n)) task(n);
+        } else {
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                if (dvalid(n) && du + n * UT < nc) task(n);
         }
     };
     float acc[8][8];  // [row i][token j] of chain g: rows 4rg + i (i < 4), BM/2 + 4rg + i - 4; tokens likewise
