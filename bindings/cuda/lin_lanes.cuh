@@ -156,10 +156,12 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     constexpr int CB = chunk_bytes<FMT>(), BM = ln_rows<BN>(), S = ln_slab<FMT, BN, EXPERT>(), ST = ln_stages<FMT, BN, EXPERT>();
     constexpr int RW = ln_raw_row<FMT, BN, EXPERT>(), WS = ln_ld<BM, EXPERT>(), XS = ln_ld<BN, EXPERT>();
     constexpr int SB = ln_stage_bytes<FMT, BN, EXPERT>(), XOFF = BM * RW;
-    // decode tasks: FP8 two weights of one 16-byte piece (chains 2p, 2p + 1), MXFP4 four (4p .. 4p + 3),
-    // BF16 one; a warp's 32 tasks are 32 rows of one piece
-    constexpr int WPT = FMT == W_FP8 ? 2 : (FMT == W_MXFP4 ? 4 : 1);
-    constexpr int TPC = 8 / WPT;  // tasks per row and chunk
+    // decode tasks: two 16-byte pieces of a row, each giving FP8 two weights (piece q: chains 2q, 2q + 1),
+    // MXFP4 four (4q .. 4q + 3), BF16 one; a warp's 32 tasks are 32 rows of the same pieces. (Two pieces a
+    // task: what a task sets up, its lane's selector and its buffers' addresses, is recomputed per task
+    // beside the 128 registers the kernel holds.)
+    constexpr int WPT = FMT == W_FP8 ? 2 : (FMT == W_MXFP4 ? 4 : 1);  // weights a piece gives
+    constexpr int TPC = 4 / WPT;  // tasks per row and chunk
     constexpr int TASKS = BM * TPC * S, NT = (TASKS + kLnThreads - 1) / kLnThreads;
     constexpr int PPR = S * CB / 16, WPIECES = BM * PPR, NWP = (WPIECES + kLnThreads - 1) / kLnThreads;
     constexpr int XPIECES = S * 8 * BN / 4, NXP = XPIECES / kLnThreads;
@@ -224,89 +226,98 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         for (int n = 0; n < NXP; ++n)
             if (xu + n * UPN < nc) cp_async16_s(buf + xdst + 4 * n * UPN * 8 * XS, xs + n * UPN * 8 * ldx);
     };
-    // this thread's decode tasks n = tid + n kLnThreads (the same in every slab): row di, piece dk of chunk
-    // du + n UT (the row, the piece and so the scale's offset the same for every n: base and step again);
-    // the scales' offset 32-bit (lanes_applies)
+    // this thread's decode tasks n = tid + n kLnThreads (the same in every slab): row di, pieces 2 dk and
+    // 2 dk + 1 of chunk du + n UT (the row, the pieces and so the scales' offset the same for every n: base
+    // and step again); the scales' offset 32-bit (lanes_applies)
     constexpr int UT = kLnThreads / (BM * TPC);
     static_assert(kLnThreads % (BM * TPC) == 0 && (!EXPERT || (UT * (CB / 16)) % 8 == 0),
                   "decode tasks: each n the same row and piece, UT chunks further (experts: the piece's swizzle kept)");
-    const int di = tid % BM, dk = (tid / BM) % TPC, du = tid / (BM * TPC);
-    const int dsrc = di * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + dk, di);  // + n UT CB
+    const int di = tid % BM, dk = (tid / BM) % TPC, du = tid / (BM * TPC);  // pieces 2 dk, 2 dk + 1
+    const int dsrc0 = di * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + 2 * dk, di);  // + n UT CB
+    const int dsrc1 = di * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + 2 * dk + 1, di);
     const void* scale = a.scale;  // (experts: the item's)
-    const int dsc = [&] {
+    const int dsc = [&] {  // (MXFP4: piece 2 dk's scale; 2 dk + 1's is the next)
         const int64_t ar = abs_row(row_base + di);
-        return static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) + dk : 0));
+        return static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) + 2 * dk : 0));
     }();
     auto dvalid = [&](int n) { return TASKS % kLnThreads == 0 || tid + n * kLnThreads < TASKS; };
     // the decode tasks' multipliers for slab s (chunks past the last: 0, never used). FP8 scales are per
     // 128 columns, two chunks: slabs and UT even, so task n's is UT / 2 n past the slab's first
     static_assert(FMT != W_FP8 || (S % 2 == 0 && UT % 2 == 0), "FP8 scales: a slab's tasks UT / 2 scales apart");
-    auto load_scales = [&](int s, float (&sc)[NT]) {
+    auto load_scales = [&](int s, float (&sc)[NT][2]) {
         const int c0 = s * S + du;
         const float* const fs = static_cast<const float*>(scale) + dsc + (c0 >> 1);
         const uint8_t* const es = static_cast<const uint8_t*>(scale) + dsc + 2 * c0;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const bool in = c0 + n * UT < nch;
-            sc[n] = 0.0f;
+            sc[n][0] = sc[n][1] = 0.0f;
             if constexpr (FMT == W_FP8) {
-                if (in) sc[n] = fp8_mult<DEC>(__ldg(fs + n * (UT / 2)));
+                if (in) sc[n][0] = sc[n][1] = fp8_mult<DEC>(__ldg(fs + n * (UT / 2)));
             } else if constexpr (FMT == W_MXFP4) {
                 if (in) {
-                    const uint32_t e = __ldg(es + 2 * n * UT);
-                    sc[n] = DEC == kDecInt ? e8m0_folded(e) : e8m0(e);
+                    const uint32_t e0 = __ldg(es + 2 * n * UT), e1 = __ldg(es + 2 * n * UT + 1);
+                    sc[n][0] = DEC == kDecInt ? e8m0_folded(e0) : e8m0(e0);
+                    sc[n][1] = DEC == kDecInt ? e8m0_folded(e1) : e8m0(e1);
                 }
             }
         }
     };
     // slab s of pass p, lane ln_lane(p): raw stage -> W^T buffer wbuf (row u * 8 + chain, column i: at
     // i ^ ln_swz(chain)); a whole slab's tasks without a test each (as its copies and its FMAs)
-    auto decode = [&](int s, int p, int stage, int wbuf, const float (&sc)[NT]) {
+    auto decode = [&](int s, int p, int stage, int wbuf, const float (&sc)[NT][2]) {
         const int l = ln_lane(p), nc = chunks_of(s);
-        const unsigned char* const rs = sm + stage * SB + dsrc;
+        const unsigned char* const rs = sm + stage * SB;
         float* const W = Wt + wbuf * (S * 8 * WS) + du * 8 * WS;
         const uint32_t fsel = static_cast<uint32_t>((l & 3) | (((l & 3) + 4) << 4));  // FP8: bytes l, 8 + l
         auto task = [&](int n) {
             float* const d = W + n * UT * 8 * WS;
-            auto put = [&](int m, float v) {  // chain WPT dk + m
-                const int ch = WPT * dk + m;
+            auto put = [&](int q, int m, float v) {  // chain WPT q + m
+                const int ch = WPT * q + m;
                 d[ch * WS + (di ^ ln_swz<EXPERT>(ch))] = v;
             };
-            // (piece dk of the chunk: FP8 and MXFP4 the task's weights, BF16 chain dk's eight)
-            const unsigned char* piece = rs + n * UT * CB;
-            if constexpr (FMT == W_BF16) {
-                const uint32_t h = *reinterpret_cast<const uint16_t*>(piece + 2 * l);
-                put(0, f32_from_bits(h << 16));
+            if constexpr (FMT == W_BF16) {  // piece q: chain q's eight weights
+                const uint32_t h0 = *reinterpret_cast<const uint16_t*>(rs + dsrc0 + n * UT * CB + 2 * l);
+                const uint32_t h1 = *reinterpret_cast<const uint16_t*>(rs + dsrc1 + n * UT * CB + 2 * l);
+                put(2 * dk, 0, f32_from_bits(h0 << 16));
+                put(2 * dk + 1, 0, f32_from_bits(h1 << 16));
             } else {
-                const uint4 v = *reinterpret_cast<const uint4*>(piece);
-                if constexpr (FMT == W_FP8) {  // chain 2dk: byte l of the piece; 2dk + 1: byte 8 + l
-                    const uint32_t lo = (l & 4) ? v.y : v.x, hi = (l & 4) ? v.w : v.z;
-                    const uint32_t pair = __byte_perm(lo, hi, fsel);
-                    float w0, w1;
-                    if constexpr (DEC == kDecInt) {
-                        w0 = e4m3_int<0>(pair);
-                        w1 = e4m3_int<1>(pair);
-                    } else {
-                        e4m3x2<DEC == kDecHw>(pair, w0, w1);
-                    }
-                    put(0, fmul(w0, sc[n]));
-                    put(1, fmul(w1, sc[n]));
-                } else {  // MXFP4: chain 4dk + k is word k's nibble l
-                    const uint32_t sh = 4u * static_cast<uint32_t>(l);
-                    const uint32_t c0 = (v.x >> sh) & 15u, c1 = (v.y >> sh) & 15u, c2 = (v.z >> sh) & 15u, c3 = (v.w >> sh) & 15u;
-                    if constexpr (DEC == kDecInt) {
-                        float w0, w1, w2, w3;
-                        e2m1_pair<0>(c0 | (c1 << 16), w0, w1);
-                        e2m1_pair<0>(c2 | (c3 << 16), w2, w3);
-                        put(0, fmul(w0, sc[n]));
-                        put(1, fmul(w1, sc[n]));
-                        put(2, fmul(w2, sc[n]));
-                        put(3, fmul(w3, sc[n]));
-                    } else {
-                        put(0, mxfp4_w(c0, sc[n]));
-                        put(1, mxfp4_w(c1, sc[n]));
-                        put(2, mxfp4_w(c2, sc[n]));
-                        put(3, mxfp4_w(c3, sc[n]));
+                const uint4 v0 = *reinterpret_cast<const uint4*>(rs + dsrc0 + n * UT * CB);
+                const uint4 v1 = *reinterpret_cast<const uint4*>(rs + dsrc1 + n * UT * CB);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const uint4 v = h ? v1 : v0;
+                    const int q = 2 * dk + h;
+                    const float scl = sc[n][h];
+                    if constexpr (FMT == W_FP8) {  // chain 2q: byte l of the piece; 2q + 1: byte 8 + l
+                        const uint32_t lo = (l & 4) ? v.y : v.x, hi = (l & 4) ? v.w : v.z;
+                        const uint32_t pair = __byte_perm(lo, hi, fsel);
+                        float w0, w1;
+                        if constexpr (DEC == kDecInt) {
+                            w0 = e4m3_int<0>(pair);
+                            w1 = e4m3_int<1>(pair);
+                        } else {
+                            e4m3x2<DEC == kDecHw>(pair, w0, w1);
+                        }
+                        put(q, 0, fmul(w0, scl));
+                        put(q, 1, fmul(w1, scl));
+                    } else {  // MXFP4: chain 4q + k is word k's nibble l
+                        const uint32_t sh = 4u * static_cast<uint32_t>(l);
+                        const uint32_t c0 = (v.x >> sh) & 15u, c1 = (v.y >> sh) & 15u, c2 = (v.z >> sh) & 15u, c3 = (v.w >> sh) & 15u;
+                        if constexpr (DEC == kDecInt) {
+                            float w0, w1, w2, w3;
+                            e2m1_pair<0>(c0 | (c1 << 16), w0, w1);
+                            e2m1_pair<0>(c2 | (c3 << 16), w2, w3);
+                            put(q, 0, fmul(w0, scl));
+                            put(q, 1, fmul(w1, scl));
+                            put(q, 2, fmul(w2, scl));
+                            put(q, 3, fmul(w3, scl));
+                        } else {
+                            put(q, 0, mxfp4_w(c0, scl));
+                            put(q, 1, mxfp4_w(c1, scl));
+                            put(q, 2, mxfp4_w(c2, scl));
+                            put(q, 3, mxfp4_w(c3, scl));
+                        }
                     }
                 }
             }
@@ -386,7 +397,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         }
         st = st + 1 == ST ? 0 : st + 1;
     };
-    float sc[NT];
+    float sc[NT][2];
     // the launch's items (experts: a.item0 + blockIdx.y, then every gridDim.y-th, of a.item_count)
     const int n_items = EXPERT ? (*a.n_items - a.item0 < a.item_count ? *a.n_items - a.item0 : a.item_count) : 1;
     for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
