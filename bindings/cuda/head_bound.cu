@@ -372,12 +372,14 @@ __global__ void __launch_bounds__(256) k_hb_select(const float* hi, int R, int64
 
 // The candidates' canonical logits (eight threads a dot: group_dot, every linear kernel's association)
 // and the best by np.argmax's rule; the flag when the bound could not decide. A token's candidates are
-// spread over kExactParts blocks of 32 dots (past 32 candidates a token, one block a token would take
-// them 32 at a time). Each block's best goes to
+// dealt round-robin over P = gridDim.y blocks (candidate c to block c % P, 32 dots a round): one token
+// takes kExactParts1 (its tens of candidates one dot a block, each on its own SM: b1 18.6 -> 15.5 us against
+// session 29's eight blocks of 32 consecutive candidates), more tokens kExactParts (at b128, 32 blocks a
+// token were 30.0 -> 67.8 us: thousands of blocks of one or two dots). Each block's best goes to
 // the token's key by a 64-bit atomicMax (the logit's order key above the row's complement: the larger
 // logit, then the lower row; logits here are finite, and -0 counts as +0 as np.argmax's comparison
 // does), and the token's last block (a ticket) writes the token and the flag.
-constexpr int kExactParts = 8;
+constexpr int kExactParts = 8, kExactParts1 = 32;
 // (x, count, cand and bad_x come from this step's earlier kernels: not __restrict__, or the compiler may load
 // them before pdl_enter's wait, as it did in two variants measured in session 29: docs/engine_cuda.md, "PDL")
 __global__ void __launch_bounds__(256) k_hb_exact(Lin W, const float* x, int D, const int* count, const int* cand,
@@ -386,24 +388,24 @@ __global__ void __launch_bounds__(256) k_hb_exact(Lin W, const float* x, int D, 
     pdl_enter();
     __shared__ float bv[32];
     __shared__ int bi[32];
-    const int t = static_cast<int>(blockIdx.x), part = static_cast<int>(blockIdx.y);
+    const int t = static_cast<int>(blockIdx.x), part = static_cast<int>(blockIdx.y), P = static_cast<int>(gridDim.y);
     const int grp = static_cast<int>(threadIdx.x >> 3);  // 32 groups of eight
     const int nc = count[t] < kHbCap ? count[t] : kHbCap;
     const float* xt = x + static_cast<int64_t>(t) * D;
     // BF16 rows of whole 8-weight groups, 16-byte aligned (lm_head's: 40 us a step of scalar loads before)
     const bool bf16_rows = W.fmt == W_BF16 && W.C == D && D % 8 == 0 && reinterpret_cast<uintptr_t>(W.data) % 16 == 0 &&
                            reinterpret_cast<uintptr_t>(xt) % 16 == 0;
-    if (bf16_rows) {  // this block's rows requested into L2 at once, one bulk prefetch a row (with the parts: b1's
-                      // exact dots 24.2 -> 20.4 us; what they still wait on is not known, docs/engine_cuda.md)
-        const int c = part * 32 + (static_cast<int>(threadIdx.x) & 31) + 32 * kExactParts * (static_cast<int>(threadIdx.x) >> 5);
+    if (bf16_rows) {  // this block's rows requested into L2 at once, one bulk prefetch a row (with session 29's
+                      // parts: b1's exact dots 24.2 -> 20.4 us; what they still wait on is not known, docs/engine_cuda.md)
+        const int c = part + P * static_cast<int>(threadIdx.x);
         if (c < nc)
             prefetch_l2(static_cast<const uint16_t*>(W.data) + (W.row0 + cand[static_cast<int64_t>(t) * kHbCap + c]) * W.C,
                         static_cast<uint32_t>(D) * 2u);
     }
     float best_v = 0.0f;
     int best_i = -1;
-    for (int base = part * 32; base < nc; base += 32 * kExactParts) {  // (block-uniform: group_dot's shuffles)
-        const int c = base + grp;
+    for (int base = 0; part + P * base < nc; base += 32) {  // (block-uniform: group_dot's shuffles)
+        const int c = part + P * (base + grp);
         const int r = c < nc ? cand[static_cast<int64_t>(t) * kHbCap + c] : 0;
         float v;
         if (bf16_rows) {  // group_dot's association, a chunk's eight weights and x values in 16-byte loads
@@ -537,7 +539,7 @@ void run(const HeadBound& hb, const Lin& W, const float* x, int n, int D, const 
     }
     {
         auto k = k_hb_exact;
-        GLM_LAUNCH(k, dim3(static_cast<unsigned>(n), kExactParts), 256, 0, W, x, D, count, b.cand, b.bad(), b.keys(),
+        GLM_LAUNCH(k, dim3(static_cast<unsigned>(n), n == 1 ? kExactParts1 : kExactParts), 256, 0, W, x, D, count, b.cand, b.bad(), b.keys(),
                    b.tickets(), d_next, d_flag);
         check_launch("head bound exact");
     }
