@@ -168,8 +168,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     static_assert(FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4, "BF16, FP8 or MXFP4");
     static_assert(XPIECES % kLnThreads == 0 && BM % 32 == 0, "whole copy rounds; 32-row decode warps");
     static_assert(EXPERT || ((RW / 16) % 2 == 1 && (WS / 4) % 8 == 2 && (XS / 4) % 8 == 2), "bank spreads");
-    static_assert(!EXPERT || (BN == kLanesItem && BM == 64 && PPR >= 8 && RW % 128 == 0 && kLnThreads % PPR == 0 &&
-                              kLnThreads % (2 * BN) == 0), "expert items: the swizzles' shapes");
+    static_assert(!EXPERT || (BN == kLanesItem && BM == 64 && PPR >= 8 && RW % 128 == 0), "expert items: the swizzles' shapes");
     static_assert(ln_smem_bytes<FMT, BN, EXPERT>() + BM * 8 <= 227 * 1024, "shared memory");
     __shared__ const unsigned char* rowp[BM];
     float* const Wt = reinterpret_cast<float*>(sm + ST * SB);  // [2][S][8][WS]

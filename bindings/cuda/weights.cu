@@ -365,9 +365,8 @@ void launch_lanes_bn(const LinArgs& a, dim3 grid) {
             GLM_LAUNCH(kx, dim3(static_cast<unsigned>(n), static_cast<unsigned>(nch)), 256, 0, b, nch, xi);
             check_launch("items_lanes");
             b.X = xi;
-            grid.y = static_cast<unsigned>(n);
-            grid.y = item_grid_y(grid, 8);
-            GLM_LAUNCH(k, grid, kLnThreads, smem, b);
+            grid.y = static_cast<unsigned>(n);  // (item_grid_y: at most ~8 waves, the blocks walking the items)
+            GLM_LAUNCH(k, dim3(grid.x, item_grid_y(grid, 8), grid.z), kLnThreads, smem, b);
         }
         return;
     }
