@@ -24,7 +24,8 @@ GLM_DEV LaneSeat lane_seat(int tid, int rwg) {
 }
 
 // One chunk: 64 FMAs, each the next step of its chain. A points at A^T's row of (chunk, chain g) + 4 rg,
-// B likewise; HA, HB: half the block's rows and columns (the thread's second groups of four).
+// B likewise; HA, HB: half the block's rows and columns (the thread's second groups of four; a chain that
+// holds a side's halves swapped, lane_swap_a and lane_swap_b, reads its own half first).
 template <int HA, int HB>
 GLM_DEV void lane_chunk(float (&acc)[8][8], const float* A, const float* B) {
     const float4 a0 = *reinterpret_cast<const float4*>(A);
@@ -39,27 +40,35 @@ GLM_DEV void lane_chunk(float (&acc)[8][8], const float* A, const float* B) {
         for (int j = 0; j < 8; ++j) acc[i][j] = ffma(av[i], bv[j], acc[i][j]);
 }
 
+// Where the operands' halves lie. The fold's first two steps keep one half of the thread's values and send
+// the other, and which half a thread keeps follows its chain (g's bit 2, then bit 1); so that no thread has
+// to choose its halves by a select, chains 4-7 find A^T's two halves of a row swapped and chains 2, 3, 6, 7
+// B^T's (the writer of A^T's row (chunk, chain g) puts column c at c ^ lane_swap_a(g, half), B^T's at
+// c ^ lane_swap_b(g, half)): then a thread's acc rows 0-3 are always the half it keeps, and acc columns
+// 0-3 likewise. A swap by half the row moves every 16-byte load by a multiple of 32 floats or by a
+// permutation of the warp's rows, so the bank spreads stay as they were.
+GLM_DEV int lane_swap_a(int g, int half) { return (g & 4) ? half : 0; }
+GLM_DEV int lane_swap_b(int g, int half) { return (g & 2) ? half : 0; }
+
 // The end of lane pass p (lane 0 4 2 6 1 5 3 7: p's bits reversed): the warp's chains fold by shuffles in
-// the canonical tree (g ^ 4, g ^ 2, g ^ 1; a + b and b + a are the same bits) into Q[l] of row g of the
-// thread's tile, 8 columns; acc is cleared for the next pass. The lanes' partials fold as they arrive,
-// ((Q0 + Q4) + (Q2 + Q6)) + ((Q1 + Q5) + (Q3 + Q7)), three parked at pk[(slot * 8 + j) * stride]. True
-// after the last pass, Q then the whole dot of (row g, column j).
+// the canonical tree (g ^ 4, g ^ 2, g ^ 1; a + b and b + a are the same bits) into Q[l] of 2 rows x 4
+// columns of the thread's tile (lane_row, lane_col: Q[4 i + j]); acc is cleared for the next pass. The lanes'
+// partials fold as they arrive, ((Q0 + Q4) + (Q2 + Q6)) + ((Q1 + Q5) + (Q3 + Q7)), three parked at
+// pk[(slot * 8 + j) * stride]. True after the last pass, Q then the whole dots.
 GLM_DEV bool lane_pass_end(float (&acc)[8][8], int g, int p, float* pk, int stride, float (&Q)[8]) {
     float* const f = &acc[0][0];  // [8 i + j]
     float r1[32], r2[16];
-    const bool b2 = (g >> 2) & 1, b1 = (g >> 1) & 1, b0 = g & 1;
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {  // P[g] + P[g + 4]: chains g < 4 keep rows 0-3, the others rows 4-7
-        const float lo = f[e], hi = f[32 + e];
-        r1[e] = fadd(b2 ? hi : lo, __shfl_xor_sync(kFull, b2 ? lo : hi, 16));
-    }
+    for (int e = 0; e < 32; ++e)  // P[g] + P[g ^ 4]: rows 0-3 the thread's half (lane_swap_a), 4-7 its partner's
+        r1[e] = fadd(f[e], __shfl_xor_sync(kFull, f[32 + e], 16));
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {  // + (P[g + 2] + P[g + 6])
-        const float lo = r1[e], hi = r1[16 + e];
-        r2[e] = fadd(b1 ? hi : lo, __shfl_xor_sync(kFull, b1 ? lo : hi, 2));
-    }
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {  // + (the odd chains' sum): thread g now holds row g's Q[l]
+        for (int j = 0; j < 4; ++j)  // + (P[g ^ 2] + P[g ^ 6]): columns 0-3 the thread's half (lane_swap_b)
+            r2[4 * i + j] = fadd(r1[8 * i + j], __shfl_xor_sync(kFull, r1[8 * i + 4 + j], 2));
+    const bool b0 = g & 1;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {  // + (the odd chains' sum): rows 0, 1 (even chains) or 2, 3 (odd) of the four
         const float lo = r2[e], hi = r2[8 + e];
         Q[e] = fadd(b0 ? hi : lo, __shfl_xor_sync(kFull, b0 ? lo : hi, 1));
     }
@@ -84,10 +93,10 @@ GLM_DEV bool lane_pass_end(float (&acc)[8][8], int g, int p, float* pk, int stri
     }
     return p == 7;
 }
-// The row (of 8 in the thread's tile, half = half the block's rows) that thread g holds after the fold,
-// and the column of its j-th value.
-GLM_DEV int lane_row(int g, int rg, int half) { return g < 4 ? 4 * rg + g : half + 4 * rg + g - 4; }
-GLM_DEV int lane_col(int j, int tg, int half) { return j < 4 ? 4 * tg + j : half + 4 * tg + j - 4; }
+// The row and column of Q[4 i + j] after the fold (half: half the block's rows, or columns): the thread's
+// half of rows by g's bit 2, rows 2 (g & 1) + i of its four, and its half of columns by g's bit 1.
+GLM_DEV int lane_row(int g, int rg, int half, int i) { return lane_swap_a(g, half) + 4 * rg + 2 * (g & 1) + i; }
+GLM_DEV int lane_col(int g, int tg, int half, int j) { return lane_swap_b(g, half) + 4 * tg + j; }
 
 }  // namespace
 }  // namespace glm::cuda

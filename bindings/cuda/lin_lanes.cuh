@@ -21,7 +21,8 @@ namespace {
 // A thread owns chain g of lane l for 8 rows x 8 tokens (64 accumulators, two 16-byte loads each of W^T
 // and X^T per 64 FMAs); a warp is the 8 chains of 4 such tiles, so the fold of a lane is a
 // reduce-scatter over shuffles (g ^ 4, g ^ 2, g ^ 1: the canonical tree, a + b = b + a bit for bit),
-// after which thread g holds Q[l] of its tile's row g for 8 tokens. The lanes run in the order 0 4 2 6
+// after which thread g holds Q[l] of 2 rows x 4 tokens of its tile (W^T's and X^T's halves placed so that
+// the first two steps need no selects: lane_swap_a, lane_swap_b). The lanes run in the order 0 4 2 6
 // 1 5 3 7, so that their partials fold as they arrive ((Q0 + Q4) + (Q2 + Q6)) + ((Q1 + Q5) + (Q3 + Q7)),
 // three of them parked per thread in shared memory.
 //
@@ -195,7 +196,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     const int wrow = tid / PPR, woff = 16 * (tid % PPR);
     const int wdst = wrow * RW + 16 * ln_piece<EXPERT>(tid % PPR, wrow);
     const int xu = tid / (2 * BN), xg = (tid / (BN / 4)) % 8, xj4 = tid % (BN / 4);
-    const int xdst = XOFF + 4 * ((xu * 8 + xg) * XS + (4 * xj4 ^ ln_swz<EXPERT>(xg)));
+    const int xdst = XOFF + 4 * ((xu * 8 + xg) * XS + (4 * xj4 ^ ln_swz<EXPERT>(xg) ^ lane_swap_b(xg, BN / 2)));
     int start = 0, cnt = 0;  // the item's first token (pair slot) and how many
     const float* xb = a.X;   // x of the block's tokens (dense: Xp; experts: the item's Xi)
     const int64_t ldx = EXPERT ? BN : a.ldx;
@@ -231,22 +232,28 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     constexpr int UT = kLnThreads / (BM * TPC);
     static_assert(kLnThreads % (BM * TPC) == 0 && (!EXPERT || (UT * (CB / 16)) % 8 == 0),
                   "decode tasks: each n the same row and piece, UT chunks further (experts: the piece's swizzle kept)");
+    // (W^T's column di of a chain holds row di ^ lane_swap_a(chain): the task reads its piece h from row dr_h,
+    // the same row for both pieces but in MXFP4, where piece 2 dk's chains are 0-3 and 2 dk + 1's 4-7; so the
+    // swap costs the stores nothing, they stay at column di of every chain)
     const int di = tid % BM, dk = (tid / BM) % TPC, du = tid / (BM * TPC);  // pieces 2 dk, 2 dk + 1
-    const int dsrc0 = di * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + 2 * dk, di);  // + n UT CB
-    const int dsrc1 = di * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + 2 * dk + 1, di);
+    const int dr0 = di ^ lane_swap_a(WPT * 2 * dk, BM / 2), dr1 = di ^ lane_swap_a(WPT * (2 * dk + 1), BM / 2);
+    const int dsrc0 = dr0 * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + 2 * dk, dr0);  // + n UT CB
+    const int dsrc1 = dr1 * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + 2 * dk + 1, dr1);
     const void* scale = a.scale;  // (experts: the item's)
-    const int dsc = [&] {  // (MXFP4: piece 2 dk's scale; 2 dk + 1's is the next)
-        const int64_t ar = abs_row(row_base + di);
-        return static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) + 2 * dk : 0));
-    }();
+    auto scale_at = [&](int dr, int q) {  // row dr's scales (MXFP4: of piece q of chunk 0)
+        const int64_t ar = abs_row(row_base + dr);
+        return static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) + q : 0));
+    };
+    const int dsc0 = scale_at(dr0, 2 * dk), dsc1 = scale_at(dr1, 2 * dk + 1);  // (FP8: one, dr0 = dr1)
     auto dvalid = [&](int n) { return TASKS % kLnThreads == 0 || tid + n * kLnThreads < TASKS; };
     // the decode tasks' multipliers for slab s (chunks past the last: 0, never used). FP8 scales are per
     // 128 columns, two chunks: slabs and UT even, so task n's is UT / 2 n past the slab's first
     static_assert(FMT != W_FP8 || (S % 2 == 0 && UT % 2 == 0), "FP8 scales: a slab's tasks UT / 2 scales apart");
     auto load_scales = [&](int s, float (&sc)[NT][2]) {
         const int c0 = s * S + du;
-        const float* const fs = static_cast<const float*>(scale) + dsc + (c0 >> 1);
-        const uint8_t* const es = static_cast<const uint8_t*>(scale) + dsc + 2 * c0;
+        const float* const fs = static_cast<const float*>(scale) + dsc0 + (c0 >> 1);
+        const uint8_t* const es0 = static_cast<const uint8_t*>(scale) + dsc0 + 2 * c0;
+        const uint8_t* const es1 = static_cast<const uint8_t*>(scale) + dsc1 + 2 * c0;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const bool in = c0 + n * UT < nch;
@@ -255,7 +262,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
                 if (in) sc[n][0] = sc[n][1] = fp8_mult<DEC>(__ldg(fs + n * (UT / 2)));
             } else if constexpr (FMT == W_MXFP4) {
                 if (in) {
-                    const uint32_t e0 = __ldg(es + 2 * n * UT), e1 = __ldg(es + 2 * n * UT + 1);
+                    const uint32_t e0 = __ldg(es0 + 2 * n * UT), e1 = __ldg(es1 + 2 * n * UT);
                     sc[n][0] = DEC == kDecInt ? e8m0_folded(e0) : e8m0(e0);
                     sc[n][1] = DEC == kDecInt ? e8m0_folded(e1) : e8m0(e1);
                 }
@@ -263,7 +270,8 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         }
     };
     // slab s of pass p, lane ln_lane(p): raw stage -> W^T buffer wbuf (row u * 8 + chain, column i: at
-    // i ^ ln_swz(chain)); a whole slab's tasks without a test each (as its copies and its FMAs)
+    // i ^ ln_swz(chain), the value of row i ^ lane_swap_a(chain, BM / 2): dr0, dr1); a whole slab's tasks
+    // without a test each (as its copies and its FMAs)
     auto decode = [&](int s, int p, int stage, int wbuf, const float (&sc)[NT][2]) {
         const int l = ln_lane(p), nc = chunks_of(s);
         const unsigned char* const rs = sm + stage * SB;
@@ -354,15 +362,17 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     auto end_pass = [&](int p) {
         float Q[8];
         if (!lane_pass_end(acc, g, p, park + tid, kLnThreads, Q)) return;
-        const int r = row_base + lane_row(g, rg, BM / 2);
-        if (r < a.R) {
-            float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
+        float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int t = lane_col(j, tg, BN / 2);
+        for (int i = 0; i < 2; ++i) {
+            const int r = row_base + lane_row(g, rg, BM / 2, i);
+            if (r >= a.R) continue;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int t = lane_col(g, tg, BN / 2, j);
                 if (t < cnt) {
                     const int64_t yrow = EXPERT ? a.pairs[start + t] : static_cast<int64_t>(start) + t;
-                    Y[yrow * a.ldy + r] = a.round ? bf16r(Q[j]) : Q[j];
+                    Y[yrow * a.ldy + r] = a.round ? bf16r(Q[4 * i + j]) : Q[4 * i + j];
                 }
             }
         }

@@ -206,7 +206,8 @@ __global__ void __launch_bounds__(kSlThreads, 1) k_mla_attn_lanes(AttnLanes a) {
         for (int i = tid; i < S * 8 * 16; i += kSlThreads) {
             const int row = i >> 4, c4 = 4 * (i & 15), c = c0 + (row >> 3), g = row & 7;
             if (c >= nc) continue;  // (past the row's chunks: never computed)
-            const uint32_t da = buf + static_cast<uint32_t>((row * kSlPad + c4) * 4), db = da + HALF * 4;
+            const uint32_t da = buf + static_cast<uint32_t>((row * kSlPad + (c4 ^ lane_swap_a(g, 32))) * 4);
+            const uint32_t db = buf + static_cast<uint32_t>((HALF + row * kSlPad + (c4 ^ lane_swap_b(g, 32))) * 4);
             const int64_t lr = (static_cast<int64_t>(l) * a.nca + c) * 8 + g;
             cp_async16_s(da, a.xa + lr * a.lda + q0 + c4);
             if constexpr (SCORES) {
@@ -246,14 +247,17 @@ __global__ void __launch_bounds__(kSlThreads, 1) k_mla_attn_lanes(AttnLanes a) {
         if (sl == nst - 1) lane_pass_end(acc, seat.g, p, park + tid, kSlThreads, Q);
     }
     cp_async_wait<0>();
-    const int h = h0 + lane_row(seat.g, seat.rg, 32);
-    if (h >= a.nh) return;
-    float* const out = SCORES ? a.out + a.sel_off[t] * a.nh + static_cast<int64_t>(h) * ns
-                              : a.out + (static_cast<int64_t>(t) * a.nh + h) * a.r;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int x = x0 + lane_col(j, seat.tg, 32);
-        if (x < (SCORES ? ns : a.r)) out[x] = SCORES ? fmul(Q[j], a.scale) : bf16r(Q[j]);
+    for (int i = 0; i < 2; ++i) {
+        const int h = h0 + lane_row(seat.g, seat.rg, 32, i);
+        if (h >= a.nh) continue;
+        float* const out = SCORES ? a.out + a.sel_off[t] * a.nh + static_cast<int64_t>(h) * ns
+                                  : a.out + (static_cast<int64_t>(t) * a.nh + h) * a.r;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int x = x0 + lane_col(seat.g, seat.tg, 32, j);
+            if (x < (SCORES ? ns : a.r)) out[x] = SCORES ? fmul(Q[4 * i + j], a.scale) : bf16r(Q[4 * i + j]);
+        }
     }
 }
 
