@@ -35,13 +35,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not AVAILABLE, reason=NO_CUDA)
 needs_gpu = pytest.mark.skipif(EMU, reason=EMU_SLOW)
 
 
-@pytest.mark.parametrize("batch", [3, 8, 16])
-def test_batched_few_pairs_per_expert(tmp_path, batch):
+@pytest.mark.parametrize("release,batch", [("fp8", 3), ("fp8", 8), ("fp8", 16), ("mxfp4", 16)])
+def test_batched_few_pairs_per_expert(tmp_path, release, batch):
     """Batches whose pairs are few against the experts (4 T k <= E) run one pair per expert item; from
-    2 T k >= E, items of up to 8 pairs, which the few-pair kernel takes (FP8, under 5 pairs an entry)."""
+    2 T k >= E, items of up to 8 pairs, which the few-pair kernel takes (FP8, and MXFP4 rows of whole
+    512-column slabs, under 5 pairs an entry)."""
     from tools.zoo import make_checkpoint
     path = str(tmp_path / "experts-64")
-    make_checkpoint("tiny", "fp8", path, hidden_size=128, moe_intermediate_size=64, n_routed_experts=64)
+    width = {"fp8": (128, 64), "mxfp4": (512, 512)}[release]  # (hidden, expert intermediate)
+    make_checkpoint("tiny", release, path, hidden_size=width[0], moe_intermediate_size=width[1], n_routed_experts=64)
     ref, eng = fast.Engine(path, device="cpu"), CudaEngine(path)
     V = eng.config.vocab_size
     prompts = [prompt(V, 5 + 3 * i, 90 + i) for i in range(batch)]
@@ -407,6 +409,10 @@ LINEAR_EMU_CASES = [
     # (fewer than the stages: each item's first slabs requested at its start, after a barrier)
     ("emu-fp8-experts-pairs-items5", "fp8", 130, 2176, 90, True, True, False),
     ("emu-fp8-experts-pairs-items2", "fp8", 130, 576, 90, True, True, False),
+    # MXFP4 through it: items of 3 pairs over two slabs (fewer than the stages), and 12 items over five
+    # (each item's first slabs requested before the previous one folds), three 64-row blocks
+    ("emu-mxfp4-experts-pairs3", "mxfp4", 130, 1024, 3, True, True, False),
+    ("emu-mxfp4-experts-pairs-items5", "mxfp4", 130, 2560, 90, True, True, False),
     ("emu-bf16-experts-gemm3", "bf16", 40, 320, 3, True, True, False),
     # items of 8 computing their pairs rounded up to a power of two: 8 + 2, 8 + 1, 8 + 3 (as 4), 8 + 5 (as 8)
     # and 8 + 7 pairs
@@ -538,8 +544,9 @@ def test_linear_kernels_match_cpu(case):
     # re-lays and launches one item at a time, as launches past kLanesItemsGroup floats of x do in groups)
     lanes = ["lanes"] if C % 64 == 0 and T > 1 and release != "f32" else []
     lanes += ["lanes:1"] if lanes and expert else []
-    # the few-pair kernel: FP8 expert items of up to 8 pairs (the test's items of 8: a last one of T % 8)
-    pairs = ["pairs"] if expert and release == "fp8" and C % 64 == 0 else []
+    # the few-pair kernel: FP8 and MXFP4 expert items of up to 8 pairs (the test's items of 8: a last one of
+    # T % 8); MXFP4 rows of whole slabs (C a multiple of 512: a slab's scales one 16-byte copy)
+    pairs = ["pairs"] if expert and C % 64 == 0 and (release == "fp8" or (release == "mxfp4" and C % 512 == 0)) else []
     kernels = ["auto", "register"] + occ + wide + stream + tiled + gemm + lanes + pairs + (variants if staged else [])
     # FP8: the software decode, the hardware conversion and the integer bit placement (NaN-free data);
     # MXFP4: the software decode and the f16-pair placement (scales <= 240)

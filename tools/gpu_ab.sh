@@ -16,7 +16,8 @@
 # Logs go to LOGS (default /tmp/gpu_ab_logs) and are packed at the end into OUT/gpu_ab_logs.tgz (OUT default
 # /tmp/gpu_ab; the device machine returns one file, not a dozen past its count limit), and the summary
 # lines (tests, rounds) are printed again last, so that the tail of the output holds them.
-# Environment: OUT, LOGS, GLM_SLICE_DIR (default /tmp/slice: slice-fp8 is made there
+# Environment: OUT, LOGS, RELEASE (fp8: the slice release the rounds and profiles run, fp8 or mxfp4),
+# GLM_SLICE_DIR (default /tmp/slice: slice-RELEASE is made there
 # when absent, in the background, as gpu_check makes it, with its SLICE_LAYERS and SLICE_EXPERTS), BUILDS (default: every .variants/NAME.so[.xz],
 # sorted), ROUNDS (2), BATCHES (32,128), PREFILL (2048; "" for none), TEST_BUILD, PROFILE.
 # The build under test is copied over fast/_cuda*.so (what was there is put back at the end).
@@ -60,9 +61,10 @@ fi
 echo "builds: $BUILDS; rounds ${ROUNDS:-2}; batches ${BATCHES:-32,128}; prefill ${PREFILL-2048}; $(nvidia-smi -L | head -1)"
 
 MAKE_PID=""
-if [ ! -f "$SLICE/slice-fp8/config.json" ]; then
+REL=${RELEASE:-fp8}
+if [ ! -f "$SLICE/slice-$REL/config.json" ]; then
   ( NUMBA_NUM_THREADS=2 OMP_NUM_THREADS=2 python3 tools/bench_cuda.py --slice-dir "$SLICE" --make-only --layers "${SLICE_LAYERS:-2}" --experts "${SLICE_EXPERTS:-288}" \
-      --releases fp8 --workers $(( $(nproc) / 4 + 1 )) > "$LOGS/slice_make.log" 2>&1 ) &
+      --releases "$REL" --workers $(( $(nproc) / 4 + 1 )) > "$LOGS/slice_make.log" 2>&1 ) &
   MAKE_PID=$!
 fi
 if [ -n "${TEST_BUILD:-}" ]; then  # (while the slice is made: the tests do not read it)
@@ -83,7 +85,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   for b in $BUILDS; do
     use "$b"
     log="$LOGS/ab_$(tag_of "$b")_$round.log"
-    env $(settings_of "$b") python3 tools/bench_throughput.py --checkpoint "$SLICE/slice-fp8" --no-peer --batches "${BATCHES:-32,128}" \
+    env $(settings_of "$b") python3 tools/bench_throughput.py --checkpoint "$SLICE/slice-$REL" --no-peer --batches "${BATCHES:-32,128}" \
       --prefill "${PREFILL-2048}" > "$log" 2>&1
     say "round $round $b (at $(elapsed) s): $(grep -E 'engine (decode|prefill)' "$log" \
       | sed -E 's/.*engine (decode|prefill) ([^:]*):.* ([0-9.]+) tok\/s/\2 \3/' | tr '\n' ' ')"
@@ -98,7 +100,7 @@ for b in ${PROFILE:+$BUILDS}; do
       p*) shape=(--prefill "${B#p}" --steps 2) ;;
       *) shape=(--batch "$B" --steps 3) ;;
     esac
-    env $(settings_of "$b") GLM_PDL=0 timeout 120 python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-fp8" "${shape[@]}" \
+    env $(settings_of "$b") GLM_PDL=0 timeout 120 python3 tools/profile_cuda.py --checkpoint "$SLICE/slice-$REL" "${shape[@]}" \
       > "$plog" 2>&1
     echo "== profile $b $B (PDL off)"; grep -E "wall per step|device busy" "$plog"
     grep -E "^  k_|^  Memcpy" "$plog" | head -${PROFILE_ROWS:-12}

@@ -1,4 +1,4 @@
-// The few-pair expert kernel (k_linear_pairs: routed-expert items of up to eight pairs, FP8).
+// The few-pair expert kernel (k_linear_pairs: routed-expert items of up to eight pairs, FP8 and MXFP4).
 // Part of weights.cu's translation unit (included there once, inside its anonymous namespace, so
 // that every kernel keeps one definition and its name); not a header for other files.
 #pragma once
@@ -27,6 +27,10 @@ namespace {
 //     1) are adds within a lane: every addition the canonical fold's own (a butterfly over the outputs:
 //     fold_level).
 //
+// MXFP4 (session 31): the thread's four columns are two bytes of a row, and its rows' E8M0 scales (one a
+// 32-column block, [row][C / 32] bytes) arrive beside the codes: a slab's 16 scale bytes of a row are one
+// 16-byte copy into the row's pad, so every slab is whole (pairs_applies: C a multiple of 512).
+//
 // An item computes its pairs rounded up to 1, 2, 3, 4, 6 or 8 (the slab loop specialised on the count;
 // b128 leaves an expert ~3.6 pairs, so powers of two computed ~20 % more slots than pairs). A block's
 // items follow each other without a drain: the next item's table is filled while the item multiplies,
@@ -38,7 +42,7 @@ constexpr int kPrSlab = 8;    // chunks per slab (512 contiguous bytes of each r
 constexpr int kPrStages = 4;  // cp.async stages (three slabs in flight: 96 KB of weights an SM)
 constexpr int kPrScaleBlocks = 256;  // 128-column scale blocks of a row at most (C <= 32768: pairs_applies)
 template <int FMT>
-constexpr int pr_wraw() {  // bytes per staged raw row (+16: rows four apart 16 banks apart)
+constexpr int pr_wraw() {  // bytes per staged raw row (+16: rows four apart 16 banks apart; MXFP4: the slab's scales)
     return kPrSlab * chunk_bytes<FMT>() + 16;
 }
 constexpr int kPrXRow = kPrSlab * 64 + 4;  // floats per staged x row
@@ -66,6 +70,21 @@ GLM_DEV void decode4_fp8(uint32_t v, float m, float (&w)[4]) {
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) w[c] = fmul(w[c], m);
+}
+// Four MXFP4 codes (the low 16 bits of v: four consecutive columns, the first in the lowest nibble) times
+// the block's multiplier m (e8m0 of its scale; e8m0_folded with kDecInt), as decode_raw8 decodes them.
+template <int DEC>
+GLM_DEV void decode4_mxfp4(uint32_t v, float m, float (&w)[4]) {
+    if constexpr (DEC == kDecInt) {  // codes 0 and 1 to bits 0 and 4, 2 and 3 to bits 16 and 20 (e2m1_pair's L, L + 4)
+        const uint32_t t = __byte_perm(v, 0u, 0x4140);
+        e2m1_pair<0>(t, w[0], w[2]);
+        e2m1_pair<1>(t, w[1], w[3]);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) w[c] = fmul(w[c], m);
+    } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) w[c] = mxfp4_w((v >> (4 * c)) & 15u, m);
+    }
 }
 
 // One step of the few-pair kernel's fold (k_linear_pairs): the lane holds N outputs (v's slots 0 .. N - 1,
@@ -99,7 +118,7 @@ GLM_DEV void fold_level(float (&v)[O][4], int d, bool hi, int& first, bool& mine
 template <int FMT, int DEC>
 __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     pdl_enter();
-    static_assert(FMT == W_FP8, "FP8 experts");
+    static_assert(FMT == W_FP8 || FMT == W_MXFP4, "FP8 or MXFP4 experts");
     GLM_DYN_SMEM(unsigned char, sm);
     constexpr int CB = chunk_bytes<FMT>(), WRAW = pr_wraw<FMT>(), SB = pr_stage_bytes<FMT>();
     constexpr int S = kPrSlab, ST = kPrStages, BM = kPrRows, BN = kPrPairs;
@@ -116,9 +135,11 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     // a load: ncu at 128 tokens, 13 % of the stalls long-scoreboard), its first pair and count.
     __shared__ const unsigned char* rowp[2][BM];
     __shared__ const float* xrow[2][BN];
-    __shared__ float mult[2][kPrScaleBlocks];
+    __shared__ float mult[2][FMT == W_FP8 ? kPrScaleBlocks : 1];
+    __shared__ const uint8_t* sclp[2][FMT == W_MXFP4 ? BM : 1];  // MXFP4: the rows' scales
     __shared__ int first_cnt[2][2];
     (void)mult;  // (read in the slab loop, a generic lambda, which GCC's set-but-unused warning misses)
+    (void)sclp;
     const int64_t C = a.C;
     const int nchunks = static_cast<int>(C / 64);
     const int nst = (nchunks + S - 1) / S;
@@ -130,8 +151,9 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
         return a.row0 + static_cast<int64_t>(r < a.R ? r : a.R - 1);
     };
-    // the block's rows lie in one 128-row scale block (pairs_applies: row0 % 64 == 0)
+    // FP8: the block's rows lie in one 128-row scale block (pairs_applies: row0 % 64 == 0)
     const int64_t srow = (abs_row(row_base) / 128) * ((C + 127) / 128);
+    (void)srow;
     const int n_items = *a.n_items;
     const int stride = static_cast<int>(gridDim.y);
     int item = static_cast<int>(blockIdx.y);
@@ -140,8 +162,12 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     // last readers)
     auto fill = [&](int it, int tb) {
         const ExpertItem e = expert_item(a, it);
-        for (int b = tid; b < (nchunks + 1) / 2; b += kPrThreads)
-            mult[tb][b] = fp8_mult<DEC>(__ldg(static_cast<const float*>(e.scale) + srow + b));
+        if constexpr (FMT == W_FP8) {
+            for (int b = tid; b < (nchunks + 1) / 2; b += kPrThreads)
+                mult[tb][b] = fp8_mult<DEC>(__ldg(static_cast<const float*>(e.scale) + srow + b));
+        } else {
+            if (tid < BM) sclp[tb][tid] = static_cast<const uint8_t*>(e.scale) + abs_row(row_base + tid) * (C / 32);
+        }
         if (tid < BM) rowp[tb][tid] = static_cast<const unsigned char*>(e.data) + abs_row(row_base + tid) * rb;
         if (tid < BN) xrow[tb][tid] = a.X + pair_xrow(a, a.pairs[e.start + (tid < e.cnt ? tid : e.cnt - 1)]) * a.ldx;
         if (tid == 0) first_cnt[tb][0] = e.start, first_cnt[tb][1] = e.cnt;
@@ -150,6 +176,8 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
     // PPR)); x piece p likewise (pair slot p / XPR, floats 4 (p % XPR)), copied for the item's pairs only
     const unsigned char* wsrc[NWP];
     int wdst[NWP];
+    const uint8_t* ssrc = nullptr;  // MXFP4, threads < BM: row tid's scales (a slab's 16 bytes into its pad)
+    (void)ssrc;
     const float* xsrc[NXP];
     int xdst[NXP];
     bool xlive[NXP];
@@ -168,6 +196,9 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
             xdst[n] = BM * WRAW + 4 * (j * kPrXRow + 4 * (p % XPR));
             xlive[n] = j < n_live;
         }
+        if constexpr (FMT == W_MXFP4) {
+            if (tid < BM) ssrc = sclp[tb][tid];
+        }
     };
     const uint32_t sm_s = smem_u32(sm);
     auto issue = [&](int s, int stage) {  // slab s of the copies' item into stage (a last slab of fewer chunks: only its own pieces)
@@ -182,6 +213,9 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
         for (int n = 0; n < NXP; ++n) {
             const int p = tid + n * kPrThreads;
             if (xlive[n] && (nc == S || p % XPR < nc * 16)) cp_async16_s(buf + xdst[n], xsrc[n] + 64 * static_cast<int64_t>(c0));
+        }
+        if constexpr (FMT == W_MXFP4) {  // (whole slabs: 2 S scale bytes)
+            if (tid < BM) cp_async16_s(buf + static_cast<uint32_t>(tid * WRAW + S * CB), ssrc + 2 * c0);
         }
     };
     // Slabs are staged in the order the block multiplies them, across its items: slab s of an item whose
@@ -212,14 +246,24 @@ __global__ void __launch_bounds__(kPrThreads, 1) k_linear_pairs(LinArgs a) {
             const unsigned char* buf = sm + stage * SB;
             const float* xs = reinterpret_cast<const float*>(buf + BM * WRAW);
             const float* const m_item = mult[tb];
+            (void)m_item;
             const int nc = nchunks - s * S < S ? nchunks - s * S : S;
             auto chunk = [&](int u) {
-                const uint32_t v0 = *reinterpret_cast<const uint32_t*>(buf + r0 * WRAW + u * CB + 4 * q);
-                const uint32_t v1 = *reinterpret_cast<const uint32_t*>(buf + r1 * WRAW + u * CB + 4 * q);
-                const float m = m_item[(s * S + u) >> 1];
                 float w0[4], w1[4];
-                decode4_fp8<DEC>(v0, m, w0);
-                decode4_fp8<DEC>(v1, m, w1);
+                if constexpr (FMT == W_FP8) {
+                    const uint32_t v0 = *reinterpret_cast<const uint32_t*>(buf + r0 * WRAW + u * CB + 4 * q);
+                    const uint32_t v1 = *reinterpret_cast<const uint32_t*>(buf + r1 * WRAW + u * CB + 4 * q);
+                    const float m = m_item[(s * S + u) >> 1];
+                    decode4_fp8<DEC>(v0, m, w0);
+                    decode4_fp8<DEC>(v1, m, w1);
+                } else {  // columns 4q .. 4q + 3: bytes 2q, 2q + 1 of the chunk; scale 2u + q / 8 of the slab's
+                    const uint32_t v0 = *reinterpret_cast<const uint16_t*>(buf + r0 * WRAW + u * CB + 2 * q);
+                    const uint32_t v1 = *reinterpret_cast<const uint16_t*>(buf + r1 * WRAW + u * CB + 2 * q);
+                    const uint32_t e0 = buf[r0 * WRAW + S * CB + 2 * u + (q >> 3)];
+                    const uint32_t e1 = buf[r1 * WRAW + S * CB + 2 * u + (q >> 3)];
+                    decode4_mxfp4<DEC>(v0, DEC == kDecInt ? e8m0_folded(e0) : e8m0(e0), w0);
+                    decode4_mxfp4<DEC>(v1, DEC == kDecInt ? e8m0_folded(e1) : e8m0(e1), w1);
+                }
 #pragma unroll
                 for (int j = 0; j < NP; ++j) {
                     const float4 x = *reinterpret_cast<const float4*>(xs + j * kPrXRow + 64 * u + 4 * q);

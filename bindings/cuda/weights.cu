@@ -226,17 +226,18 @@ void launch_gemm_tg(const LinArgs& a, dim3 grid) {
     }
     GLM_LAUNCH(k, grid, kGmThreads, smem, a);
 }
-// The few-pair expert kernel (lin_pairs.cuh): FP8 routed-expert items of up to 8 pairs (the engine's
-// items of 8: decode batches), rows of whole chunks that can be copied, each block's 64 rows in one
-// 128-row scale block. The engine takes it (option pairs) where the launch's pairs (the shared expert's
+// The few-pair expert kernel (lin_pairs.cuh): FP8 and MXFP4 routed-expert items of up to 8 pairs (the
+// engine's items of 8: decode batches), rows of whole chunks that can be copied, each block's 64 rows in
+// one 128-row scale block (MXFP4: rows of whole 8-chunk slabs, whose scales arrive as one 16-byte copy). The engine takes it (option pairs) where the launch's pairs (the shared expert's
 // included) average under 5 an entry of the tables. H200, slice FP8 (docs/perf.md, "Session 26"): with its
 // fold as a butterfly, its multipliers staged and slots of 3 and 6, b128's four expert launches take 7836
 // us here against the register-tiled kernel's 8530 (b128 8863-8887 -> 9309-9325 tok/s); at b256 (8 pairs an
 // entry) and prefill 512 the register-tiled kernel's decode once for 8 slots stays ahead (tok/s, register-
 // tiled / here: b256 10106 / 10107, prefill 512 11810 / 11535). (Session 20, before those: under 2.5.)
 bool pairs_applies(const LinArgs& a, bool expert) {
-    return expert && a.fmt == W_FP8 && a.tile_pairs > 1 && a.tile_pairs <= kPrPairs && rows_copyable(a, true) &&
-           a.rh >= a.R && a.row0 % kPrRows == 0 && a.C <= 128 * kPrScaleBlocks;
+    const bool fmt_ok = a.fmt == W_FP8 ? a.C <= 128 * kPrScaleBlocks : a.fmt == W_MXFP4 && a.C % (64 * kPrSlab) == 0;
+    return expert && fmt_ok && a.tile_pairs > 1 && a.tile_pairs <= kPrPairs && rows_copyable(a, true) &&
+           a.rh >= a.R && a.row0 % kPrRows == 0;
 }
 bool pairs_chosen(const LinArgs& a, bool expert) {
     return launch_options().pairs && pairs_applies(a, expert) &&
@@ -254,7 +255,7 @@ int several_token_dec(const LinArgs& a) {
 }
 template <int FMT>
 void launch_pairs(const LinArgs& a, dim3 grid) {
-    if constexpr (FMT == W_FP8) {
+    if constexpr (FMT == W_FP8 || FMT == W_MXFP4) {
         with_dec<FMT, true>(several_token_dec<FMT>(a), [&](auto dec) {
             auto k = k_linear_pairs<FMT, decltype(dec)::value>;
             constexpr size_t smem = static_cast<size_t>(pr_smem_bytes<FMT>());
