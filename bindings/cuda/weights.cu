@@ -240,8 +240,9 @@ bool pairs_applies(const LinArgs& a, bool expert) {
            a.rh >= a.R && a.row0 % kPrRows == 0;
 }
 bool pairs_chosen(const LinArgs& a, bool expert) {
+    // (MXFP4 at any count of items of up to 8: its register-tiled items decode at ~1.1 TB/s, session 31)
     return launch_options().pairs && pairs_applies(a, expert) &&
-           static_cast<int64_t>(a.max_items) < 5 * static_cast<int64_t>(a.experts);
+           (a.fmt == W_MXFP4 || static_cast<int64_t>(a.max_items) < 5 * static_cast<int64_t>(a.experts));
 }
 // The decode path of the several-token kernels (register-tiled, lane-pass, few-pair): FP8 by the hardware
 // conversion where the integer decode was chosen and the conversion passed the engine's check (both exact
