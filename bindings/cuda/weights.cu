@@ -228,19 +228,21 @@ void launch_gemm_tg(const LinArgs& a, dim3 grid) {
 }
 // The few-pair expert kernel (lin_pairs.cuh): FP8 and MXFP4 routed-expert items of up to 8 pairs (the
 // engine's items of 8: decode batches), rows of whole chunks that can be copied, each block's 64 rows in
-// one 128-row scale block (MXFP4: rows of whole 8-chunk slabs, whose scales arrive as one 16-byte copy). The engine takes it (option pairs) where the launch's pairs (the shared expert's
-// included) average under 5 an entry of the tables. H200, slice FP8 (docs/perf.md, "Session 26"): with its
-// fold as a butterfly, its multipliers staged and slots of 3 and 6, b128's four expert launches take 7836
-// us here against the register-tiled kernel's 8530 (b128 8863-8887 -> 9309-9325 tok/s); at b256 (8 pairs an
-// entry) and prefill 512 the register-tiled kernel's decode once for 8 slots stays ahead (tok/s, register-
-// tiled / here: b256 10106 / 10107, prefill 512 11810 / 11535). (Session 20, before those: under 2.5.)
+// one 128-row scale block (MXFP4: rows of whole 8-chunk slabs, whose scales arrive as one 16-byte copy).
+// The engine takes it (option pairs) for FP8 where the launch's pairs (the shared expert's included)
+// average under 5 an entry of the tables. H200, slice FP8 (docs/perf.md, "Session 26"): with its fold as a
+// butterfly, its multipliers staged and slots of 3 and 6, b128's four expert launches take 7836 us here
+// against the register-tiled kernel's 8530 (b128 8863-8887 -> 9309-9325 tok/s); at b256 (8 pairs an entry)
+// and prefill 512 the register-tiled kernel's decode once for 8 slots stays ahead (tok/s, register-tiled /
+// here: b256 10106 / 10107, prefill 512 11810 / 11535). (Session 20, before those: under 2.5.) MXFP4 at any
+// average (session 31, slice MXFP4: b256 9178 -> 11267, prefill 512 10499 -> 12749).
 bool pairs_applies(const LinArgs& a, bool expert) {
     const bool fmt_ok = a.fmt == W_FP8 ? a.C <= 128 * kPrScaleBlocks : a.fmt == W_MXFP4 && a.C % (64 * kPrSlab) == 0;
     return expert && fmt_ok && a.tile_pairs > 1 && a.tile_pairs <= kPrPairs && rows_copyable(a, true) &&
            a.rh >= a.R && a.row0 % kPrRows == 0;
 }
 bool pairs_chosen(const LinArgs& a, bool expert) {
-    // (MXFP4 at any count of items of up to 8: its register-tiled items decode at ~1.1 TB/s, session 31)
+    // (MXFP4 at any average: its register-tiled items of 8 decode at ~1.1 TB/s, session 31)
     return launch_options().pairs && pairs_applies(a, expert) &&
            (a.fmt == W_MXFP4 || static_cast<int64_t>(a.max_items) < 5 * static_cast<int64_t>(a.experts));
 }
