@@ -69,7 +69,7 @@ if [ ! -f "$SLICE/slice-$REL/config.json" ]; then
 fi
 if [ -n "${TEST_BUILD:-}" ]; then  # (while the slice is made: the tests do not read it)
   use "$TEST_BUILD"
-  timeout 300 python3 -m pytest tests/test_fast_cuda.py tests/test_head_bound.py -m gpu -q -p no:cacheprovider \
+  timeout 300 python3 -m pytest tests/test_fast_cuda.py tests/test_head_bound.py tests/test_mla_softmax.py -m gpu -q -p no:cacheprovider \
     -k "not slice and not exhaustive" > "$LOGS/pytest.log" 2>&1
   say "GPU tests ($TEST_BUILD): exit $? at $(elapsed) s: $(tail -1 "$LOGS/pytest.log")"
   grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -20 | tee -a "$SUMMARY"

@@ -144,7 +144,7 @@ SEL="not slice"
 [ "${TESTS:-1}" = "quick" ] && SEL="not slice and not exhaustive and not census and not small-bf16"
 [ -n "${TESTS_K:-}" ] && SEL="$TESTS_K"
 SEL="($SEL) and not linear_kernels and not cuda-ranks-r2 and not cuda-ranks-r3"  # (those: the EP phase)
-timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py tests/test_head_bound.py tests/test_engines.py tests/test_index_select.py tests/test_index_scores.py tests/test_greedy_logprob.py tests/test_memory.py tests/test_long_context.py -m gpu -v -rsP -p no:cacheprovider --durations=15 -k "$SEL" \
+timeout "$T_TESTS" python3 -m pytest tests/test_fast_cuda.py tests/test_head_bound.py tests/test_engines.py tests/test_index_select.py tests/test_index_scores.py tests/test_mla_softmax.py tests/test_greedy_logprob.py tests/test_memory.py tests/test_long_context.py -m gpu -v -rsP -p no:cacheprovider --durations=15 -k "$SEL" \
   > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? (limit $T_TESTS s)"
 grep -E " (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | sed -E "s/^tests.test_fast_cuda.py:://" | cut -c1-110

@@ -388,6 +388,22 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         "The indexer's selection kernel for one query at `pos` over its (pos + 1) // kp pool scores: the "
         "positions it attends, ascending.");
     m.def(
+        "mla_softmax",
+        [](const py::array_t<float, py::array::c_style | py::array::forcecast>& scores, const std::vector<int>& lens,
+           int nh, const std::string& kernel) {
+            int64_t total = 0;
+            for (int n : lens) total += n;
+            if (scores.ndim() != 1 || scores.size() != total * nh)
+                bad("mla_softmax: scores must be 1-D, nh * sum(lens) values");
+            const MlaSoftmax r = translate([&] { return mla_softmax_device(scores.data(), lens, nh, kernel); });
+            return py::make_tuple(py::array_t<float>(static_cast<py::ssize_t>(r.probs.size()), r.probs.data()),
+                                  py::array_t<float>(static_cast<py::ssize_t>(r.sums.size()), r.sums.data()));
+        },
+        py::arg("scores"), py::arg("lens"), py::arg("nh"), py::arg("kernel") = "auto",
+        "mla.probs through one softmax kernel: rows t of lens[t] positions, nh heads each (scores [t][h][position], "
+        "one after the other); kernel 'auto' (the engine's rule), 'general', 'rows4', 'rows16', 'rows64' or 'stream'. "
+        "Returns (probs, each row's csum(e) [t][h]).");
+    m.def(
         "index_scores",
         [](const py::array_t<float, py::array::c_style | py::array::forcecast>& q,
            const py::array_t<float, py::array::c_style | py::array::forcecast>& wts,

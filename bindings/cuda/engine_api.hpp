@@ -156,6 +156,13 @@ void exp64_device(const double* x, double* y, size_t n);
 // The indexer's selection kernel for one query at `pos` over given pool scores ((pos + 1) / kp of them):
 // the positions it attends, ascending (tests: against the oracle's rule on made-up scores).
 std::vector<int> index_select_device(const float* scores, int64_t n_scores, int pos, int kp, int budget);
+// mla.probs of rows of lens[t] positions for nh heads each (scores [t][h][position], rows one after the
+// other) through one softmax kernel: "auto" (the engine's rule), "general", "rows4", "rows16", "rows64", "stream";
+// and each row's csum(e), [t][h].
+struct MlaSoftmax {
+    std::vector<float> probs, sums;
+};
+MlaSoftmax mla_softmax_device(const float* scores, const std::vector<int>& lens, int nh, const std::string& kernel);
 // indexer.scores of T queries of one sequence at positions pos (ascending) against its pool keys
 // ([n_keys][di], n_keys >= (pos[T-1] + 1) / kp): q [T][ni][di], wts [T][ni]; the rows' scores one after
 // the other. tiled: the tiled kernel (it must apply), else the per-row one. reps > 0: also the median

@@ -263,8 +263,31 @@ __global__ void __launch_bounds__(kSlThreads, 1) k_mla_attn_lanes(AttnLanes a) {
 
 // mla.probs per (t, h), one warp: m = max (NaN semantics of a left-to-right std::max: a NaN first
 // score wins, later NaNs are ignored), e = expf(s - m), p = bf16(e / csum(e)).
+// The max of a row over the warp: each lane takes its values in order (softmax_take), then softmax_max's
+// shuffles; a NaN first score, or a row of NaNs, gives sc[0].
+struct SoftmaxMax {
+    float mx = -INFINITY;
+    bool any = false;
+};
+GLM_DEV void softmax_take(SoftmaxMax& m, float v) {
+    if (!is_nan(v) && (!m.any || v > m.mx)) m.mx = v;
+    m.any = m.any || !is_nan(v);
+}
+GLM_DEV float softmax_max(SoftmaxMax m, const float* sc, bool live) {
+    for (int o = 16; o >= 1; o >>= 1) {
+        const float om = __shfl_xor_sync(kFull, m.mx, o);
+        const int oa = __shfl_xor_sync(kFull, m.any ? 1 : 0, o);
+        if (oa && (!m.any || om > m.mx)) m.mx = om;
+        m.any = m.any || oa;
+    }
+    return live && (is_nan(sc[0]) || !m.any) ? sc[0] : m.mx;
+}
+GLM_DEV int softmax_row_lane(int ns, int lane) { return ns > lane ? (ns - lane + 31) / 32 : 0; }  // lane's values
+
+// Any numerics (dot="sequential" included) and any row length: the row's e written, summed from memory,
+// then divided in place. sums (tests: mla_softmax_device), when not null: each row's csum(e) at [t nh + h].
 __global__ void k_mla_softmax(const float* __restrict__ scores, int T, int nh, const int64_t* __restrict__ sel_off,
-                              const int* __restrict__ sel_n, float* probs, Nm nm) {
+                              const int* __restrict__ sel_n, float* probs, Nm nm, float* sums) {
     pdl_enter();
     const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
     const int lane = static_cast<int>(threadIdx.x & 31);
@@ -274,21 +297,10 @@ __global__ void k_mla_softmax(const float* __restrict__ scores, int T, int nh, c
     const int ns = sel_n[t];
     const float* sc = scores + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
     float* p = probs + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
-    float mx = -INFINITY;
-    bool any = false;
+    SoftmaxMax part;
     if (live)
-        for (int jj = lane; jj < ns; jj += 32) {
-            const float v = sc[jj];
-            if (!is_nan(v) && (!any || v > mx)) mx = v;
-            any = any || !is_nan(v);
-        }
-    for (int o = 16; o >= 1; o >>= 1) {
-        const float om = __shfl_xor_sync(kFull, mx, o);
-        const int oa = __shfl_xor_sync(kFull, any ? 1 : 0, o);
-        if (oa && (!any || om > mx)) mx = om;
-        any = any || oa;
-    }
-    if (live && (is_nan(sc[0]) || !any)) mx = sc[0];
+        for (int jj = lane; jj < ns; jj += 32) softmax_take(part, sc[jj]);
+    const float mx = softmax_max(part, sc, live);
     if (live)
         for (int jj = lane; jj < ns; jj += 32) p[jj] = nm.exp(fsub(sc[jj], mx));
     __syncwarp();
@@ -300,8 +312,83 @@ __global__ void k_mla_softmax(const float* __restrict__ scores, int T, int nh, c
                                                    }),
                                   0);
     __syncwarp();
+    if (sums && live && lane == 0) sums[warp] = sum;
     if (live)
         for (int jj = lane; jj < ns; jj += 32) p[jj] = bf16r(fdiv(p[jj], sum));
+}
+
+// The canonical sum (not dot="sequential") where the warp's lanes hold the partial sums themselves: lane q's
+// values are positions 32 m + q, i.e. chunk m / 2's element q (m even) or q + 32 (m odd), the partials
+// P[q] and P[q + 32] of cdot, each in position order, then warp_fold64. Rows of up to 32 K positions keep
+// their values in registers (one read, one write); K = 0: any length, the scores read three times and e
+// computed twice (the same bits both times).
+template <int K>
+__global__ void k_mla_softmax_rows(const float* __restrict__ scores, int T, int nh, const int64_t* __restrict__ sel_off,
+                                   const int* __restrict__ sel_n, float* probs, Nm nm, float* sums) {
+    pdl_enter();
+    const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = static_cast<int>(threadIdx.x & 31);
+    if (warp >= T * nh) return;  // (whole warps: blockDim a multiple of 32)
+    const int t = warp / nh, h = warp % nh;
+    const int ns = sel_n[t], nl = softmax_row_lane(ns, lane);
+    const float* sc = scores + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
+    float* p = probs + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
+    float v[K > 0 ? K : 1];
+    SoftmaxMax part;
+    if constexpr (K > 0) {
+#pragma unroll
+        for (int m = 0; m < K; ++m)
+            if (m < nl) {
+                v[m] = sc[lane + 32 * m];
+                softmax_take(part, v[m]);
+            }
+    } else {
+        for (int m = 0; m < nl; ++m) softmax_take(part, sc[lane + 32 * m]);
+    }
+    const float mx = softmax_max(part, sc, true);
+    float a0 = 0.0f, a1 = 0.0f;  // P[lane], P[lane + 32]
+    auto add_e = [&](int m, float e) {
+        if (m & 1) a1 = fma_(e, 1.0f, a1);
+        else a0 = fma_(e, 1.0f, a0);
+    };
+    if constexpr (K > 0) {
+#pragma unroll
+        for (int m = 0; m < K; ++m)
+            if (m < nl) {
+                v[m] = nm.exp(fsub(v[m], mx));
+                add_e(m, v[m]);
+            }
+    } else {
+        for (int m = 0; m < nl; ++m) add_e(m, nm.exp(fsub(sc[lane + 32 * m], mx)));
+    }
+    const float sum = __shfl_sync(kFull, warp_fold64(a0, a1), 0);
+    if (sums && lane == 0) sums[warp] = sum;
+    if constexpr (K > 0) {
+#pragma unroll
+        for (int m = 0; m < K; ++m)
+            if (m < nl) p[lane + 32 * m] = bf16r(fdiv(v[m], sum));
+    } else {
+        for (int m = 0; m < nl; ++m) p[lane + 32 * m] = bf16r(fdiv(nm.exp(fsub(sc[lane + 32 * m], mx)), sum));
+    }
+}
+
+using SoftmaxKernel = decltype(&k_mla_softmax);
+// A step's softmax kernel by its longest row: the lanes' registers up to 2048 positions, streamed beyond;
+// dot="sequential" (not cdot's order) the general kernel. `name` forces one (mla_softmax_device: "general",
+// "rows4", "rows16", "rows64", "stream"; "auto" the rule).
+SoftmaxKernel softmax_kernel(int max_ns, bool seq, const std::string& name = "auto") {
+    if (name == "general" || (name == "auto" && seq)) return k_mla_softmax;
+    if (seq) throw std::invalid_argument("mla_softmax: dot=\"sequential\" takes the general kernel only, not " + name);
+    const int k = name == "rows4" ? 4 : (name == "rows16" ? 16 : (name == "rows64" ? 64 : (name == "stream" ? 0 : -1)));
+    if (name != "auto" && k < 0)
+        throw std::invalid_argument("mla_softmax: kernel must be auto, general, rows4, rows16, rows64 or stream, got " + name);
+    if (k > 0 && max_ns > 32 * k)
+        throw std::invalid_argument("mla_softmax: kernel " + name + " holds rows of up to " + std::to_string(32 * k) +
+                                    " positions, got " + std::to_string(max_ns));
+    if (k == 0) return k_mla_softmax_rows<0>;
+    const int kk = k > 0 ? k : (max_ns <= 128 ? 4 : (max_ns <= 512 ? 16 : (max_ns <= 2048 ? 64 : 0)));
+    return kk == 4 ? k_mla_softmax_rows<4>
+                   : (kk == 16 ? k_mla_softmax_rows<16> : (kk == 64 ? k_mla_softmax_rows<64> : k_mla_softmax_rows<0>));
 }
 
 // The probabilities of one sequence's dense prefill as k_mla_attn_lanes's o_lat reads them: Xp[((l ncp + c) 8 + g)
@@ -619,9 +706,9 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     }
     s.emit_var(layer, S_MLA_SCORES, scores, off, shapes);
     {
-        auto k = k_mla_softmax;
+        auto k = softmax_kernel(max_ns, nm.seq);
         GLM_LAUNCH(k, blocks(static_cast<int64_t>(T) * nh * 32, 256), 256, 0, scores, T, nh, s.d_sel_off, s.d_sel_n,
-                   probs, nm);
+                   probs, nm, static_cast<float*>(nullptr));
         check_launch("mla_softmax");
     }
     s.emit_var(layer, S_MLA_PROBS, probs, off, shapes);
@@ -669,6 +756,36 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     // mla.out = lin(o_proj, o)
     linear(w.o_proj, o, static_cast<int64_t>(nh) * dv, out, D, T, true, nm, s.hw8);
     s.emit(layer, S_MLA_OUT, out, D, {D});
+}
+
+MlaSoftmax mla_softmax_device(const float* scores, const std::vector<int>& lens, int nh, const std::string& kernel) {
+    const int T = static_cast<int>(lens.size());
+    if (T < 1 || nh < 1) throw std::invalid_argument("mla_softmax: at least one row of lengths and one head");
+    std::vector<int64_t> off(static_cast<size_t>(T));
+    int64_t total = 0;
+    int max_ns = 1;
+    for (int t = 0; t < T; ++t) {
+        if (lens[t] < 1) throw std::invalid_argument("mla_softmax: lens must be >= 1, got " + std::to_string(lens[t]));
+        off[t] = total;
+        total += lens[t];
+        max_ns = std::max(max_ns, lens[t]);
+    }
+    const auto k = softmax_kernel(max_ns, false, kernel);
+    const size_t bytes = static_cast<size_t>(total) * nh * 4;
+    DBuf ds(bytes), dp(bytes), doff(static_cast<size_t>(T) * 8), dn(static_cast<size_t>(T) * 4),
+        dsum(static_cast<size_t>(T) * nh * 4);
+    check(cudaMemcpy(ds.p, scores, bytes, cudaMemcpyHostToDevice), "mla_softmax");
+    check(cudaMemcpy(doff.p, off.data(), static_cast<size_t>(T) * 8, cudaMemcpyHostToDevice), "mla_softmax");
+    check(cudaMemcpy(dn.p, lens.data(), static_cast<size_t>(T) * 4, cudaMemcpyHostToDevice), "mla_softmax");
+    GLM_LAUNCH(k, blocks(static_cast<int64_t>(T) * nh * 32, 256), 256, 0, ds.as<float>(), T, nh, doff.as<int64_t>(),
+               dn.as<int>(), dp.as<float>(), Nm{}, dsum.as<float>());
+    check_launch("mla_softmax");
+    MlaSoftmax out;
+    out.probs.resize(static_cast<size_t>(total) * nh);
+    out.sums.resize(static_cast<size_t>(T) * nh);
+    check(cudaMemcpy(out.probs.data(), dp.p, bytes, cudaMemcpyDeviceToHost), "mla_softmax");
+    check(cudaMemcpy(out.sums.data(), dsum.p, out.sums.size() * 4, cudaMemcpyDeviceToHost), "mla_softmax");
+    return out;
 }
 
 }  // namespace glm::cuda
