@@ -197,6 +197,12 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     const int wdst = wrow * RW + 16 * ln_piece<EXPERT>(tid % PPR, wrow);
     const int xu = tid / (2 * BN), xg = (tid / (BN / 4)) % 8, xj4 = tid % (BN / 4);
     const int xdst = XOFF + 4 * ((xu * 8 + xg) * XS + (4 * xj4 ^ ln_swz<EXPERT>(xg) ^ lane_swap_b(xg, BN / 2)));
+    // A block whose rows all lie below R (whole) finds its rows one after the other in memory (a head-blocked
+    // launch's block lies in one head: lanes_applies), so its whole slabs' copies take their rows from the
+    // thread's first row's address; others read each row's address from rowp (rows past R: the last row's).
+    // (A row address loaded from shared memory cost each copy a load and three issue slots before it; the
+    // first row's address kept in registers instead made the FP8 expert kernel spill.)
+    const bool whole = row_base + BM <= a.R;
     int start = 0, cnt = 0;  // the item's first token (pair slot) and how many
     const float* xb = a.X;   // x of the block's tokens (dense: Xp; experts: the item's Xi)
     const int64_t ldx = EXPERT ? BN : a.ldx;
@@ -211,10 +217,12 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         const int nc = chunks_of(s), c0 = s * S;
         const uint32_t buf = sm_s + static_cast<uint32_t>(stage * SB);
         const float* const xs = xb + xo + xsrc;
-        if (nc == S) {
+        if (nc == S && whole) {  // (copy n's row RPN n rows below the thread's first: one row address loaded)
+            const unsigned char* const w = rowp[wrow] + (woff + c0 * CB);
+            const int step = RPN * static_cast<int>(rb);  // (32 bits: one multiply-add a copy; RPN rows of C <= 2^26)
 #pragma unroll
             for (int n = 0; n < NWP; ++n)
-                if (wvalid(n)) cp_async16_s(buf + wdst + n * RPN * RW, rowp[wrow + n * RPN] + woff + c0 * CB);
+                if (wvalid(n)) cp_async16_s(buf + wdst + n * RPN * RW, w + n * step);
 #pragma unroll
             for (int n = 0; n < NXP; ++n) cp_async16_s(buf + xdst + 4 * n * UPN * 8 * XS, xs + n * UPN * 8 * ldx);
             return;
@@ -250,10 +258,10 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     // 128 columns, two chunks: slabs and UT even, so task n's is UT / 2 n past the slab's first
     static_assert(FMT != W_FP8 || (S % 2 == 0 && UT % 2 == 0), "FP8 scales: a slab's tasks UT / 2 scales apart");
     auto load_scales = [&](int s, float (&sc)[NT][2]) {
-        const int c0 = s * S + du;
-        const float* const fs = static_cast<const float*>(scale) + dsc0 + (c0 >> 1);
-        const uint8_t* const es0 = static_cast<const uint8_t*>(scale) + dsc0 + 2 * c0;
-        const uint8_t* const es1 = static_cast<const uint8_t*>(scale) + dsc1 + 2 * c0;
+        const int c0 = s * S + du;  // (offsets in 32 bits, unsigned: one add to the tensor's address, not a 64-bit sum)
+        const float* const fs = static_cast<const float*>(scale) + static_cast<uint32_t>(dsc0 + (c0 >> 1));
+        const uint8_t* const es0 = static_cast<const uint8_t*>(scale) + static_cast<uint32_t>(dsc0 + 2 * c0);
+        const uint8_t* const es1 = static_cast<const uint8_t*>(scale) + static_cast<uint32_t>(dsc1 + 2 * c0);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             const bool in = c0 + n * UT < nch;

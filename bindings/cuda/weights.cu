@@ -301,6 +301,7 @@ bool lanes_applies(const LinArgs& a, bool expert) {
     if (!(a.fmt == W_BF16 || a.fmt == W_FP8 || a.fmt == W_MXFP4)) return false;
     const int64_t rb = row_bytes(a.fmt, a.C);
     if (a.C % 64 != 0 || a.C == 0 || rb % 16 != 0) return false;
+    if (rb >= (int64_t{1} << 26)) return false;  // (a whole slab's copies step RPN <= 32 rows in 32-bit offsets)
     // (experts: x re-laid per item, any rows; weights are arena allocations, 256-byte aligned)
     if (!expert && reinterpret_cast<uintptr_t>(a.data) % 16 != 0) return false;
     if (expert && int64_t{kLanesItem} * a.C > kLanesItemsGroup) return false;
