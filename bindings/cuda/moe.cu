@@ -282,15 +282,11 @@ __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict
     for (int base = 0; base < npairs; base += 32) {
         const int p = base + lane;
         const int e = p < npairs ? expert_of(p) : -1;
-        int r = 0;
-        bool last = true;
-        for (int j = 0; j < 32; ++j) {
-            const int ej = __shfl_sync(kFull, e, j);
-            if (ej == e) {
-                if (j < lane) ++r;
-                if (j > lane) last = false;
-            }
-        }
+        // (the lanes of the same expert in one match: r of them before this lane, none after it for the last;
+        // 32 shuffles a window here took this launch's one warp 240 us at 2048 tokens)
+        const unsigned same = __match_any_sync(kFull, static_cast<unsigned>(e));
+        const int r = __popc(same & ((1u << lane) - 1u));
+        const bool last = (same >> lane) == 1u;
         const int cur = e >= 0 ? cnt[e] : 0;
         __syncwarp();
         if (e >= 0) {
