@@ -333,15 +333,22 @@ __global__ void k_mla_softmax_rows(const float* __restrict__ scores, int T, int 
     const int ns = sel_n[t], nl = softmax_row_lane(ns, lane);
     const float* sc = scores + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
     float* p = probs + sel_off[t] * nh + static_cast<int64_t>(h) * ns;
+    // (K > 0: the lane's values in groups of G, a group's work free of branches, so that its G exponentials
+    // overlap; past the row a value is NaN to the max, which ignores it, and its e is +0 to the sum, where
+    // fma(+0, 1, P) = P for every P the sum can hold: it starts at +0 and adds e >= 0)
+    constexpr int G = K > 0 && K < 8 ? K : 8;
     float v[K > 0 ? K : 1];
     SoftmaxMax part;
     if constexpr (K > 0) {
 #pragma unroll
-        for (int m = 0; m < K; ++m)
-            if (m < nl) {
-                v[m] = sc[lane + 32 * m];
+        for (int g0 = 0; g0 < K; g0 += G) {
+            if (32 * g0 >= ns) break;  // (the warp's whole row is behind it)
+#pragma unroll
+            for (int m = g0; m < g0 + G; ++m) {
+                v[m] = m < nl ? sc[lane + 32 * m] : NAN;
                 softmax_take(part, v[m]);
             }
+        }
     } else {
         for (int m = 0; m < nl; ++m) softmax_take(part, sc[lane + 32 * m]);
     }
@@ -353,11 +360,14 @@ __global__ void k_mla_softmax_rows(const float* __restrict__ scores, int T, int 
     };
     if constexpr (K > 0) {
 #pragma unroll
-        for (int m = 0; m < K; ++m)
-            if (m < nl) {
-                v[m] = nm.exp(fsub(v[m], mx));
+        for (int g0 = 0; g0 < K; g0 += G) {
+            if (32 * g0 >= ns) break;
+#pragma unroll
+            for (int m = g0; m < g0 + G; ++m) {
+                v[m] = m < nl ? nm.exp(fsub(v[m], mx)) : 0.0f;
                 add_e(m, v[m]);
             }
+        }
     } else {
         for (int m = 0; m < nl; ++m) add_e(m, nm.exp(fsub(sc[lane + 32 * m], mx)));
     }
@@ -365,8 +375,14 @@ __global__ void k_mla_softmax_rows(const float* __restrict__ scores, int T, int 
     if (sums && lane == 0) sums[warp] = sum;
     if constexpr (K > 0) {
 #pragma unroll
-        for (int m = 0; m < K; ++m)
-            if (m < nl) p[lane + 32 * m] = bf16r(fdiv(v[m], sum));
+        for (int g0 = 0; g0 < K; g0 += G) {
+            if (32 * g0 >= ns) break;
+#pragma unroll
+            for (int m = g0; m < g0 + G; ++m) {
+                const float q = bf16r(fdiv(v[m], sum));
+                if (m < nl) p[lane + 32 * m] = q;
+            }
+        }
     } else {
         for (int m = 0; m < nl; ++m) p[lane + 32 * m] = bf16r(fdiv(nm.exp(fsub(sc[lane + 32 * m], mx)), sum));
     }
