@@ -337,19 +337,23 @@ __global__ void k_mla_softmax_rows(const float* __restrict__ scores, int T, int 
     // overlap; past the row a value is NaN to the max, which ignores it, and its e is +0 to the sum, where
     // fma(+0, 1, P) = P for every P the sum can hold: it starts at +0 and adds e >= 0)
     constexpr int G = K > 0 && K < 8 ? K : 8;
-    float v[K > 0 ? K : 1];
-    SoftmaxMax part;
-    if constexpr (K > 0) {
+    auto groups = [&](auto&& f) {  // f(m) for the lane's m < K, a group at a time while the row reaches it
 #pragma unroll
         for (int g0 = 0; g0 < K; g0 += G) {
             if (32 * g0 >= ns) break;  // (the warp's whole row is behind it)
 #pragma unroll
-            for (int m = g0; m < g0 + G; ++m) {
-                v[m] = m < nl ? sc[lane + 32 * m] : NAN;
-                softmax_take(part, v[m]);
-            }
+            for (int m = g0; m < g0 + G; ++m) f(m);
         }
+    };
+    float v[K > 0 ? K : 1];
+    SoftmaxMax part;
+    if constexpr (K > 0) {
+        groups([&](int m) {
+            v[m] = m < nl ? sc[lane + 32 * m] : NAN;
+            softmax_take(part, v[m]);
+        });
     } else {
+#pragma unroll 8
         for (int m = 0; m < nl; ++m) softmax_take(part, sc[lane + 32 * m]);
     }
     const float mx = softmax_max(part, sc, true);
@@ -359,31 +363,23 @@ __global__ void k_mla_softmax_rows(const float* __restrict__ scores, int T, int 
         else a0 = fma_(e, 1.0f, a0);
     };
     if constexpr (K > 0) {
-#pragma unroll
-        for (int g0 = 0; g0 < K; g0 += G) {
-            if (32 * g0 >= ns) break;
-#pragma unroll
-            for (int m = g0; m < g0 + G; ++m) {
-                v[m] = m < nl ? nm.exp(fsub(v[m], mx)) : 0.0f;
-                add_e(m, v[m]);
-            }
-        }
+        groups([&](int m) {
+            v[m] = m < nl ? nm.exp(fsub(v[m], mx)) : 0.0f;
+            add_e(m, v[m]);
+        });
     } else {
+#pragma unroll 8
         for (int m = 0; m < nl; ++m) add_e(m, nm.exp(fsub(sc[lane + 32 * m], mx)));
     }
     const float sum = __shfl_sync(kFull, warp_fold64(a0, a1), 0);
     if (sums && lane == 0) sums[warp] = sum;
     if constexpr (K > 0) {
-#pragma unroll
-        for (int g0 = 0; g0 < K; g0 += G) {
-            if (32 * g0 >= ns) break;
-#pragma unroll
-            for (int m = g0; m < g0 + G; ++m) {
-                const float q = bf16r(fdiv(v[m], sum));
-                if (m < nl) p[lane + 32 * m] = q;
-            }
-        }
+        groups([&](int m) {
+            const float q = bf16r(fdiv(v[m], sum));
+            if (m < nl) p[lane + 32 * m] = q;
+        });
     } else {
+#pragma unroll 8
         for (int m = 0; m < nl; ++m) p[lane + 32 * m] = bf16r(fdiv(nm.exp(fsub(sc[lane + 32 * m], mx)), sum));
     }
 }
