@@ -393,7 +393,8 @@ SoftmaxKernel softmax_kernel(int max_ns, bool seq, const std::string& name = "au
     if (seq) throw std::invalid_argument("mla_softmax: dot=\"sequential\" takes the general kernel only, not " + name);
     const int k = name == "rows4" ? 4 : (name == "rows16" ? 16 : (name == "rows64" ? 64 : (name == "stream" ? 0 : -1)));
     if (name != "auto" && k < 0)
-        throw std::invalid_argument("mla_softmax: kernel must be auto, general, rows4, rows16, rows64 or stream, got " + name);
+        throw std::invalid_argument("mla_softmax: kernel must be auto, general, rows4, rows16, rows64 or stream, got " +
+                                    name);
     if (k > 0 && max_ns > 32 * k)
         throw std::invalid_argument("mla_softmax: kernel " + name + " holds rows of up to " + std::to_string(32 * k) +
                                     " positions, got " + std::to_string(max_ns));

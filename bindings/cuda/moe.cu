@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict
         const int p = base + lane;
         const int e = p < npairs ? expert_of(p) : -1;
         // (the lanes of the same expert in one match: r of them before this lane, none after it for the last;
-        // 32 shuffles a window here took this launch's one warp 240 us at 2048 tokens)
+        // with 32 shuffles a window instead the launch took 241 us at 2048 tokens of the slice, with it 187)
         const unsigned same = __match_any_sync(kFull, static_cast<unsigned>(e));
         const int r = __popc(same & ((1u << lane) - 1u));
         const bool last = (same >> lane) == 1u;
