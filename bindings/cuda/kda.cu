@@ -13,7 +13,14 @@
 namespace glm::cuda {
 namespace {
 
-// conv: one thread per (row, channel); window = the K-1 cached pre-conv rows then the segment's rows.
+// A segment's pre-conv history of channel ch: hist[j] = j < K-1 ? tail[j] : qkv[t0 + j - (K-1)] (the K-1
+// cached pre-conv rows, then the segment's rows); row i's window is hist[i .. i+K).
+GLM_DEV float conv_hist(const SegDev& sg, const float* __restrict__ qkv, int C3, int K, int ch, int j) {
+    return j < K - 1 ? sg.conv[static_cast<int64_t>(j) * C3 + ch]
+                     : qkv[static_cast<int64_t>(sg.t0 + j - (K - 1)) * C3 + ch];
+}
+
+// conv: one thread per (row, channel).
 __global__ void k_kda_conv(const float* __restrict__ qkv, int T, int C3, int K, const float* __restrict__ taps,
                            const SegDev* __restrict__ segs, const int* __restrict__ seg_of, float* act, Nm nm) {
     pdl_enter();
@@ -23,12 +30,9 @@ __global__ void k_kda_conv(const float* __restrict__ qkv, int T, int C3, int K, 
     const SegDev& sg = segs[seg_of[t]];
     const int i = t - sg.t0;  // row within the segment
     const float* w = taps + static_cast<int64_t>(ch) * K;
-    // hist[j] = j < K-1 ? tail[j] : qkv[t0 + j - (K-1)]; the window of row i is hist[i .. i+K)
     const float c = cdot_serial<float>(K, nm.seq, [&](int k, float& a, float& b) {
-        const int j = i + k;
         a = w[k];
-        b = j < K - 1 ? sg.conv[static_cast<int64_t>(j) * C3 + ch]
-                      : qkv[static_cast<int64_t>(sg.t0 + j - (K - 1)) * C3 + ch];
+        b = conv_hist(sg, qkv, C3, K, ch, i + k);
     });
     act[idx] = bf16r(nm.silu(c));
 }
@@ -56,18 +60,14 @@ __global__ void k_kda_conv_rows(const float* __restrict__ qkv, int T, int C3, co
     for (int u = 0; u < TT && t0 + u < T; ++u) {
         const int t = t0 + u, sgi = seg_of[t];
         const SegDev& sg = segs[sgi];
-        const int i = t - sg.t0;  // row within the segment; its window is hist[i .. i+K)
-        auto hist = [&](int j) {  // hist[j] = j < K-1 ? tail[j] : qkv[t0 + j - (K-1)]
-            return j < K - 1 ? sg.conv[static_cast<int64_t>(j) * C3 + ch]
-                             : qkv[static_cast<int64_t>(sg.t0 + j - (K - 1)) * C3 + ch];
-        };
+        const int i = t - sg.t0;  // row within the segment
         if (sgi == cur && i == last + 1) {
 #pragma unroll
             for (int k = 0; k + 1 < K; ++k) win[k] = win[k + 1];
-            win[K - 1] = hist(i + K - 1);
+            win[K - 1] = conv_hist(sg, qkv, C3, K, ch, i + K - 1);
         } else {
 #pragma unroll
-            for (int k = 0; k < K; ++k) win[k] = hist(i + k);
+            for (int k = 0; k < K; ++k) win[k] = conv_hist(sg, qkv, C3, K, ch, i + k);
         }
         cur = sgi;
         last = i;
@@ -89,12 +89,7 @@ __global__ void k_kda_conv_tail(const float* __restrict__ qkv, int nseg, int C3,
     const SegDev& sg = segs[sgi];
     const int keep = K - 1, n = sg.n;
     // new tail[k] = hist[n + k], increasing k reads only entries not yet overwritten
-    for (int k = 0; k < keep; ++k) {
-        const int j = n + k;
-        const float v = j < keep ? sg.conv[static_cast<int64_t>(j) * C3 + ch]
-                                 : qkv[static_cast<int64_t>(sg.t0 + j - keep) * C3 + ch];
-        sg.conv[static_cast<int64_t>(k) * C3 + ch] = v;
-    }
+    for (int k = 0; k < keep; ++k) sg.conv[static_cast<int64_t>(k) * C3 + ch] = conv_hist(sg, qkv, C3, K, ch, n + k);
 }
 
 __global__ void k_kda_gate(float* g, int T, int P, int d, const float* __restrict__ decay,
@@ -342,7 +337,8 @@ void kda_forward(Step& s, int layer, const KdaW& w, const float* x, float* out) 
     {
         if (K == 4) {  // (the real config's kernel; other widths the general kernel)
             auto k = k_kda_conv_rows<4, kConvRows>;
-            const dim3 grid(static_cast<unsigned>((3 * P + 255) / 256), static_cast<unsigned>((T + kConvRows - 1) / kConvRows));
+            const dim3 grid(static_cast<unsigned>((3 * P + 255) / 256),
+                            static_cast<unsigned>((T + kConvRows - 1) / kConvRows));
             GLM_LAUNCH(k, grid, 256, 0, qkv, T, 3 * P, w.conv, segs, s.d_seg, act, nm);
         } else {
             auto k = k_kda_conv;
