@@ -391,17 +391,20 @@ using SoftmaxKernel = decltype(&k_mla_softmax);
 SoftmaxKernel softmax_kernel(int max_ns, bool seq, const std::string& name = "auto") {
     if (name == "general" || (name == "auto" && seq)) return k_mla_softmax;
     if (seq) throw std::invalid_argument("mla_softmax: dot=\"sequential\" takes the general kernel only, not " + name);
-    const int k = name == "rows4" ? 4 : (name == "rows16" ? 16 : (name == "rows64" ? 64 : (name == "stream" ? 0 : -1)));
-    if (name != "auto" && k < 0)
+    const int k = name == "auto"     ? (max_ns <= 128 ? 4 : (max_ns <= 512 ? 16 : (max_ns <= 2048 ? 64 : 0)))
+                  : name == "rows4"  ? 4
+                  : name == "rows16" ? 16
+                  : name == "rows64" ? 64
+                  : name == "stream" ? 0
+                                     : -1;
+    if (k < 0)
         throw std::invalid_argument("mla_softmax: kernel must be auto, general, rows4, rows16, rows64 or stream, got " +
                                     name);
     if (k > 0 && max_ns > 32 * k)
         throw std::invalid_argument("mla_softmax: kernel " + name + " holds rows of up to " + std::to_string(32 * k) +
                                     " positions, got " + std::to_string(max_ns));
-    if (k == 0) return k_mla_softmax_rows<0>;
-    const int kk = k > 0 ? k : (max_ns <= 128 ? 4 : (max_ns <= 512 ? 16 : (max_ns <= 2048 ? 64 : 0)));
-    return kk == 4 ? k_mla_softmax_rows<4>
-                   : (kk == 16 ? k_mla_softmax_rows<16> : (kk == 64 ? k_mla_softmax_rows<64> : k_mla_softmax_rows<0>));
+    return k == 4 ? k_mla_softmax_rows<4>
+                  : (k == 16 ? k_mla_softmax_rows<16> : (k == 64 ? k_mla_softmax_rows<64> : k_mla_softmax_rows<0>));
 }
 
 // The probabilities of one sequence's dense prefill as k_mla_attn_lanes's o_lat reads them: Xp[((l ncp + c) 8 + g)
