@@ -75,6 +75,7 @@ _ENV_OPTIONS = {
     "GLM_HC_FUSE": ("hc_fuse", lambda v: v != "0"),
     "GLM_EXPERT_TILE": ("expert_tile", lambda v: int(v) if v in ("1", "4", "8", "16", "64") else 0),
     "GLM_LANES_ITEMS": ("lanes_items", lambda v: int(v) if v.strip().isdigit() else v),  # (else refused, named)
+    "GLM_ITEMS16": ("items16", lambda v: int(v) if v.strip().isdigit() else v),
     "GLM_PINNED_LOGITS": ("pinned_logits", lambda v: v != "0"),
     "GLM_GEMM": ("gemm", lambda v: v != "0"),
     "GLM_LANES": ("lanes", lambda v: v != "0"),
@@ -164,8 +165,10 @@ class CudaEngine(Engine):
         return int(self._core.device_bytes)
 
     def available_memory(self) -> int:
-        """Bytes free on the device (cudaMemGetInfo), what sequences' state can still take."""
-        return int(self.cuda.device_memory()[0])
+        """Bytes free on the device (cudaMemGetInfo) and those of freed sequences' buffers the engine keeps
+        for new ones: what sequences' state can still take."""
+        # (builds before session 33 keep none: the A/B harness runs them with this module)
+        return int(self.cuda.device_memory()[0]) + int(getattr(self._core, "pooled_bytes", 0))
 
     def _memory_where(self) -> str:
         return self.device_name

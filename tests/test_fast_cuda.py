@@ -75,6 +75,43 @@ def test_decode_batch_of_caches_and_fork(cuda_engines, engines):
     assert np.array_equal(bits(c2), bits(a[1:2]))
 
 
+def test_closed_caches_buffers_are_reused_from_zero(ckpt_path, engines, monkeypatch):
+    """A closed cache's device buffers are kept for the next caches (pooled_bytes, counted in
+    available_memory), and a cache that takes them starts from zero state: prompts run in new caches after
+    other caches were closed (their KDA state and MLA latents left in the buffers), in a fork, and in caches
+    whose MLA cache grows (64 -> 128 positions) into a fresh buffer and into a kept one, each give the CPU
+    engine's bits."""
+    eng, ref = CudaEngine(ckpt_path("tiny-fp8")), engines("tiny-fp8")
+    V = eng.config.vocab_size
+    assert eng._core.pooled_bytes == 0
+    c = eng.new_cache()
+    eng.prefill(prompt(V, 40, 91), c)
+    held = c.nbytes
+    c.close()
+    assert eng._core.pooled_bytes == held > 0
+    monkeypatch.setattr(eng.cuda, "device_memory", lambda: (1000, 2000))
+    assert eng.available_memory() == 1000 + held
+    monkeypatch.undo()
+
+    def same(cache, ids, chunk=None, start=()):  # ids run in cache (after start) = the CPU engine's bits
+        got = eng.prefill(ids, cache, chunk=chunk)
+        assert np.array_equal(bits(got), bits(ref.prefill(list(start) + ids)[len(start):]))
+
+    second = prompt(V, 23, 92)
+    c2 = eng.new_cache()  # (the KDA state kept; the MLA latents when its prefill reserves the same 64 positions)
+    same(c2, second)
+    assert eng._core.pooled_bytes == 0
+    fork = c2.fork()
+    c2.close()
+    same(fork, [3, 1, 4], start=second)
+    long = prompt(V, 70, 93)
+    c3 = eng.new_cache()
+    same(c3, long, chunk=30)  # (64 positions kept, then 128 new: the 64 go back)
+    c3.close()
+    c4 = eng.new_cache()
+    same(c4, long[::-1], chunk=30)  # (64 kept, then the kept 128)
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_greedy_loop_matches_decode(name, cuda_engines):
     """The device-resident greedy loop gives the tokens of decode() + np.argmax, and leaves the cache
@@ -670,9 +707,11 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
     0 none; with expert_tile=64 every item holds 64 pairs through the lane-pass kernel; the option lanes
     off changes nothing here. MLA's head-blocked W_UK^T and W_UV (heads of whole 32-row
     blocks, each block's x its head's) take the register-tiled kernel from 16 rows. Every stage of every
-    position = the CPU engine's, each way; expert_tile=16 forces the items on a 40-token step (items of 16,
-    16 and fewer), expert_tile=8 items of 8 (64 rows x 8 pairs), and with the option gemm off the tiled
-    kernel's: the same logits."""
+    position = the CPU engine's, each way. A 40-token step (10 pairs an expert: the rule's items of 8) takes
+    items of 16 beside them (an expert's whole 16s and a remainder of at least items16=13; the shared
+    expert's 40 pairs: two, its 8 left in items of 8), with items16=1 every pair in items of 16, 16 only the
+    whole 16s, 0 none; expert_tile=16 forces items of 16 there, expert_tile=8 items of 8 (64 rows x 8
+    pairs), and with the option gemm off the tiled kernel's: the same logits each way."""
     from tools.zoo import make_checkpoint
     path = str(make_checkpoint("tiny", "fp8", tmp_path / "w128", hidden_size=128, moe_intermediate_size=64,
                                kv_lora_rank=64, qk_nope_head_dim=64, v_head_dim=64))
@@ -686,7 +725,8 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
         assert np.array_equal(bits(logits), bits(eng.prefill(ids, capture=got)))
         assert_same_capture(eng.config, want, got, range(len(ids)))
     ref = cpu.prefill(ids[:40])
-    for opts in ({"expert_tile": 16}, {"expert_tile": 8}, {"expert_tile": 8, "gemm": False}):
+    for opts in ({}, {"items16": 1}, {"items16": 16}, {"items16": 0}, {"expert_tile": 16}, {"expert_tile": 8},
+                 {"expert_tile": 8, "gemm": False}):
         forced = CudaEngine(path, cuda_options=opts)
         assert np.array_equal(bits(forced.prefill(ids[:40])), bits(ref)), opts
 
@@ -731,14 +771,14 @@ def test_engine_options(tmp_path, monkeypatch):
     make_checkpoint("tiny", "fp8", path, hidden_size=128)
     from fast.cuda import _ENV_OPTIONS
     defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0, "lanes_items": 48,
-                "pinned_logits": True, "gemm": True, "lanes": True, "idx_tiled": True, "attn_tiled": True,
+                "items16": 13, "pinned_logits": True, "gemm": True, "lanes": True, "idx_tiled": True, "attn_tiled": True,
                 "head_bound": True, "pairs": True}
     assert sorted(name for name, _ in _ENV_OPTIONS.values()) == sorted(defaults)   # (an A/B variable each)
     for var in _ENV_OPTIONS:
         monkeypatch.delenv(var, raising=False)
     assert CudaEngine(path).options["cuda"] == defaults
     flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8, "lanes_items": 0,
-               "pinned_logits": False, "gemm": False, "lanes": False, "idx_tiled": False, "attn_tiled": False,
+               "items16": 0, "pinned_logits": False, "gemm": False, "lanes": False, "idx_tiled": False, "attn_tiled": False,
                "head_bound": False, "pairs": False}
     eng, ref = CudaEngine(path, cuda_options=flipped), fast.Engine(path, device="cpu")
     assert eng.options["cuda"] == flipped and "'expert_tile': 8" in repr(eng)
@@ -760,6 +800,8 @@ def test_engine_options(tmp_path, monkeypatch):
         CudaEngine(path, cuda_options={"expert_tile": 3})
     with pytest.raises(fast.EngineInputError, match="lanes_items must be 0"):
         CudaEngine(path, cuda_options={"lanes_items": 65})
+    with pytest.raises(fast.EngineInputError, match="items16 must be 0"):
+        CudaEngine(path, cuda_options={"items16": 17})
     monkeypatch.setenv("GLM_LANES_ITEMS", "many")
     with pytest.raises(fast.EngineInputError, match="lanes_items must be an int"):
         CudaEngine(path)

@@ -98,7 +98,8 @@ struct IntOption {
     int EngineOptions::*field;
 };
 constexpr IntOption kIntOptions[] = {{"expert_tile", &EngineOptions::expert_tile},
-                                     {"lanes_items", &EngineOptions::lanes_items}};
+                                     {"lanes_items", &EngineOptions::lanes_items},
+                                     {"items16", &EngineOptions::items16}};
 constexpr FlagOption kFlagOptions[] = {{"pdl", &EngineOptions::pdl},
                                        {"tune", &EngineOptions::tune},
                                        {"stream_early", &EngineOptions::stream_early},
@@ -250,6 +251,7 @@ PYBIND11_MODULE(GLM_CUDA_MODULE, m) {
         .def_property_readonly("weight_bytes", [](PyEngine& pe) { return pe.eng->weight_bytes(); })
         .def("decode_weight_bytes", [](PyEngine& pe, int64_t position) { return pe.eng->weight_bytes(position < 0 ? 0 : position); })
         .def_property_readonly("device_bytes", [](PyEngine& pe) { return pe.eng->device_bytes(); })
+        .def_property_readonly("pooled_bytes", [](PyEngine& pe) { return pe.eng->pooled_bytes(); })
         .def_property_readonly("device_name", [](PyEngine& pe) { return pe.eng->device_name(); })
         .def_property_readonly("decode_path", [](PyEngine& pe) { return pe.eng->decode_path(); })
         .def(

@@ -45,6 +45,25 @@ struct DBuf {
     }
 };
 
+// Freed sequences' state buffers, kept for the next sequences: a new sequence's KDA state, an MLA cache's
+// growth and a fork's copies take a kept buffer of the same size before cudaMalloc. A prefill into a new
+// cache paid six cudaMalloc and six cudaFree (~0.5 ms of host time with the device idle; cudaFree waits for
+// the device): docs/perf.md, "Session 33". Reuse follows stream order: every use of a sequence's state is
+// on the legacy stream (or the side stream forked from it), so a buffer's next owner's work comes after its
+// last owner's. At most kCap bytes are kept; an allocation that fails empties the pool and tries again.
+class BufPool {
+   public:
+    static constexpr size_t kCap = size_t{2} << 30;
+    DBuf take(size_t bytes);  // a kept buffer of exactly `bytes`, else a new one (contents undefined)
+    void give(DBuf&& b);      // kept while under kCap, else freed
+    void clear();
+    size_t bytes() const { return bytes_; }
+
+   private:
+    std::multimap<size_t, DBuf> free_;
+    size_t bytes_ = 0;
+};
+
 // Bump allocator over large device chunks (weights: allocated once, freed with the engine).
 class Arena {
    public:
@@ -375,6 +394,7 @@ struct EngineCore {
     Lin embed, lm_head;
     HeadBound head_bound;
     float* final_norm = nullptr;
+    BufPool state_pool;  // (before seqs: a sequence's buffers are freed, at the engine's end, before the pool's)
     std::map<int64_t, std::unique_ptr<Sequence>> seqs;
     int64_t next_id = 1;
     bool finalized = false;

@@ -56,7 +56,10 @@ struct EngineOptions {
     int expert_tile = 0;        // pairs per routed-expert work item for batches: 1, 4, 8, 16 or 64; 0 the engine's rule
     int lanes_items = 48;       // where experts take items of 16: a remainder of at least this many pairs (0-64) is
                                 // one more lane-pass item of 64 beside each expert's whole 64s (weights.cuh,
-                                // lanes_item_pairs); 0: items of 16 only
+                                // big_item_pairs); 0: items of 16 only
+    int items16 = 13;           // where experts take register-tiled items of 8: a remainder of at least this many
+                                // pairs (0-16) is one more item of 16 beside each expert's whole 16s (weights.cuh,
+                                // big_item_pairs); 0: items of 8 only
     bool pinned_logits = true;  // decode-sized logits copied straight into page-locked arrays (the bindings)
     bool gemm = true;           // several-token linear launches take the register-tiled kernel where it applies
     bool lanes = true;          // dense linear launches of 128+ tokens take the lane-pass kernel where it applies
@@ -94,6 +97,8 @@ class Engine {
     // naming the tensor), copied to the device; its buffers sized as a step growing it to `length` would.
     int64_t import_sequence(const std::vector<StateTensor>& arrays, int64_t length);
     size_t live_sequences() const;
+    // Device bytes of freed sequences' buffers the engine keeps for new ones (free for them to take).
+    size_t pooled_bytes() const;
 
     void step(const std::vector<int64_t>& seq_ids, const std::vector<int32_t>& tokens,
               const std::vector<uint8_t>& want_head, const std::vector<uint8_t>& cap_rows,

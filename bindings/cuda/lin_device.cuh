@@ -22,20 +22,9 @@ GLM_DEV ExpertItem expert_item(const LinArgs& a, int item) {
     return {(second ? a.dtab2 : a.dtab)[e], (second ? a.stab2 : a.stab)[e], a.items[3 * item + 1],
             a.items[3 * item + 2], second};
 }
-// f(integral_constant<int, m>) for m the least power of two >= n (at most N, a power of two): code
-// unrolled for a block-uniform count, in few variants.
-template <int N, class F>
-GLM_DEV void with_pow2(int n, F&& f) {
-    if constexpr (N > 1) {
-        if (n <= N / 2) {
-            with_pow2<N / 2>(n, f);
-            return;
-        }
-    }
-    f(std::integral_constant<int, N>{});
-}
 // f(integral_constant<int, m>) for m the least of 1, 2, 3, 4, 6, 8 that is >= n (n <= 8): the few-pair
-// kernel's slot counts, fewer wasted slots than powers of two in six variants.
+// kernel's and the register-tiled items of 8's slot counts (code unrolled for a block-uniform count): fewer
+// wasted slots than powers of two, in six variants.
 template <class F>
 GLM_DEV void with_slots8(int n, F&& f) {
     if (n <= 2) {

@@ -382,10 +382,12 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
 #pragma unroll
             for (int j = 0; j < TT; ++j) acc[i][j] = 0.0f;
         // Expert items of up to 8 pairs (TG 2: every thread holds all the block's slots) compute their
-        // pairs rounded up to a power of two, not all 8 slots: decode batches leave most experts one to
-        // four pairs. (The slab loop is specialised, not each chunk: eight variants of every chunk cost
-        // whole items 2-6 %, bench_gemm on the H200 at 256-512 tokens.)
-        if constexpr (EXPERT && TG == 2) with_pow2<TT>(cnt, slabs);
+        // pairs rounded up to 1, 2, 3, 4, 6 or 8 (the few-pair kernel's counts), not all 8 slots: decode
+        // batches leave most experts one to four pairs, and a 512-token prefill's items of 8 beside items
+        // of 16 hold the remainders (powers of two computed 6 slots as 8: docs/perf.md, "Session 33").
+        // (The slab loop is specialised, not each chunk: eight variants of every chunk cost whole items
+        // 2-6 %, bench_gemm on the H200 at 256-512 tokens.)
+        if constexpr (EXPERT && TG == 2) with_slots8(cnt, slabs);
         else slabs(std::integral_constant<int, TT>{});
         const int fstart = start, fcnt = cnt;  // the item folded
         const int next = item + stride;

@@ -27,6 +27,42 @@ DBuf::~DBuf() {
     if (p) cudaFree(p);
 }
 
+DBuf BufPool::take(size_t bytes) {
+    if (bytes == 0) return DBuf();
+    auto it = free_.find(bytes);
+    if (it != free_.end()) {
+        DBuf b = std::move(it->second);
+        free_.erase(it);
+        bytes_ -= bytes;
+        return b;
+    }
+    if (!free_.empty()) {
+        DBuf b;
+        if (cudaMalloc(&b.p, bytes) == cudaSuccess) {
+            b.n = bytes;
+            return b;
+        }
+        cudaGetLastError();  // (out of memory is not sticky: the kept buffers go back, and it tries again)
+        b.p = nullptr;
+        clear();
+    }
+    return DBuf(bytes);
+}
+void BufPool::give(DBuf&& b) {
+    if (!b.p) return;
+    if (bytes_ + b.n > kCap) {
+        b = DBuf();
+        return;
+    }
+    bytes_ += b.n;
+    const size_t n = b.n;
+    free_.emplace(n, std::move(b));
+}
+void BufPool::clear() {
+    free_.clear();
+    bytes_ = 0;
+}
+
 void* Arena::alloc(size_t bytes) {
     bytes = (bytes + 255) / 256 * 256;
     if (bytes == 0) bytes = 256;

@@ -225,6 +225,9 @@ Engine::Engine(const Config& cfg, bool seq_dot, bool native_exp, const EngineOpt
     if (options.lanes_items < 0 || options.lanes_items > kLanesItem)
         throw std::invalid_argument("options: lanes_items must be 0 (no lane-pass expert items) to 64, got " +
                                     std::to_string(options.lanes_items));
+    if (options.items16 < 0 || options.items16 > 16)
+        throw std::invalid_argument("options: items16 must be 0 (no items of 16 beside items of 8) to 16, got " +
+                                    std::to_string(options.items16));
     e.opts = options;
     const ActiveOptions active(e.opts);
     e.nm.seq = seq_dot;
@@ -318,7 +321,7 @@ StageTimes Engine::stage_times() const {
 // ---- sequences ------------------------------------------------------------------------------------
 
 namespace {
-std::unique_ptr<Sequence> make_sequence(const EngineCore& E_) {
+std::unique_ptr<Sequence> make_sequence(EngineCore& E_) {
     const Config& c = E_.cfg;
     auto s = std::make_unique<Sequence>();
     const size_t L = E_.layers.size();
@@ -330,22 +333,22 @@ std::unique_ptr<Sequence> make_sequence(const EngineCore& E_) {
         if (E_.layers[l].kda) {
             const size_t nt = std::max<size_t>((K - 1) * 3 * P, 1) * sizeof(float);
             const size_t ns = static_cast<size_t>(c.linear_num_heads) * d * d * sizeof(float);
-            s->kda[l].conv_tail = DBuf(nt);
-            s->kda[l].S = DBuf(ns);
-            check(cudaMemset(s->kda[l].conv_tail.p, 0, nt), "memset");
-            check(cudaMemset(s->kda[l].S.p, 0, ns), "memset");
+            s->kda[l].conv_tail = E_.state_pool.take(nt);
+            s->kda[l].S = E_.state_pool.take(ns);
+            check(cudaMemsetAsync(s->kda[l].conv_tail.p, 0, nt), "memset");
+            check(cudaMemsetAsync(s->kda[l].S.p, 0, ns), "memset");
         }
     return s;
 }
 
-void copy_buf(DBuf& dst, const DBuf& src) {
-    dst = DBuf(src.n);
+void copy_buf(BufPool& pool, DBuf& dst, const DBuf& src) {
+    dst = pool.take(src.n);
     if (src.n) check(cudaMemcpy(dst.p, src.p, src.n, cudaMemcpyDeviceToDevice), "copy");
 }
 
 // Make room for `need` positions in every MLA layer's cache of one sequence (doubling, contents kept;
 // `exact`: no more than `need`).
-void reserve(const EngineCore& E_, Sequence& q, int64_t need, bool exact = false) {
+void reserve(EngineCore& E_, Sequence& q, int64_t need, bool exact = false) {
     const Config& c = E_.cfg;
     const size_t r = static_cast<size_t>(c.kv_lora_rank), di = static_cast<size_t>(c.index_head_dim);
     const int64_t kp = c.index_kpool;
@@ -356,8 +359,9 @@ void reserve(const EngineCore& E_, Sequence& q, int64_t need, bool exact = false
         const int64_t cap = exact ? need : std::max<int64_t>({need, 2 * m.cap, 64});
         const size_t len = static_cast<size_t>(q.length);
         auto grow = [&](DBuf& b, size_t row, size_t rows_new, size_t rows_old) {
-            DBuf nb(rows_new * row * sizeof(float));  // (no pool yet: none, so the size is the state's)
+            DBuf nb = E_.state_pool.take(rows_new * row * sizeof(float));
             if (b.p && rows_old) check(cudaMemcpy(nb.p, b.p, rows_old * row * sizeof(float), cudaMemcpyDeviceToDevice), "grow");
+            E_.state_pool.give(std::move(b));
             b = std::move(nb);
         };
         grow(m.c, r, static_cast<size_t>(cap), len);
@@ -389,20 +393,32 @@ int64_t Engine::fork_sequence(int64_t id) {
     b->kda.resize(a.kda.size());
     b->mla.resize(a.mla.size());
     for (size_t l = 0; l < a.kda.size(); ++l) {
-        copy_buf(b->kda[l].conv_tail, a.kda[l].conv_tail);
-        copy_buf(b->kda[l].S, a.kda[l].S);
+        copy_buf(E_.state_pool, b->kda[l].conv_tail, a.kda[l].conv_tail);
+        copy_buf(E_.state_pool, b->kda[l].S, a.kda[l].S);
         b->mla[l].cap = a.mla[l].cap;
-        copy_buf(b->mla[l].c, a.mla[l].c);
-        copy_buf(b->mla[l].k, a.mla[l].k);
-        copy_buf(b->mla[l].gate, a.mla[l].gate);
-        copy_buf(b->mla[l].pk, a.mla[l].pk);
+        copy_buf(E_.state_pool, b->mla[l].c, a.mla[l].c);
+        copy_buf(E_.state_pool, b->mla[l].k, a.mla[l].k);
+        copy_buf(E_.state_pool, b->mla[l].gate, a.mla[l].gate);
+        copy_buf(E_.state_pool, b->mla[l].pk, a.mla[l].pk);
     }
     const int64_t nid = E_.next_id++;
     E_.seqs[nid] = std::move(b);
     return nid;
 }
 
-void Engine::free_sequence(int64_t id) { p_->seqs.erase(id); }
+void Engine::free_sequence(int64_t id) {
+    auto it = p_->seqs.find(id);
+    if (it == p_->seqs.end()) return;
+    for (KdaState& k : it->second->kda) {
+        p_->state_pool.give(std::move(k.conv_tail));
+        p_->state_pool.give(std::move(k.S));
+    }
+    for (MlaState& m : it->second->mla)
+        for (DBuf* b : {&m.c, &m.k, &m.gate, &m.pk}) p_->state_pool.give(std::move(*b));
+    p_->seqs.erase(it);
+}
+
+size_t Engine::pooled_bytes() const { return p_->state_pool.bytes(); }
 
 int64_t Engine::sequence_length(int64_t id) const {
     auto it = p_->seqs.find(id);

@@ -195,16 +195,16 @@ struct WeightArgs {
     float rsf;
     float* wts;
 };
-// Lane items (lanes_min > 0; weights.cuh, lanes_item_pairs): each expert's whole 64s of pairs, and its
-// remainder when that holds at least lanes_min pairs, are items of kLanesItem pairs in items_l (n_l of
-// them); what remains, items of `tile` in items. An expert's pairs stay contiguous: its lane items first.
+// Big items (big_min > 0; weights.cuh, big_item_pairs): each expert's whole bigs of pairs, and its
+// remainder when that holds at least big_min pairs, are items of `big` pairs in items_b (n_b of them); what
+// remains, items of `tile` in items. An expert's pairs stay contiguous: its big items first.
 __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict__ sel, int nrouted, int nshared,
                                                            int E0, int own_lo, int own_hi, int tile, int* pairs,
-                                                           int* items, int* n_items, int lanes_min, int* items_l,
-                                                           int* n_l, WeightArgs wa, Nm nm) {
+                                                           int* items, int* n_items, int big, int big_min,
+                                                           int* items_b, int* n_b, WeightArgs wa, Nm nm) {
     pdl_enter();
     GLM_DYN_SMEM(int, cnt);  // [E]: count, then the fill cursor
-    __shared__ int wc[32], wi[32], wl[32];
+    __shared__ int wc[32], wi[32], wb[32];
     const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
     const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
     for (int t = tid; t < wa.T; t += nt) moe_weights_row(wa.scores, sel, t, E0, wa.k, wa.norm, wa.rsf, wa.wts, nm);
@@ -221,62 +221,62 @@ __global__ void __launch_bounds__(kPlanThreads) k_moe_plan(const int* __restrict
         if (e >= 0) atomicAdd(&cnt[e], 1);
     }
     __syncthreads();
-    int carry_c = 0, carry_i = 0, carry_l = 0;
+    int carry_c = 0, carry_i = 0, carry_b = 0;
     for (int base = 0; base < E; base += nt) {
         const int e = base + tid;
         const int c = e < E ? cnt[e] : 0;
-        const int cl = lanes_min > 0 ? lanes_item_pairs(c, lanes_min) : 0;  // pairs in lane items
-        const int ni = (c - cl + tile - 1) / tile, nl = (cl + kLanesItem - 1) / kLanesItem;
-        int ic = c, ii = ni, il = nl;  // inclusive scans over the warp
+        const int cb = big_min > 0 ? big_item_pairs(c, big, big_min) : 0;  // pairs in big items
+        const int ni = (c - cb + tile - 1) / tile, nb = big_min > 0 ? (cb + big - 1) / big : 0;
+        int ic = c, ii = ni, ib = nb;  // inclusive scans over the warp
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const int yc = __shfl_sync(kFull, ic, lane >= o ? lane - o : lane);
             const int yi = __shfl_sync(kFull, ii, lane >= o ? lane - o : lane);
-            const int yl = __shfl_sync(kFull, il, lane >= o ? lane - o : lane);
+            const int yb = __shfl_sync(kFull, ib, lane >= o ? lane - o : lane);
             if (lane >= o) {
                 ic += yc;
                 ii += yi;
-                il += yl;
+                ib += yb;
             }
         }
         if (lane == 31) {
             wc[warp] = ic;
             wi[warp] = ii;
-            wl[warp] = il;
+            wb[warp] = ib;
         }
         __syncthreads();
-        int pc = carry_c, pi = carry_i, pl = carry_l;
+        int pc = carry_c, pi = carry_i, pb = carry_b;
         for (int w = 0; w < nw; ++w) {
             if (w < warp) {
                 pc += wc[w];
                 pi += wi[w];
-                pl += wl[w];
+                pb += wb[w];
             }
             carry_c += wc[w];
             carry_i += wi[w];
-            carry_l += wl[w];
+            carry_b += wb[w];
         }
         if (e < E) {
             const int off = pc + ic - c;
-            int it = pl + il - nl;
-            for (int a = 0; a < cl; a += kLanesItem, ++it) {
-                items_l[3 * it] = e;
-                items_l[3 * it + 1] = off + a;
-                items_l[3 * it + 2] = cl - a < kLanesItem ? cl - a : kLanesItem;
+            int it = pb + ib - nb;
+            for (int a = 0; a < cb; a += big, ++it) {
+                items_b[3 * it] = e;
+                items_b[3 * it + 1] = off + a;
+                items_b[3 * it + 2] = cb - a < big ? cb - a : big;
             }
             it = pi + ii - ni;
-            for (int a = cl; a < c; a += tile, ++it) {
+            for (int a = cb; a < c; a += tile, ++it) {
                 items[3 * it] = e;
                 items[3 * it + 1] = off + a;
                 items[3 * it + 2] = c - a < tile ? c - a : tile;
             }
             cnt[e] = off;
         }
-        __syncthreads();  // wc/wi/wl reused; cursors visible to warp 0
+        __syncthreads();  // wc/wi/wb reused; cursors visible to warp 0
     }
     if (tid == 0) {
         *n_items = carry_i;
-        if (lanes_min > 0) *n_l = carry_l;
+        if (big_min > 0) *n_b = carry_b;
     }
     if (warp != 0) return;
     for (int base = 0; base < npairs; base += 32) {
@@ -462,9 +462,9 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     // up and down tables). The option expert_tile=1/4/8/16 forces the tile of batches (a benchmark's knob;
     // every tile gives the same bits; 16 falls back to 8 where that kernel does not apply).
     // (asked only where 16 can be the tile: not in decode steps)
-    const bool may16 = experts_may_take16(T, k, E) || (T > 1 && s.E.opts.expert_tile == 16);
-    const bool gemm16 = may16 && w.t_gate.data && experts_take_gemm(w.t_gate, x, D) && experts_take_gemm(w.t_up, x, D) &&
+    const bool take16 = w.t_gate.data && experts_take_gemm(w.t_gate, x, D) && experts_take_gemm(w.t_up, x, D) &&
                         experts_take_gemm(w.t_down, gbuf, Im);
+    const bool gemm16 = take16 && (experts_may_take16(T, k, E) || (T > 1 && s.E.opts.expert_tile == 16));
     // every item of 64 through the lane-pass kernel (its x rows in lane order) only when the option asks for
     // it: measured slower end to end than items of 16 (docs/perf.md, "Session 15"); else 16 where it does
     // not apply (the engine's rule takes items of 64 beside items of 16: lane items, below)
@@ -472,18 +472,23 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
                              experts_take_lanes(w.t_down, gbuf, Im);
     const bool lanes64 = T > 1 && s.E.opts.expert_tile == kLanesItem && lanes_apply;
     int tile = expert_tile(T, k, E, gemm16);
+    const bool rule = T > 1 && s.E.opts.expert_tile == 0;  // (a forced tile takes every item)
     if (T > 1 && s.E.opts.expert_tile > 0)
         tile = lanes64 ? kLanesItem : (s.E.opts.expert_tile >= 16 ? (gemm16 ? 16 : 8) : s.E.opts.expert_tile);
     const bool lanes = tile == kLanesItem;
-    // lane items beside the items of 16 where the engine's rule chose 16 (option lanes_items: the smallest
-    // remainder that takes one; weights.cuh, lanes_item_pairs)
-    const int lanes_min =
-        tile == 16 && s.E.opts.expert_tile == 0 && s.E.opts.lanes_items > 0 && lanes_apply ? s.E.opts.lanes_items : 0;
+    // Big items beside the rule's tile (weights.cuh, big_item_pairs; the option: the smallest remainder that
+    // takes one): lane items of 64 beside items of 16 (lanes_items), items of 16 beside items of 8 (items16)
+    int big = 0, big_min = 0;
+    if (rule && tile == 16 && s.E.opts.lanes_items > 0 && lanes_apply) big = kLanesItem, big_min = s.E.opts.lanes_items;
+    const bool pairs8 = tile == 8 && w.t_gate.data &&
+                        (experts_take_pairs(w.t_gate, x, D, nall) || experts_take_pairs(w.t_up, x, D, nall) ||
+                         experts_take_pairs(w.t_down, gbuf, Im, nall));  // (items of 8 through the few-pair kernel)
+    if (rule && tile == 8 && s.E.opts.items16 > 0 && take16 && !pairs8) big = 16, big_min = s.E.opts.items16;
     int* pairs = s.scratch.d<int>(static_cast<size_t>(nall));
     int* items = s.scratch.d<int>(static_cast<size_t>(nall) * 3);
     int* n_items = s.scratch.d<int>(1);
-    int* items_l = lanes_min > 0 ? s.scratch.d<int>(static_cast<size_t>(nall) * 3) : nullptr;
-    int* n_l = lanes_min > 0 ? s.scratch.d<int>(1) : nullptr;
+    int* items_b = big_min > 0 ? s.scratch.d<int>(static_cast<size_t>(nall) * 3) : nullptr;
+    int* n_b = big_min > 0 ? s.scratch.d<int>(1) : nullptr;
     // moe.weights (made by the plan)
     float* wts = s.scratch.d<float>(static_cast<size_t>(T) * k);
     {
@@ -493,16 +498,17 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
         const int lo = P.bounds.empty() ? 0 : static_cast<int>(P.bounds[static_cast<size_t>(P.rank)]);
         const int hi = P.bounds.empty() ? E : static_cast<int>(P.bounds[static_cast<size_t>(P.rank) + 1]);
         GLM_LAUNCH(kk, 1, kPlanThreads, static_cast<size_t>(E + 1) * 4, sel, npairs, nsh, E, lo, hi, tile, pairs,
-                   items, n_items, lanes_min, items_l, n_l, wa, nm);
+                   items, n_items, big, big_min, items_b, n_b, wa, nm);
         check_launch("moe_plan");
     }
     s.emit(layer, S_MOE_WEIGHTS, wts, k, {k});
     if (w.t_gate.data) {  // (a rank of expert parallelism may hold no expert of the layer)
         // gate and up read the same x rows for the same work list (one launch when their tables match);
-        // lane items (at most one partly filled an expert: max_l) and items of 16 read the same rows
-        const int max_l = std::min(nall, nall / kLanesItem + E + 1);  // (the shared expert: entry E)
-        if (lanes_min > 0)
-            linear_experts2(w.t_gate, w.t_up, items_l, n_l, max_l, pairs, x, D, k, npairs, gbuf, ubuf, Im, kLanesItem, nm, s.hw8);
+        // big items (at most one partly filled an expert: max_b) and the small ones read the same rows
+        const int max_b = std::min(nall, nall / (big_min > 0 ? big : kLanesItem) + E + 1);  // (the shared expert: entry E)
+        const int max_l = std::min(nall, nall / kLanesItem + E + 1);  // (every item of 64: likewise)
+        if (big_min > 0)
+            linear_experts2(w.t_gate, w.t_up, items_b, n_b, max_b, pairs, x, D, k, npairs, gbuf, ubuf, Im, big, nm, s.hw8);
         linear_experts2(w.t_gate, w.t_up, items, n_items, lanes ? max_l : nall, pairs, x, D, k, npairs, gbuf, ubuf, Im, tile, nm,
                         s.hw8);
         {
@@ -511,7 +517,7 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
             GLM_LAUNCH(kk, blocks(n, 256), 256, 0, gbuf, ubuf, gbuf, n, static_cast<float>(c.swiglu_limit), nm);
             check_launch("moe_act");
         }
-        if (lanes_min > 0) linear_experts(w.t_down, items_l, n_l, max_l, pairs, gbuf, Im, 1, nall, ys, D, kLanesItem, nm, s.hw8);
+        if (big_min > 0) linear_experts(w.t_down, items_b, n_b, max_b, pairs, gbuf, Im, 1, nall, ys, D, big, nm, s.hw8);
         linear_experts(w.t_down, items, n_items, lanes ? max_l : nall, pairs, gbuf, Im, 1, nall, ys, D, tile, nm, s.hw8);  // h row p
     }
     if (s.E.ep.part.distributed()) ep_exchange(s, layer, sel, npairs, ys);  // the other ranks' experts' rows

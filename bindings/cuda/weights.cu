@@ -1043,6 +1043,10 @@ void x_lanes(const float* X, int64_t ldx, int T, int nch, int64_t ldT, float* Xp
     GLM_LAUNCH(k, dim3(static_cast<unsigned>(ldT / 32), static_cast<unsigned>(nch)), 256, 0, X, ldx, T, nch, ldT, Xp);
 }
 
+bool experts_take_pairs(const ExpertTable& W, const float* X, int64_t ldx, int max_items) {
+    return pairs_chosen(expert_args(W, nullptr, nullptr, max_items, nullptr, X, ldx, 1, 0, nullptr, 0, 8), true);
+}
+
 bool experts_take_gemm(const ExpertTable& W, const float* X, int64_t ldx) {
     return launch_options().gemm && gemm_takes_items16(expert_args(W, nullptr, nullptr, 1, nullptr, X, ldx, 1, 0, nullptr, 0, 16));
 }

@@ -159,16 +159,24 @@ int expert_tile(int T, int k, int E, bool gemm16);
 // pairs an expert) they were slower end to end than items of 16: an item costs its 64 slots whatever it
 // holds, and real routing leaves many experts a second, nearly empty item (docs/perf.md, "Session 15").
 constexpr int kLanesItem = 64;
-// Lane items beside items of 16 (the engine's rule where the experts take items of 16; option lanes_items,
-// its lanes_min): of an expert's c pairs, its whole 64s go to lane-pass items of 64 pairs, and the rest
-// too when they number at least lanes_min; what remains takes items of 16 through the register-tiled
-// kernel. An item costs its slots whatever it holds, and per slot the lane-pass kernel is the faster (each
-// decoded weight serves 64 pairs, not 16; H200, bench_gemm at 2048 tokens: 6 %), so a nearly empty item of
-// 64 is what is kept out (a remainder of 48 costs about what three items of 16 cost; 32 and 64 were slower
-// end to end: docs/perf.md, "Session 28"). Returns the pairs that go to lane items.
-__host__ __device__ inline int lanes_item_pairs(int c, int lanes_min) {
-    const int r = c % kLanesItem;
-    return r >= lanes_min ? c : c - r;
+// Big items beside small ones (the engine's rule), of `big` pairs: of an expert's c pairs, its whole bigs go
+// to items of `big`, and the rest too when they number at least `min`; what remains takes items of the small
+// tile. Returns the pairs that go to big items. Two uses (moe.cu):
+//   * lane items (option lanes_items, big = kLanesItem) beside items of 16 through the register-tiled kernel,
+//     where the experts take items of 16. An item costs its slots whatever it holds, and per slot the
+//     lane-pass kernel is the faster (each decoded weight serves 64 pairs, not 16; H200, bench_gemm at 2048
+//     tokens: 6 %), so a nearly empty item of 64 is what is kept out (a remainder of 48 costs about what
+//     three items of 16 cost; 32 and 64 were slower end to end: docs/perf.md, "Session 28").
+//   * items of 16 (option items16, big = 16) beside items of 8, both through the register-tiled kernel,
+//     where the experts take items of 8 (fewer than 16 pairs an expert on average: a 512-token prefill of
+//     the real model's 288 experts holds ~14) and those go to the register-tiled kernel, not the few-pair
+//     one (experts_take_pairs: MXFP4 always, whose prefill 512 lost 2.8 % with them). Each weight an item
+//     of 16 decodes serves 16 pairs, not 8, but an item of 16 computes all its 16 slots where one of 8
+//     computes its pairs rounded up to 1, 2, 3, 4, 6 or 8: a remainder under 13 stays in items of 8
+//     (per slot, items of 16 cost ~0.88 of items of 8; docs/perf.md, "Session 33").
+__host__ __device__ inline int big_item_pairs(int c, int big, int min) {
+    const int r = c % big;
+    return r >= min ? c : c - r;
 }
 // True when the lane-pass kernel takes items of 64 pairs of table W with x rows X (ldx floats apart).
 bool experts_take_lanes(const ExpertTable& W, const float* X, int64_t ldx);
@@ -178,6 +186,9 @@ void x_lanes(const float* X, int64_t ldx, int T, int nch, int64_t ldT, float* Xp
 // Items of 16 pairs where the experts average 16 pairs or more (T * k >= 16 E); below, items of 8 through
 // the same kernel were as fast or faster (docs/perf.md, "Session 14").
 bool experts_may_take16(int T, int k, int E);
+// True when items of 8 pairs of table W with x rows X (ldx floats apart), at most max_items of them, take
+// the few-pair kernel (the engine option pairs on, and its rule: lin_pairs.cuh, pairs_chosen).
+bool experts_take_pairs(const ExpertTable& W, const float* X, int64_t ldx, int max_items);
 // True when the register-tiled kernel takes items of 16 pairs of table W with x rows X (ldx floats
 // apart) and the engine option gemm is on.
 bool experts_take_gemm(const ExpertTable& W, const float* X, int64_t ldx);
