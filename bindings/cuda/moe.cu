@@ -461,8 +461,8 @@ void moe_forward(Step& s, int layer, const FfnW& w, const float* x, float* out) 
     // Pairs per work item: weights.cuh's expert_tile (16 where the register-tiled kernel takes the gate,
     // up and down tables). The option expert_tile=1/4/8/16 forces the tile of batches (a benchmark's knob;
     // every tile gives the same bits; 16 falls back to 8 where that kernel does not apply).
-    // (asked only where 16 can be the tile: not in decode steps)
-    const bool take16 = w.t_gate.data && experts_take_gemm(w.t_gate, x, D) && experts_take_gemm(w.t_up, x, D) &&
+    // (asked only where 16 can be the tile or items of 16 can join items of 8: not in one-token steps)
+    const bool take16 = T > 1 && w.t_gate.data && experts_take_gemm(w.t_gate, x, D) && experts_take_gemm(w.t_up, x, D) &&
                         experts_take_gemm(w.t_down, gbuf, Im);
     const bool gemm16 = take16 && (experts_may_take16(T, k, E) || (T > 1 && s.E.opts.expert_tile == 16));
     // every item of 64 through the lane-pass kernel (its x rows in lane order) only when the option asks for
