@@ -341,6 +341,15 @@ std::unique_ptr<Sequence> make_sequence(EngineCore& E_) {
     return s;
 }
 
+// Every buffer of a sequence's state, in one order (each layer's KDA parts, then each layer's MLA parts):
+// what sequence_bytes counts, a fork copies and free_sequence gives back to the pool.
+std::vector<DBuf*> state_bufs(Sequence& q) {
+    std::vector<DBuf*> v;
+    for (KdaState& k : q.kda) v.insert(v.end(), {&k.conv_tail, &k.S});
+    for (MlaState& m : q.mla) v.insert(v.end(), {&m.c, &m.k, &m.gate, &m.pk});
+    return v;
+}
+
 void copy_buf(BufPool& pool, DBuf& dst, const DBuf& src) {
     dst = pool.take(src.n);
     if (src.n) check(cudaMemcpy(dst.p, src.p, src.n, cudaMemcpyDeviceToDevice), "copy");
@@ -392,15 +401,9 @@ int64_t Engine::fork_sequence(int64_t id) {
     b->length = a.length;
     b->kda.resize(a.kda.size());
     b->mla.resize(a.mla.size());
-    for (size_t l = 0; l < a.kda.size(); ++l) {
-        copy_buf(E_.state_pool, b->kda[l].conv_tail, a.kda[l].conv_tail);
-        copy_buf(E_.state_pool, b->kda[l].S, a.kda[l].S);
-        b->mla[l].cap = a.mla[l].cap;
-        copy_buf(E_.state_pool, b->mla[l].c, a.mla[l].c);
-        copy_buf(E_.state_pool, b->mla[l].k, a.mla[l].k);
-        copy_buf(E_.state_pool, b->mla[l].gate, a.mla[l].gate);
-        copy_buf(E_.state_pool, b->mla[l].pk, a.mla[l].pk);
-    }
+    for (size_t l = 0; l < a.mla.size(); ++l) b->mla[l].cap = a.mla[l].cap;
+    const std::vector<DBuf*> from = state_bufs(*it->second), to = state_bufs(*b);
+    for (size_t i = 0; i < from.size(); ++i) copy_buf(E_.state_pool, *to[i], *from[i]);
     const int64_t nid = E_.next_id++;
     E_.seqs[nid] = std::move(b);
     return nid;
@@ -409,12 +412,7 @@ int64_t Engine::fork_sequence(int64_t id) {
 void Engine::free_sequence(int64_t id) {
     auto it = p_->seqs.find(id);
     if (it == p_->seqs.end()) return;
-    for (KdaState& k : it->second->kda) {
-        p_->state_pool.give(std::move(k.conv_tail));
-        p_->state_pool.give(std::move(k.S));
-    }
-    for (MlaState& m : it->second->mla)
-        for (DBuf* b : {&m.c, &m.k, &m.gate, &m.pk}) p_->state_pool.give(std::move(*b));
+    for (DBuf* b : state_bufs(*it->second)) p_->state_pool.give(std::move(*b));
     p_->seqs.erase(it);
 }
 
@@ -436,10 +434,8 @@ void Engine::reserve_sequence(int64_t id, int64_t positions) {
 int64_t Engine::sequence_bytes(int64_t id) const {
     auto it = p_->seqs.find(id);
     if (it == p_->seqs.end()) throw std::invalid_argument("unknown sequence " + std::to_string(id));
-    const Sequence& q = *it->second;
     size_t n = 0;
-    for (const KdaState& k : q.kda) n += k.conv_tail.n + k.S.n;
-    for (const MlaState& m : q.mla) n += m.c.n + m.k.n + m.gate.n + m.pk.n;
+    for (const DBuf* b : state_bufs(*it->second)) n += b->n;
     return static_cast<int64_t>(n);
 }
 
