@@ -164,6 +164,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     constexpr int WPT = FMT == W_FP8 ? 2 : (FMT == W_MXFP4 ? 4 : 1);  // weights a piece gives
     constexpr int TPC = 4 / WPT;  // tasks per row and chunk
     constexpr int TASKS = BM * TPC * S, NT = (TASKS + kLnThreads - 1) / kLnThreads;
+    static_assert(S % NT == 0 && S / NT >= 2, "a whole slab's decode tasks spread over its chunks (compute_decode)");
     constexpr int PPR = S * CB / 16, WPIECES = BM * PPR, NWP = (WPIECES + kLnThreads - 1) / kLnThreads;
     constexpr int XPIECES = S * 8 * BN / 4, NXP = XPIECES / kLnThreads;
     static_assert(FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4, "BF16, FP8 or MXFP4");
@@ -277,6 +278,59 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
             }
         }
     };
+    // task n of a slab: lane l, raw stage rs, W^T buffer W (+ du 8 WS), fsel FP8's byte selector (bytes l, 8 + l)
+    auto decode_task = [&](int l, const unsigned char* rs, float* W, uint32_t fsel, const float (&sc)[NT][2], int n) {
+        float* const d = W + n * UT * 8 * WS;
+        auto put = [&](int q, int m, float v) {  // chain WPT q + m
+            const int ch = WPT * q + m;
+            d[ch * WS + (di ^ ln_swz<EXPERT>(ch))] = v;
+        };
+        if constexpr (FMT == W_BF16) {  // piece q: chain q's eight weights
+            const uint32_t h0 = *reinterpret_cast<const uint16_t*>(rs + dsrc0 + n * UT * CB + 2 * l);
+            const uint32_t h1 = *reinterpret_cast<const uint16_t*>(rs + dsrc1 + n * UT * CB + 2 * l);
+            put(2 * dk, 0, f32_from_bits(h0 << 16));
+            put(2 * dk + 1, 0, f32_from_bits(h1 << 16));
+        } else {
+            const uint4 v0 = *reinterpret_cast<const uint4*>(rs + dsrc0 + n * UT * CB);
+            const uint4 v1 = *reinterpret_cast<const uint4*>(rs + dsrc1 + n * UT * CB);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint4 v = h ? v1 : v0;
+                const int q = 2 * dk + h;
+                const float scl = sc[n][h];
+                if constexpr (FMT == W_FP8) {  // chain 2q: byte l of the piece; 2q + 1: byte 8 + l
+                    const uint32_t lo = (l & 4) ? v.y : v.x, hi = (l & 4) ? v.w : v.z;
+                    const uint32_t pair = __byte_perm(lo, hi, fsel);
+                    float w0, w1;
+                    if constexpr (DEC == kDecInt) {
+                        w0 = e4m3_int<0>(pair);
+                        w1 = e4m3_int<1>(pair);
+                    } else {
+                        e4m3x2<DEC == kDecHw>(pair, w0, w1);
+                    }
+                    put(q, 0, fmul(w0, scl));
+                    put(q, 1, fmul(w1, scl));
+                } else {  // MXFP4: chain 4q + k is word k's nibble l
+                    const uint32_t sh = 4u * static_cast<uint32_t>(l);
+                    const uint32_t c0 = (v.x >> sh) & 15u, c1 = (v.y >> sh) & 15u, c2 = (v.z >> sh) & 15u, c3 = (v.w >> sh) & 15u;
+                    if constexpr (DEC == kDecInt) {
+                        float w0, w1, w2, w3;
+                        e2m1_pair<0>(c0 | (c1 << 16), w0, w1);
+                        e2m1_pair<0>(c2 | (c3 << 16), w2, w3);
+                        put(q, 0, fmul(w0, scl));
+                        put(q, 1, fmul(w1, scl));
+                        put(q, 2, fmul(w2, scl));
+                        put(q, 3, fmul(w3, scl));
+                    } else {
+                        put(q, 0, mxfp4_w(c0, scl));
+                        put(q, 1, mxfp4_w(c1, scl));
+                        put(q, 2, mxfp4_w(c2, scl));
+                        put(q, 3, mxfp4_w(c3, scl));
+                    }
+                }
+            }
+        }
+    };
     // slab s of pass p, lane ln_lane(p): raw stage -> W^T buffer wbuf (row u * 8 + chain, column i: at
     // i ^ ln_swz(chain), the value of row i ^ lane_swap_a(chain, BM / 2): dr0, dr1); a whole slab's tasks
     // without a test each (as its copies and its FMAs)
@@ -285,66 +339,14 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         const unsigned char* const rs = sm + stage * SB;
         float* const W = Wt + wbuf * (S * 8 * WS) + du * 8 * WS;
         const uint32_t fsel = static_cast<uint32_t>((l & 3) | (((l & 3) + 4) << 4));  // FP8: bytes l, 8 + l
-        auto task = [&](int n) {
-            float* const d = W + n * UT * 8 * WS;
-            auto put = [&](int q, int m, float v) {  // chain WPT q + m
-                const int ch = WPT * q + m;
-                d[ch * WS + (di ^ ln_swz<EXPERT>(ch))] = v;
-            };
-            if constexpr (FMT == W_BF16) {  // piece q: chain q's eight weights
-                const uint32_t h0 = *reinterpret_cast<const uint16_t*>(rs + dsrc0 + n * UT * CB + 2 * l);
-                const uint32_t h1 = *reinterpret_cast<const uint16_t*>(rs + dsrc1 + n * UT * CB + 2 * l);
-                put(2 * dk, 0, f32_from_bits(h0 << 16));
-                put(2 * dk + 1, 0, f32_from_bits(h1 << 16));
-            } else {
-                const uint4 v0 = *reinterpret_cast<const uint4*>(rs + dsrc0 + n * UT * CB);
-                const uint4 v1 = *reinterpret_cast<const uint4*>(rs + dsrc1 + n * UT * CB);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const uint4 v = h ? v1 : v0;
-                    const int q = 2 * dk + h;
-                    const float scl = sc[n][h];
-                    if constexpr (FMT == W_FP8) {  // chain 2q: byte l of the piece; 2q + 1: byte 8 + l
-                        const uint32_t lo = (l & 4) ? v.y : v.x, hi = (l & 4) ? v.w : v.z;
-                        const uint32_t pair = __byte_perm(lo, hi, fsel);
-                        float w0, w1;
-                        if constexpr (DEC == kDecInt) {
-                            w0 = e4m3_int<0>(pair);
-                            w1 = e4m3_int<1>(pair);
-                        } else {
-                            e4m3x2<DEC == kDecHw>(pair, w0, w1);
-                        }
-                        put(q, 0, fmul(w0, scl));
-                        put(q, 1, fmul(w1, scl));
-                    } else {  // MXFP4: chain 4q + k is word k's nibble l
-                        const uint32_t sh = 4u * static_cast<uint32_t>(l);
-                        const uint32_t c0 = (v.x >> sh) & 15u, c1 = (v.y >> sh) & 15u, c2 = (v.z >> sh) & 15u, c3 = (v.w >> sh) & 15u;
-                        if constexpr (DEC == kDecInt) {
-                            float w0, w1, w2, w3;
-                            e2m1_pair<0>(c0 | (c1 << 16), w0, w1);
-                            e2m1_pair<0>(c2 | (c3 << 16), w2, w3);
-                            put(q, 0, fmul(w0, scl));
-                            put(q, 1, fmul(w1, scl));
-                            put(q, 2, fmul(w2, scl));
-                            put(q, 3, fmul(w3, scl));
-                        } else {
-                            put(q, 0, mxfp4_w(c0, scl));
-                            put(q, 1, mxfp4_w(c1, scl));
-                            put(q, 2, mxfp4_w(c2, scl));
-                            put(q, 3, mxfp4_w(c3, scl));
-                        }
-                    }
-                }
-            }
-        };
         if (nc == S) {
 #pragma unroll
             for (int n = 0; n < NT; ++n)
-                if (dvalid(n)) task(n);
+                if (dvalid(n)) decode_task(l, rs, W, fsel, sc, n);
         } else {
 #pragma unroll
             for (int n = 0; n < NT; ++n)
-                if (dvalid(n) && du + n * UT < nc) task(n);
+                if (dvalid(n) && du + n * UT < nc) decode_task(l, rs, W, fsel, sc, n);
         }
     };
     float acc[8][8];  // [row i][token j] of chain g: rows 4rg + i (i < 4), BM/2 + 4rg + i - 4; tokens likewise
@@ -363,6 +365,25 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         } else {
 #pragma unroll 1
             for (int u = 0; u < nc; ++u) one(u);
+        }
+    };
+    // A whole slab's chunks with the next slab's decode tasks among them (that slab whole too: lane dl, raw
+    // stage dstage, into the other W^T buffer), in one block of code, so that the tasks' chains of dependent
+    // loads, conversions and stores wait beside the FMAs instead of after them. Dense FP8 launches only: those
+    // went 36.3 -> 35.0 ms a 2048-token prefill, while the FP8 expert kernel, whose two tasks a slab pushed it
+    // past the 128 registers (56 bytes of stack), went 52.8 -> 55.1 (docs/perf.md, "Session 34"); MXFP4's
+    // and BF16's kernels spilled more with it (ptxas), unmeasured, so they keep the two blocks.
+    auto compute_decode = [&](int stage, int wbuf, int dl, int dstage, const float (&sc)[NT][2]) {
+        const float* W = Wt + wbuf * (S * 8 * WS) + g * WS + (4 * rg ^ ln_swz<EXPERT>(g));
+        const float* X = reinterpret_cast<const float*>(sm + stage * SB + XOFF) + g * XS + (4 * tg ^ ln_swz<EXPERT>(g));
+        const unsigned char* const rs = sm + dstage * SB;
+        float* const Wd = Wt + (wbuf ^ 1) * (S * 8 * WS) + du * 8 * WS;
+        const uint32_t fsel = static_cast<uint32_t>((dl & 3) | (((dl & 3) + 4) << 4));
+        constexpr int every = S / NT;  // task n after chunk (n + 1) every - 1
+#pragma unroll
+        for (int u = 0; u < S; ++u) {
+            lane_chunk<BM / 2, BN / 2>(acc, W + u * 8 * WS, X + u * 8 * XS);
+            if (u % every == every - 1 && dvalid(u / every)) decode_task(dl, rs, Wd, fsel, sc, u / every);
         }
     };
     // lane pass p is over: fold its chains into Q[l] (thread g: row g of its tile, 8 tokens) and that into
@@ -450,9 +471,13 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
             if (ip < 8) issue(is, ixo, ist);
             cp_async_commit();
             issue_next(is, ip, ixo, ist);
-            compute(cs, cst, wbuf);
+            if (FMT == W_FP8 && !EXPERT && dp < 8 && chunks_of(cs) == S && chunks_of(ds) == S) {
+                compute_decode(cst, wbuf, ln_lane(dp), dst, sc);
+            } else {
+                compute(cs, cst, wbuf);
+                if (dp < 8) decode(ds, dp, dst, wbuf ^ 1, sc);
+            }
             if (dp < 8) {
-                decode(ds, dp, dst, wbuf ^ 1, sc);
                 next(ds, dp);
                 next_stage(dst);
                 load_scales(ds, sc);
