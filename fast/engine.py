@@ -415,7 +415,9 @@ class Engine:
         else:
             if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
                 raise EngineInputError(f"token ids must be a 1-D sequence of integers, got {type(ids).__name__}")
-            if any(not _is_int(v) for v in ids):
+            # (a list of plain ints, the usual prompt, is checked by its set of types: 49 us for 2048 ids on
+            # the dev machine where the check per element took 614, before every prefill's first kernel)
+            if not set(map(type, ids)) <= {int} and any(not _is_int(v) for v in ids):
                 raise EngineInputError("token ids must be integers")
             a = np.asarray(ids, dtype=np.int64) if len(ids) else np.zeros(0, np.int64)
         if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_:
