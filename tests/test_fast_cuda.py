@@ -736,6 +736,7 @@ MLA_LANES_CASES = [
     pytest.param(4, 128, 100, None, ({},), id="h4-r128-100"),
     pytest.param(4, 128, 170, 100, ({}, {"attn_tiled": False}), id="h4-r128-170-chunked", marks=needs_gpu),
     pytest.param(68, 64, 170, 100, ({}, {"attn_tiled": False}), id="h68-r64-170-chunked", marks=needs_gpu),
+    pytest.param(4, 512, 600, None, ({},), id="h4-r512-600", marks=needs_gpu),
 ]
 
 
@@ -746,12 +747,14 @@ def test_mla_attention_lanes_equal_the_cpu_engine(tmp_path, heads, rank, n, chun
     latent rows re-laid by x_lanes, the probabilities by k_probs_lanes): 4 heads over 2 latent chunks (one
     head tile of 4, rows of other positions' heads computed and not stored) and 68 heads over 1 (two head
     tiles, the second of 4). A 100-token prefill (two position tiles, the second partial), and on the GPU a
-    second chunk of 70 at positions 100-169 (its rows see the cached positions too); the shared MLA layer
-    reuses the full layer's selection. Every stage of every position = the CPU engine's, and with the
-    option attn_tiled off (the per-row kernels)."""
+    second chunk of 70 at positions 100-169 (its rows see the cached positions too), and a 600-token
+    prefill over 8 latent chunks (scores' slabs of 8 chunks; o_lat's rows of up to 10 chunks of positions:
+    several slabs a lane pass, the last partial); the shared MLA layer reuses the full layer's selection.
+    Every stage of every position = the CPU engine's, and with the option attn_tiled off (the per-row
+    kernels)."""
     from tools.zoo import make_checkpoint
     path = str(make_checkpoint("tiny", "fp8", tmp_path / f"h{heads}", hidden_size=128, num_attention_heads=heads,
-                               num_key_value_heads=heads, kv_lora_rank=rank, index_topk=256))
+                               num_key_value_heads=heads, kv_lora_rank=rank, index_topk=max(256, n + 24)))
     cpu = fast.Engine(path, device="cpu")
     ids = prompt(cpu.config.vocab_size, n, 5)
     want = Capture()

@@ -161,11 +161,12 @@ __global__ void __launch_bounds__(kAttnThreads) k_mla_scores_tiled(const float* 
 // are 16-byte copies: scores q_abs (x_lanes: token t nh + h), o_lat the probabilities (k_probs_lanes). B:
 // scores the latent rows re-laid likewise (x_lanes: token = position), r = 64 S, one slab a lane; o_lat the
 // latent rows themselves (B^T's row of (chunk u, chain g) is position 64u + 8g + l's 64 columns of the
-// block, zeros past the row's positions: fma(0, 0, P) = P), slabs of 4. Where this replaced
+// block, zeros past the row's positions: fma(0, 0, P) = P), slabs of 8. Where this replaced
 // k_mla_scores_tiled (256 threads holding 2048 dots' operands whole, 192 KB: one block an SM) and
-// k_mla_olat_tiled, a 2048-token prefill of the slice took 6.5 + 6.7 ms for their 12.5 + 10.9.
+// k_mla_olat_tiled, a 2048-token prefill of the slice took 6.5 + 6.7 ms for their 12.5 + 10.9; with each
+// thread's copies set once and slabs of 8 for o_lat (session 34), 6.6 + 5.3.
 constexpr int kSlThreads = 512, kSlStages = 4, kSlPad = 72;  // 64 + 8: a half warp's 16-byte loads cover 32 banks once
-constexpr int kOlSlab = 4;                                      // o_lat's chunks a slab
+constexpr int kOlSlab = 8;  // o_lat's chunks a slab (4 until session 34: 5.54 -> 5.27 ms at 2048 tokens with 8)
 template <int S>
 constexpr size_t sl_smem_bytes() {  // the stages (heads' and columns' rows (chunk, chain) of S chunks), the parked partials
     return static_cast<size_t>(kSlStages * 2 * S * 8 * kSlPad + 3 * 8 * kSlThreads) * 4;
@@ -197,31 +198,51 @@ __global__ void __launch_bounds__(kSlThreads, 1) k_mla_attn_lanes(AttnLanes a) {
     const LaneSeat seat = lane_seat(tid, 4);
     const uint32_t sm_s = smem_u32(sm);
     const int64_t q0 = static_cast<int64_t>(t) * a.nh + h0;
-    // slab q (pass q / nst, slab q % nst of it) into stage q % kSlStages: its chunks' rows (u, g) of lane l,
-    // 64 heads then 64 columns, 16-byte pieces (piece i: row i / 16, floats 4 (i % 16) ..)
-    auto issue = [&](int q) {
-        const int p = q / nst, sl = q - p * nst, l = ln_lane(p), c0 = sl * S;
-        const uint32_t buf = sm_s + static_cast<uint32_t>((q % kSlStages) * SF * 4);
+    // A slab (pass p, lane l = ln_lane(p), chunks S sl ..) is its chunks' rows (u, g) of lane l, 64 heads then
+    // 64 columns, in 16-byte pieces (piece i: row i / 16, floats 4 (i % 16) ..). This thread's pieces i = tid +
+    // n kSlThreads lie at the same places in every slab (row 32 n further each): their offsets are set once,
+    // and a slab adds its base (a division and ~50 instructions of address arithmetic a piece per slab before:
+    // o_lat's slab of 256 FMAs took ~470 instructions).
+    constexpr int NPIECE = S * 8 * 16, NP = (NPIECE + kSlThreads - 1) / kSlThreads, RPN = kSlThreads / 16;
+    const int prow = tid >> 4, pc4 = 4 * (tid & 15), pu = prow >> 3, pg = prow & 7;
+    const uint32_t da0 = static_cast<uint32_t>((prow * kSlPad + (pc4 ^ lane_swap_a(pg, 32))) * 4);
+    const uint32_t db0 = static_cast<uint32_t>((HALF + prow * kSlPad + (pc4 ^ lane_swap_b(pg, 32))) * 4);
+    // (32-bit: 32 rows of a re-laid operand, T nh or a row's positions rounded up, and 256 latent rows fit)
+    const int aoff = prow * static_cast<int>(a.lda) + pc4;  // row (u, g) of the slab: u 8 + g = prow
+    const int boff = SCORES ? prow * static_cast<int>(a.ldb) + pc4 : (64 * pu + 8 * pg) * a.r + pc4;
+    auto issue = [&](int p, int sl, int stage) {
+        const int l = ln_lane(p), c0 = sl * S;
+        const uint32_t buf = sm_s + static_cast<uint32_t>(stage * SF * 4);
+        const int64_t lc = static_cast<int64_t>(l) * a.nca + c0;
+        const float* const xa = a.xa + lc * 8 * a.lda + q0 + aoff;
+        // scores: B re-laid as A; o_lat: position 64 c + 8 g + l's row of the latent cache
+        const float* const xb = SCORES ? a.xb + lc * 8 * a.ldb + x0 + boff
+                                       : a.xb + static_cast<int64_t>(64 * c0 + l) * a.r + x0 + boff;
 #pragma unroll
-        for (int i = tid; i < S * 8 * 16; i += kSlThreads) {
-            const int row = i >> 4, c4 = 4 * (i & 15), c = c0 + (row >> 3), g = row & 7;
-            if (c >= nc) continue;  // (past the row's chunks: never computed)
-            const uint32_t da = buf + static_cast<uint32_t>((row * kSlPad + (c4 ^ lane_swap_a(g, 32))) * 4);
-            const uint32_t db = buf + static_cast<uint32_t>((HALF + row * kSlPad + (c4 ^ lane_swap_b(g, 32))) * 4);
-            const int64_t lr = (static_cast<int64_t>(l) * a.nca + c) * 8 + g;
-            cp_async16_s(da, a.xa + lr * a.lda + q0 + c4);
+        for (int n = 0; n < NP; ++n) {
+            if (NPIECE % kSlThreads != 0 && tid + n * kSlThreads >= NPIECE) continue;
+            if (c0 + pu + n * (RPN / 8) >= nc) continue;  // (past the row's chunks: never computed)
+            const uint32_t dn = static_cast<uint32_t>(n * RPN * kSlPad * 4);
+            cp_async16_s(buf + da0 + dn, xa + static_cast<int64_t>(n) * RPN * a.lda);
             if constexpr (SCORES) {
-                cp_async16_s(db, a.xb + lr * a.ldb + x0 + c4);
+                cp_async16_s(buf + db0 + dn, xb + static_cast<int64_t>(n) * RPN * a.ldb);
             } else {
-                const int pos = 64 * c + 8 * g + l;
-                if (pos < ns) cp_async16_s(db, a.xb + static_cast<int64_t>(pos) * a.r + x0 + c4);
-                else store_zero16_s(db);
+                const int pos = 64 * (c0 + pu + n * (RPN / 8)) + 8 * pg + l;
+                if (pos < ns) cp_async16_s(buf + db0 + dn, xb + static_cast<int64_t>(n) * (RPN / 8) * 64 * a.r);
+                else store_zero16_s(buf + db0 + dn);
             }
         }
     };
+    // slabs by cursors (pass, slab of the pass, stage): the slab issued next and the slab computed
+    auto advance = [&](int& p, int& sl, int& stage) {
+        if (++sl == nst) sl = 0, ++p;
+        stage = stage + 1 == kSlStages ? 0 : stage + 1;
+    };
+    int ip = 0, isl = 0, ist = 0;
     for (int q = 0; q < kSlStages - 1; ++q) {
-        if (q < total) issue(q);
+        if (q < total) issue(ip, isl, ist);
         cp_async_commit();
+        advance(ip, isl, ist);
     }
     float acc[8][8];
 #pragma unroll
@@ -229,13 +250,15 @@ __global__ void __launch_bounds__(kSlThreads, 1) k_mla_attn_lanes(AttnLanes a) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
     float Q[8];
+    int cp = 0, csl = 0, cst = 0;
     for (int q = 0; q < total; ++q) {
         cp_async_wait<kSlStages - 2>();
         __syncthreads();  // slab q arrived; every thread is done with slab q - 1's stage, which q + 3 refills
-        if (q + kSlStages - 1 < total) issue(q + kSlStages - 1);
+        if (ip < 8) issue(ip, isl, ist);
         cp_async_commit();
-        const int p = q / nst, sl = q - p * nst, nu = nc - sl * S < S ? nc - sl * S : S;
-        const float* A = sm + (q % kSlStages) * SF + seat.g * kSlPad + 4 * seat.rg;
+        advance(ip, isl, ist);
+        const int nu = nc - csl * S < S ? nc - csl * S : S;
+        const float* A = sm + cst * SF + seat.g * kSlPad + 4 * seat.rg;
         const float* B = A + HALF + 4 * (seat.tg - seat.rg);
         if (nu == S) {
 #pragma unroll
@@ -244,7 +267,8 @@ __global__ void __launch_bounds__(kSlThreads, 1) k_mla_attn_lanes(AttnLanes a) {
 #pragma unroll 1
             for (int u = 0; u < nu; ++u) lane_chunk<32, 32>(acc, A + u * 8 * kSlPad, B + u * 8 * kSlPad);
         }
-        if (sl == nst - 1) lane_pass_end(acc, seat.g, p, park + tid, kSlThreads, Q);
+        if (csl == nst - 1) lane_pass_end(acc, seat.g, cp, park + tid, kSlThreads, Q);
+        advance(cp, csl, cst);
     }
     cp_async_wait<0>();
 #pragma unroll
