@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tools/gpu_ab.sh: builds of fast._cuda against each other, by turns, in one device call (issue 19's
 # method: docs/perf.md). Each build is a module built elsewhere for the device's Python and carried in
-# as .variants/NAME.so or .variants/NAME.so.xz (xz: three builds fit a run's 64 MiB carry); fast/_core
+# as .variants/NAME.so or .variants/NAME.so.xz (xz: three builds fit a run's 64 MiB carry, each stripped first,
+# `strip --strip-unneeded`, which keeps the device code and the module's entry: ~18.2 MB a build); fast/_core
 # must import (carried in, or built). Per round, per build: tools/bench_throughput.py --no-peer in its
 # own process (two untimed passes of each shape, the median of 5 timed ones), one line of tok/s each.
 #
