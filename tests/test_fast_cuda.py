@@ -403,6 +403,10 @@ LINEAR_EMU_CASES = [
     ("emu-mxfp4-bigscale", "mxfp4", 36, 320, 1, False, True, True),
     ("emu-fp8-long", "fp8", 40, 1088, 1, False, True, True),  # 17 chunks: a full batch and the rest
     ("emu-fp8-wide", "fp8", 24, 2560, 1, False, True, True),  # 40 chunks: the wide kernel's batch of 32 and the rest
+    # the lane-pass kernel's 32 x 128 blocks (from 128 tokens; a second block of 2 tokens, a second row block of
+    # 8 rows): 17 chunks, two whole slabs of 8, whose first computes beside the second's decode (compute_decode),
+    # and a last of 1; unrounded
+    ("emu-fp8-lanes128", "fp8", 40, 1088, 130, False, False, False),
     ("emu-bf16-wide", "bf16", 12, 1152, 1, False, True, False),  # 18 chunks: its BF16 batch of 16 and the rest
     ("emu-fp8-tiled", "fp8", 70, 192, 5, False, False, True),
     ("emu-bf16-tiled", "bf16", 40, 320, 3, False, False, False),
