@@ -207,7 +207,8 @@ __global__ void __launch_bounds__(kSlThreads, 1) k_mla_attn_lanes(AttnLanes a) {
     const int prow = tid >> 4, pc4 = 4 * (tid & 15), pu = prow >> 3, pg = prow & 7;
     const uint32_t da0 = static_cast<uint32_t>((prow * kSlPad + (pc4 ^ lane_swap_a(pg, 32))) * 4);
     const uint32_t db0 = static_cast<uint32_t>((HALF + prow * kSlPad + (pc4 ^ lane_swap_b(pg, 32))) * 4);
-    // (32-bit: 32 rows of a re-laid operand, T nh or a row's positions rounded up, and 256 latent rows fit)
+    // (32-bit: 32 rows of a re-laid operand, T nh or a row's positions rounded up (the launch checks), and
+    // 256 latent rows of at most 512)
     const int aoff = prow * static_cast<int>(a.lda) + pc4;  // row (u, g) of the slab: u 8 + g = prow
     const int boff = SCORES ? prow * static_cast<int>(a.ldb) + pc4 : (64 * pu + 8 * pg) * a.r + pc4;
     auto issue = [&](int p, int sl, int stage) {
@@ -693,8 +694,12 @@ void mla_forward(Step& s, int layer, const MlaW& w, const float* x, float* out) 
     const unsigned ntile = static_cast<unsigned>((nh + HT - 1) / HT);
     // one sequence's prefill over a dense selection (row t's j-th position is j): mla.scores and mla.o_lat
     // as lane-pass products (k_mla_attn_lanes)
+    // (k_mla_attn_lanes keeps its pieces' offsets in 32 bits: 32 rows of the re-laid q_abs, T nh + 96 floats
+    // apart, and of the re-laid latent rows; larger steps take the tiled kernels)
+    const bool offsets32 = (static_cast<int64_t>(T) * nh + 96) * 32 < (int64_t{1} << 31) &&
+                           (static_cast<int64_t>(max_ns) + 64) * 32 < (int64_t{1} << 31);
     const bool lanes = launch_options().attn_tiled && !nm.seq && T >= 64 && r % 64 == 0 && r <= 512 && nh % 4 == 0 &&
-                       s.sel_dense && !s.injects(layer, S_MLA_SELECTED) && s.segs.size() == 1;
+                       s.sel_dense && !s.injects(layer, S_MLA_SELECTED) && s.segs.size() == 1 && offsets32;
     const float* cache_c = lanes ? s.segs[0].seq->mla[static_cast<size_t>(layer)].c.as<float>() : nullptr;
     const int64_t ldq = (static_cast<int64_t>(T) * nh + 64 + 31) / 32 * 32;  // (a last head tile reads 64 rows on)
     {
