@@ -379,6 +379,8 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         const unsigned char* const rs = sm + dstage * SB;
         float* const Wd = Wt + (wbuf ^ 1) * (S * 8 * WS) + du * 8 * WS;
         const uint32_t fsel = static_cast<uint32_t>((dl & 3) | (((dl & 3) + 4) << 4));
+        // (the decode's setup is written here and in decode: one helper lambda for both made ptxas give the
+        // MXFP4 expert kernel 40 bytes of stack for its 16, where it does not even take this block)
         constexpr int every = S / NT;  // task n after chunk (n + 1) every - 1
 #pragma unroll
         for (int u = 0; u < S; ++u) {
