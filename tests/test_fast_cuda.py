@@ -407,6 +407,9 @@ LINEAR_EMU_CASES = [
     # 8 rows): 17 chunks, two whole slabs of 8, whose first computes beside the second's decode (compute_decode),
     # and a last of 1; unrounded
     ("emu-fp8-lanes128", "fp8", 40, 1088, 130, False, False, False),
+    # FP8 expert items through the lane-pass kernel (lanes: items of 64 pairs) over 17 chunks: its two whole
+    # slabs of 8 join the next slab's decode as the dense launches do
+    ("emu-fp8-experts-lanes", "fp8", 64, 1088, 9, True, True, False),
     ("emu-bf16-wide", "bf16", 12, 1152, 1, False, True, False),  # 18 chunks: its BF16 batch of 16 and the rest
     ("emu-fp8-tiled", "fp8", 70, 192, 5, False, False, True),
     ("emu-bf16-tiled", "bf16", 40, 320, 3, False, False, False),
