@@ -403,13 +403,6 @@ LINEAR_EMU_CASES = [
     ("emu-mxfp4-bigscale", "mxfp4", 36, 320, 1, False, True, True),
     ("emu-fp8-long", "fp8", 40, 1088, 1, False, True, True),  # 17 chunks: a full batch and the rest
     ("emu-fp8-wide", "fp8", 24, 2560, 1, False, True, True),  # 40 chunks: the wide kernel's batch of 32 and the rest
-    # the lane-pass kernel's 32 x 128 blocks (from 128 tokens; a second block of 2 tokens, a second row block of
-    # 8 rows): 17 chunks, two whole slabs of 8, whose first computes beside the second's decode (compute_decode),
-    # and a last of 1; unrounded
-    ("emu-fp8-lanes128", "fp8", 40, 1088, 130, False, False, False),
-    # FP8 expert items through the lane-pass kernel (lanes: items of 64 pairs) over 17 chunks: its two whole
-    # slabs of 8 join the next slab's decode as the dense launches do
-    ("emu-fp8-experts-lanes", "fp8", 64, 1088, 9, True, True, False),
     ("emu-bf16-wide", "bf16", 12, 1152, 1, False, True, False),  # 18 chunks: its BF16 batch of 16 and the rest
     ("emu-fp8-tiled", "fp8", 70, 192, 5, False, False, True),
     ("emu-bf16-tiled", "bf16", 40, 320, 3, False, False, False),
@@ -475,6 +468,8 @@ LINEAR_EMU_CASES = [
     ("emu-fp8-lanes-128", "fp8", 40, 320, 130, False, False, True),
     # FP8 at 128 tokens takes slabs of 8 chunks (three stages): 13 chunks, a slab of 8 and one of 5
     ("emu-fp8-lanes-128-slab8", "fp8", 40, 832, 130, False, False, False),
+    # 17 chunks: two whole slabs of 8, the first computed beside the second's decode (compute_decode), and one of 1
+    ("emu-fp8-lanes-128-join", "fp8", 40, 1088, 130, False, False, False),
     ("emu-bf16-lanes-128", "bf16", 36, 256, 129, False, False, False),
     ("emu-mxfp4-lanes-128", "mxfp4", 33, 576, 140, False, False, True),
     # expert items of 64 pairs through it (x re-laid per item): two items, the second of 36 (FP8), of 6
