@@ -1,6 +1,8 @@
 #include "cdot.hpp"
 
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 namespace glm::cpu {
 
@@ -42,4 +44,41 @@ double cdot64(const double* a, const double* b, size_t n) {
     return P[0][0];
 }
 
+namespace detail {
+
+size_t pack_tokens(const float* X, size_t ldx, size_t T, size_t n, float* Xp) {
+    const size_t nb = token_blocks(T), nch = (n + 63) / 64;
+    size_t t0 = 0;
+    for (size_t b = 0; b < nb; ++b) {
+        const size_t nt = block_tokens(T, nb, b, t0);
+        float* const blk = Xp + 64 * t0 * nch;
+        for (size_t t = 0; t < nt; ++t) {
+            const float* const x = X + (t0 + t) * ldx;
+            for (size_t c = 0; c < nch; ++c)
+                for (size_t g = 0; g < 8; ++g) {
+                    float* const d = blk + ((8 * c + g) * nt + t) * 8;
+                    const size_t i = 64 * c + 8 * g, k = i < n ? std::min<size_t>(8, n - i) : 0;
+                    if (k == 8) {
+                        _mm256_store_ps(d, _mm256_loadu_ps(x + i));
+                    } else {
+                        std::memset(d, 0, 8 * sizeof(float));
+                        if (k) std::memcpy(d, x + i, k * sizeof(float));
+                    }
+                }
+        }
+        t0 += nt;
+    }
+    return 64 * T * nch;
+}
+
+float* packed_tokens_buffer(size_t floats) {
+    struct alignas(32) Group {  // (32-byte aligned: the passes' x loads never split a line)
+        float v[8];
+    };
+    thread_local std::vector<Group> buf;
+    if (buf.size() * 8 < floats) buf.resize((floats + 7) / 8);
+    return buf.data()->v;
+}
+
+}  // namespace detail
 }  // namespace glm::cpu

@@ -115,15 +115,16 @@ inline __m256 in_reg(__m256 v) {
 }
 
 // Several rows against several tokens. One pass accumulates group g of rows 0 .. RB-1 and tokens
-// 0 .. NT-1 over chunks [c0, c1) (and the tail chunk c1 when `tail`), starting from and returning to
+// 0 .. NT-1 over chunks [c0, c1) (and the tail chunk c1 when `tail`), x from the token block packed by
+// pack_tokens (group g of chunk c of token t at Xp + ((8c + g) NT + t) 8), starting from and returning to
 // P[i * ps + t * 8 + g] (memory; the first panel, c0 = 0, starts from +0 instead). Every accumulator P[i][t][g] receives exactly the fmas cdot_kernel
 // would give it, in the same chunk order (the eight groups of a chunk are independent sums, so visiting
 // them in separate passes changes nothing), so after the passes of every group over all chunks,
 // fold8(P[i][t]) is cdot(row i, X + t * ldx) bit for bit. Each weight group is decoded once for the NT
 // tokens and each group of x once for the RB rows: RB + NT loads (or decodes) per RB * NT fmas.
 template <int RB, int NT, class Row>
-inline void cdot_block_pass(const Row* rows, const float* X, size_t ldx, size_t n, size_t c0, size_t c1, bool tail,
-                            size_t g, __m256* P, size_t ps) {
+inline void cdot_block_pass(const Row* rows, const float* Xp, size_t n, size_t c0, size_t c1, bool tail, size_t g,
+                            __m256* P, size_t ps) {
     __m256 acc[RB][NT];
 #pragma GCC unroll 8
     for (int i = 0; i < RB; ++i)
@@ -131,19 +132,21 @@ inline void cdot_block_pass(const Row* rows, const float* X, size_t ldx, size_t 
         for (int t = 0; t < NT; ++t)
             acc[i][t] = c0 ? _mm256_load_ps(reinterpret_cast<const float*>(P + i * ps + t * 8 + g)) : _mm256_setzero_ps();
     for (size_t c = c0; c < c1; ++c) {
-        const size_t base = 64 * c, off = base + 8 * g;
+        const size_t base = 64 * c;
+        const float* const xc = Xp + (8 * c + g) * NT * 8;
         __m256 w[RB];
 #pragma GCC unroll 8
         for (int i = 0; i < RB; ++i) w[i] = NT > 1 ? in_reg(rows[i].load8(base, g)) : rows[i].load8(base, g);
 #pragma GCC unroll 8
         for (int t = 0; t < NT; ++t) {
-            const __m256 x = RB > 1 ? in_reg(_mm256_loadu_ps(X + t * ldx + off)) : _mm256_loadu_ps(X + t * ldx + off);
+            const __m256 x = RB > 1 ? in_reg(_mm256_load_ps(xc + 8 * t)) : _mm256_load_ps(xc + 8 * t);
 #pragma GCC unroll 8
             for (int i = 0; i < RB; ++i) acc[i][t] = _mm256_fmadd_ps(w[i], x, acc[i][t]);
         }
     }
     if (tail) {
-        const size_t base = 64 * c1, rem = n - base, off = base + 8 * g;
+        const size_t base = 64 * c1, rem = n - base;
+        const float* const xc = Xp + (8 * c1 + g) * NT * 8;
         if (8 * g < rem) {
             const size_t k = rem - 8 * g;
             __m256 w[RB];
@@ -152,7 +155,7 @@ inline void cdot_block_pass(const Row* rows, const float* X, size_t ldx, size_t 
                 for (int i = 0; i < RB; ++i) w[i] = rows[i].load8(base, g);
 #pragma GCC unroll 8
                 for (int t = 0; t < NT; ++t) {
-                    const __m256 x = _mm256_loadu_ps(X + t * ldx + off);
+                    const __m256 x = _mm256_load_ps(xc + 8 * t);
 #pragma GCC unroll 8
                     for (int i = 0; i < RB; ++i) acc[i][t] = _mm256_fmadd_ps(w[i], x, acc[i][t]);
                 }
@@ -164,7 +167,7 @@ inline void cdot_block_pass(const Row* rows, const float* X, size_t ldx, size_t 
                 for (int i = 0; i < RB; ++i) w[i] = rows[i].load_partial(base, g, k);
 #pragma GCC unroll 8
                 for (int t = 0; t < NT; ++t) {
-                    const __m256 x = _mm256_maskload_ps(X + t * ldx + off, m);
+                    const __m256 x = _mm256_maskload_ps(xc + 8 * t, m);
 #pragma GCC unroll 8
                     for (int i = 0; i < RB; ++i)
                         acc[i][t] = _mm256_blendv_ps(acc[i][t], _mm256_fmadd_ps(w[i], x, acc[i][t]), mf);
@@ -184,15 +187,15 @@ constexpr int block_rows() {
     return NT == 1 ? 8 : NT == 2 ? 4 : NT == 3 ? 3 : 2;
 }
 
-// Y[t * ldy + i] = cdot(row(i), X + t * ldx) over n elements for i < nr, t < NT (NT <= 6), rounded to
-// bf16 when `round`; row(i) returns the Row source of the i-th row. Rows go SB at a time (RB per
-// register block) and the columns in panels of KP chunks, so that the X panel (NT x 64 KP floats,
-// 16 KiB) and the SB x NT accumulator sets (16 KiB) stay in L1 while SB rows go by; accumulators wait
-// in memory between passes and panels (an f32 store and load are exact), so each one still receives
-// its elements in the canonical chunk order.
+// Y[t * ldy + i] = cdot(row(i), x_t) over n elements for i < nr, t < NT (NT <= 6), x_t token t of the
+// block Xp packed by pack_tokens, rounded to bf16 when `round`; row(i) returns the Row source of the i-th
+// row. Rows go SB at a time (RB per register block) and the columns in panels of KP chunks, so that the X
+// panel (NT x 64 KP floats, 16 KiB, contiguous) and the SB x NT accumulator sets (16 KiB) stay in L1 while SB
+// rows go by; accumulators wait in memory between passes and panels (an f32 store and load are exact), so
+// each one still receives its elements in the canonical chunk order.
 template <int NT, class MakeRow>
-inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t n, float* Y,
-                            size_t ldy, bool round) {
+inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size_t n, float* Y, size_t ldy,
+                            bool round) {
     using Row = decltype(row(size_t{0}));
     constexpr int RB = block_rows<NT>();
     constexpr size_t SB = (64 / NT) / RB * RB;  // rows per sub-block, a multiple of RB
@@ -211,12 +214,12 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* X, size_
                 Row rows[RB];
                 for (int k = 0; k < RB; ++k) rows[k] = row(r0 + i + k);
                 for (size_t g = 0; g < 8; ++g)
-                    cdot_block_pass<RB, NT>(rows, X, ldx, n, c0, c1, last && tail, g, P + i * PS, PS);
+                    cdot_block_pass<RB, NT>(rows, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
             }
             for (; i < sb; ++i) {
                 const Row r1[1] = {row(r0 + i)};
                 for (size_t g = 0; g < 8; ++g)
-                    cdot_block_pass<1, NT>(r1, X, ldx, n, c0, c1, last && tail, g, P + i * PS, PS);
+                    cdot_block_pass<1, NT>(r1, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
             }
             if (last) break;
         }
@@ -232,33 +235,56 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* X, size_
 // measured on Zen 5, blocks of 7-8 tokens with one row per register block were slower, since loads
 // (one per fma there) bound the loop.)
 constexpr size_t kMultiTokens = 6;
+inline size_t token_blocks(size_t T) { return (T + kMultiTokens - 1) / kMultiTokens; }
+// Tokens of block b of nb, whose first is t0.
+inline size_t block_tokens(size_t T, size_t nb, size_t b, size_t t0) {
+    return (T - t0) / (nb - b) + ((T - t0) % (nb - b) != 0);
+}
+// x of T tokens (rows X + t * ldx, n floats each) as the token blocks read it: block b (tokens t0 ..
+// t0 + nt - 1) from Xp + 64 t0 nch (nch = ceil(n / 64) chunks), then group g of chunk c of its token t at
+// ((8c + g) nt + t) 8, elements past n 0. Read in place, tokens 4n bytes apart (16 KiB at n = 4096) fell
+// in the same L1 sets as each other and the accumulators: the rows at n = 4096 ran 12-15 % slower than at
+// 4032 (docs/perf.md, "Session 35"). Returns the floats written: 64 T nch.
+size_t pack_tokens(const float* X, size_t ldx, size_t T, size_t n, float* Xp);
+// An aligned per-thread buffer of at least `floats` floats (one per thread, reused across calls).
+float* packed_tokens_buffer(size_t floats);
+
+// Y[t * ldy + i] = cdot(row(i), X + t * ldx) for i < nr, t < T, from X packed by pack_tokens.
 // Rows are taken in chunks of about 192 KiB of stored weights (row_bytes each), and every token block
 // runs over a chunk before the next chunk is read: a weight larger than the caches is read from memory
 // once per call, not once per token block.
 template <class MakeRow>
-inline void cdot_multi(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t T, size_t n, float* Y,
-                       size_t ldy, bool round, size_t row_bytes) {
-    const size_t nb = (T + kMultiTokens - 1) / kMultiTokens;
+inline void cdot_multi_packed(const MakeRow& row, size_t nr, const float* Xp, size_t T, size_t n, float* Y, size_t ldy,
+                              bool round, size_t row_bytes) {
+    const size_t nb = token_blocks(T), nch = (n + 63) / 64;
     const size_t chunk = nb == 1 ? nr : std::max<size_t>(64, (size_t{192} << 10) / std::max<size_t>(row_bytes, 1));
     for (size_t a = 0; a < nr; a += chunk) {
         const size_t m = nr - a < chunk ? nr - a : chunk;
         const auto sub = [&](size_t i) { return row(a + i); };
         size_t t0 = 0;
         for (size_t b = 0; b < nb; ++b) {
-            const size_t nt = (T - t0) / (nb - b) + ((T - t0) % (nb - b) != 0);
-            const float* Xb = X + t0 * ldx;
+            const size_t nt = block_tokens(T, nb, b, t0);
+            const float* Xb = Xp + 64 * t0 * nch;
             float* Yb = Y + t0 * ldy + a;
             switch (nt) {
-                case 1: cdot_multi_rows<1>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
-                case 2: cdot_multi_rows<2>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
-                case 3: cdot_multi_rows<3>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
-                case 4: cdot_multi_rows<4>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
-                case 5: cdot_multi_rows<5>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
-                default: cdot_multi_rows<6>(sub, m, Xb, ldx, n, Yb, ldy, round); break;
+                case 1: cdot_multi_rows<1>(sub, m, Xb, n, Yb, ldy, round); break;
+                case 2: cdot_multi_rows<2>(sub, m, Xb, n, Yb, ldy, round); break;
+                case 3: cdot_multi_rows<3>(sub, m, Xb, n, Yb, ldy, round); break;
+                case 4: cdot_multi_rows<4>(sub, m, Xb, n, Yb, ldy, round); break;
+                case 5: cdot_multi_rows<5>(sub, m, Xb, n, Yb, ldy, round); break;
+                default: cdot_multi_rows<6>(sub, m, Xb, n, Yb, ldy, round); break;
             }
             t0 += nt;
         }
     }
+}
+// The same from X in place (packed here, into the calling thread's buffer).
+template <class MakeRow>
+inline void cdot_multi(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t T, size_t n, float* Y,
+                       size_t ldy, bool round, size_t row_bytes) {
+    float* const Xp = packed_tokens_buffer(64 * T * ((n + 63) / 64));
+    pack_tokens(X, ldx, T, n, Xp);
+    cdot_multi_packed(row, nr, Xp, T, n, Y, ldy, round, row_bytes);
 }
 
 struct F32Row {

@@ -166,6 +166,8 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
     }
     const size_t ld = (C + 7) / 8 * 8;
     const size_t nb = std::max<size_t>(16, (size_t{1} << 16) / ld);  // rows per decoded block (>= 256 KiB)
+    float* const Xp = detail::packed_tokens_buffer(64 * T * ((C + 63) / 64));  // (x packed once for every block)
+    detail::pack_tokens(X, ldx, T, C, Xp);
     thread_local std::vector<float> buf;
     if (buf.size() < nb * ld) buf.resize(nb * ld);
     for (size_t a = 0; a < nr; a += nb) {
@@ -181,8 +183,8 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
                 }
         }
         const float* w = buf.data();
-        detail::cdot_multi([&](size_t i) { return detail::F32Row{w + i * ld}; }, m, X, ldx, T, C, Y + a, ldy, round,
-                           ld * sizeof(float));
+        detail::cdot_multi_packed([&](size_t i) { return detail::F32Row{w + i * ld}; }, m, Xp, T, C, Y + a, ldy, round,
+                                  ld * sizeof(float));
     }
 }
 
