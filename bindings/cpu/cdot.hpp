@@ -181,6 +181,22 @@ inline void cdot_block_pass(const Row* rows, const float* Xp, size_t n, size_t c
         for (int t = 0; t < NT; ++t) _mm256_store_ps(reinterpret_cast<float*>(P + i * ps + t * 8 + g), acc[i][t]);
 }
 
+// A Row may provide `const void* stored(size_t c)` and `static constexpr size_t kChunkBytes`: where chunk c
+// of its stored row starts, and its bytes (cdot_multi_rows asks for the next panel's lines ahead of use).
+template <class Row, class = void>
+struct has_stored : std::false_type {};
+template <class Row>
+struct has_stored<Row, std::void_t<decltype(std::declval<const Row&>().stored(size_t{}))>> : std::true_type {};
+// Part `part` of `parts` of the lines of a row's chunks [c0, c1), prefetched.
+template <class Row>
+inline void prefetch_part(const Row& r, size_t c0, size_t c1, size_t part, size_t parts) {
+    if constexpr (has_stored<Row>::value) {
+        const size_t lines = (Row::kChunkBytes * (c1 - c0) + 63) / 64;
+        const char* const b = static_cast<const char*>(r.stored(c0));
+        for (size_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l) _mm_prefetch(b + 64 * l, _MM_HINT_T0);
+    }
+}
+
 // Rows per register block for NT tokens: RB * NT accumulators, RB weight groups and one x in registers.
 template <int NT>
 constexpr int block_rows() {
@@ -192,10 +208,13 @@ constexpr int block_rows() {
 // row. Rows go SB at a time (RB per register block) and the columns in panels of KP chunks, so that the X
 // panel (NT x 64 KP floats, 16 KiB, contiguous) and the SB x NT accumulator sets (16 KiB) stay in L1 while SB
 // rows go by; accumulators wait in memory between passes and panels (an f32 store and load are exact), so
-// each one still receives its elements in the canonical chunk order.
+// each one still receives its elements in the canonical chunk order. With `ahead` (a row chunk's first token
+// block, whose weights come from memory, not from L2), each pass first asks for an eighth of the next panel's
+// weight lines (Row::stored): rows in panels of 10 chunks are short runs, too short for the hardware's
+// prefetch (BF16 at 6 tokens, 8192 x 4096: 33 -> 46 % of the FMA peak; docs/perf.md, "Session 35").
 template <int NT, class MakeRow>
 inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size_t n, float* Y, size_t ldy,
-                            bool round) {
+                            bool round, bool ahead) {
     using Row = decltype(row(size_t{0}));
     constexpr int RB = block_rows<NT>();
     constexpr size_t SB = (64 / NT) / RB * RB;  // rows per sub-block, a multiple of RB
@@ -209,12 +228,20 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size
         for (size_t c0 = 0;; c0 += KP) {
             const size_t c1 = nfull - c0 < KP ? nfull : c0 + KP;
             const bool last = c1 == nfull;
+            // the lines of the panel after this one (the next rows' first at the last), an eighth of them
+            // before each pass of the rows they belong to
+            const size_t pr = last ? r0 + SB : r0, pc0 = last ? 0 : c1;
+            const size_t pc1 = (last ? nfull < KP : nfull - c1 < KP) ? nfull + tail : pc0 + KP;
             size_t i = 0;
             for (; i + RB <= sb; i += RB) {
                 Row rows[RB];
                 for (int k = 0; k < RB; ++k) rows[k] = row(r0 + i + k);
-                for (size_t g = 0; g < 8; ++g)
+                for (size_t g = 0; g < 8; ++g) {
+                    if (ahead)
+                        for (int k = 0; k < RB; ++k)
+                            if (pr + i + k < nr) prefetch_part(row(pr + i + k), pc0, pc1, g, 8);
                     cdot_block_pass<RB, NT>(rows, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
+                }
             }
             for (; i < sb; ++i) {
                 const Row r1[1] = {row(r0 + i)};
@@ -262,17 +289,17 @@ inline void cdot_multi_packed(const MakeRow& row, size_t nr, const float* Xp, si
         const size_t m = nr - a < chunk ? nr - a : chunk;
         const auto sub = [&](size_t i) { return row(a + i); };
         size_t t0 = 0;
-        for (size_t b = 0; b < nb; ++b) {
+        for (size_t b = 0; b < nb; ++b) {  // (block 0 reads the chunk from memory: ahead)
             const size_t nt = block_tokens(T, nb, b, t0);
             const float* Xb = Xp + 64 * t0 * nch;
             float* Yb = Y + t0 * ldy + a;
             switch (nt) {
-                case 1: cdot_multi_rows<1>(sub, m, Xb, n, Yb, ldy, round); break;
-                case 2: cdot_multi_rows<2>(sub, m, Xb, n, Yb, ldy, round); break;
-                case 3: cdot_multi_rows<3>(sub, m, Xb, n, Yb, ldy, round); break;
-                case 4: cdot_multi_rows<4>(sub, m, Xb, n, Yb, ldy, round); break;
-                case 5: cdot_multi_rows<5>(sub, m, Xb, n, Yb, ldy, round); break;
-                default: cdot_multi_rows<6>(sub, m, Xb, n, Yb, ldy, round); break;
+                case 1: cdot_multi_rows<1>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
+                case 2: cdot_multi_rows<2>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
+                case 3: cdot_multi_rows<3>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
+                case 4: cdot_multi_rows<4>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
+                case 5: cdot_multi_rows<5>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
+                default: cdot_multi_rows<6>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
             }
             t0 += nt;
         }
@@ -289,6 +316,8 @@ inline void cdot_multi(const MakeRow& row, size_t nr, const float* X, size_t ldx
 
 struct F32Row {
     const float* p;
+    static constexpr size_t kChunkBytes = 256;
+    const void* stored(size_t c) const { return p + 64 * c; }
     __m256 load8(size_t base, size_t g) const { return _mm256_loadu_ps(p + base + 8 * g); }
     __m256 load_partial(size_t base, size_t g, size_t k) const {
         return _mm256_maskload_ps(p + base + 8 * g, lane_mask(k));

@@ -40,6 +40,8 @@ void for_rows(size_t R, size_t C, unsigned threads, Fn fn) {
 
 struct Bf16Row {
     const uint16_t* p;
+    static constexpr size_t kChunkBytes = 128;
+    const void* stored(size_t c) const { return p + 64 * c; }
     static __m256 widen(__m128i h) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
@@ -85,6 +87,8 @@ struct Fp8Row {
 struct Mxfp4Row {
     const uint8_t* p;   // this row's packed bytes
     const uint8_t* sc;  // this row's E8M0 scales, one per 32 columns
+    static constexpr size_t kChunkBytes = 32;
+    const void* stored(size_t c) const { return p + 32 * c; }
     __m256 load8(size_t base, size_t g) const {
         const size_t i = base + 8 * g;
         uint32_t v;
@@ -107,6 +111,8 @@ template <bool Folded, bool NanCodes>
 struct Fp8ScaleRow {
     const uint8_t* p;
     const float* srow;
+    static constexpr size_t kChunkBytes = 64;
+    const void* stored(size_t c) const { return p + 64 * c; }
     __m256 decode(__m128i b, const float* s) const {
         __m256 v = e4m3_scaled_8(b);
         if (!Folded) v = _mm256_mul_ps(v, _mm256_set1_ps(kE4M3Unscale));
