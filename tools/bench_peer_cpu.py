@@ -54,9 +54,17 @@ def load_peer(path: str):
     if extra:
         raise RuntimeError(f"peer load of {path}: unexpected tensors {sorted(extra)[:5]}")
     model.eval()
-    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        names = set(f.keys())
-        head = f.get_tensor("lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
+    # the head's tensor from the file that holds it (one file, or the shard the index names)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            where = json.load(f)["weight_map"]
+    else:
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            where = dict.fromkeys(f.keys(), "model.safetensors")
+    name = "lm_head.weight" if "lm_head.weight" in where else "model.embed_tokens.weight"
+    with safe_open(os.path.join(path, where[name]), "pt") as f:
+        head = f.get_tensor(name)
     return model, head.to(torch.bfloat16)
 
 
