@@ -74,3 +74,16 @@ def test_bench_serve_refuses_what_it_cannot_run(args, words):
     assert "Traceback" not in p.stderr
     for w in words:
         assert w in p.stderr, (w, p.stderr)
+
+
+# -- tools/bench_cpu.py --gemm / --prefill-on: the CPU A/B measurements (docs/perf.md, "Session 35") ------
+
+def test_bench_cpu_gemm_and_prefill_lines(golden_dir):
+    pytest.importorskip("fast._core")
+    from tools.bench_cpu import bench_gemm, bench_prefill
+    g = bench_gemm(rows=96, cols=256, tokens=(1, 7), releases=("fp8", "mxfp4"), warm=1, reps=3)
+    assert [(x["release"], x["tokens"]) for x in g["runs"]] == [("fp8", 1), ("fp8", 7), ("mxfp4", 1), ("mxfp4", 7)]
+    assert g["fma_peak_MACs_per_ns"] > 0 and all(0 < x["of_fma_peak"] == x["MACs_per_ns"] / g["fma_peak_MACs_per_ns"]
+                                                for x in g["runs"])
+    f = bench_prefill(str(golden_dir / "tiny-fp8"), lengths=(3, 5), warm=1, reps=3)
+    assert sorted(f["prefill_tok_s"]) == [3, 5] and min(f["prefill_tok_s"].values()) > 0

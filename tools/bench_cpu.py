@@ -4,6 +4,9 @@ expert dot's weight streaming against a copy-bandwidth ceiling measured in the s
     python tools/bench_cpu.py                       # generates `small` into a temp dir first
     python tools/bench_cpu.py --small /tmp/zoo      # reuse /tmp/zoo/small-{bf16,fp8,mxfp4}
     python tools/bench_cpu.py --json
+    python tools/bench_cpu.py --gemm --threads 1 --tokens 6,16,64   # only the multi-token kernels vs the FMA peak
+    python tools/bench_cpu.py --prefill-on /tmp/eng/slice-fp8 --threads 1 --lengths 16,64  # only engine prefill
+(the last two print one line per thread count: run them with PYTHONPATH at each build for an A/B)
 
 Three measurements, each at 1 and 2 threads:
 1. prefill and decode tokens/s of fast.Engine vs the oracle on `small` (bf16, fp8, mxfp4 releases),
@@ -162,6 +165,54 @@ def bench_streams(threads: list[int], rows: int = 49152, cols: int = 4096, copy_
     return out
 
 
+def bench_gemm(rows: int = 8192, cols: int = 4096, tokens=(6, 16, 64), releases=("fp8", "bf16", "mxfp4"),
+               threads: int = 1, warm: int = 2, reps: int = 7) -> dict:
+    """The multi-token kernels (the engine's Lin, `fast._core.linear_bench`) against the FMA peak measured in
+    the same process: per release and token count, `warm` untimed calls, then the median of `reps` timed
+    calls; the peak is the best of two 5-rep probes (independent 8-lane FMA chains on every thread)."""
+    import statistics
+
+    from fast import _core
+
+    peak = max(_core.engine_bench_fma(threads, 5) for _ in range(2))
+    rng = np.random.default_rng(1)
+    out = {"rows": rows, "cols": cols, "threads": threads, "fma_peak_MACs_per_ns": peak, "runs": []}
+    for rel in releases:
+        data, scale, _ = _expert_weights(rel, rows, cols)
+        for T in tokens:
+            X = (rng.standard_normal((T, cols)) * 0.5).astype(np.float32)
+            run = lambda n: _core.linear_bench(rel, data, scale, X, nan_free=rel == "fp8", threads=threads, reps=n)
+            run(warm)
+            t = statistics.median(run(1) for _ in range(reps))
+            macs = rows * cols * T / t / 1e9
+            out["runs"].append({"release": rel, "tokens": T, "MACs_per_ns": macs, "of_fma_peak": macs / peak})
+    return out
+
+
+def bench_prefill(path: str, lengths=(16, 64), threads: int = 1, warm: int = 2, reps: int = 5) -> dict:
+    """Prefill tokens/s of fast.Engine on a checkpoint (a new cache each pass): `warm` untimed passes of each
+    length, then the median of `reps`."""
+    import statistics
+
+    import fast
+
+    eng = fast.Engine(path, threads=threads)
+    out = {"checkpoint": path, "threads": threads, "prefill_tok_s": {}}
+    for L in lengths:
+        ids = [(7 * i + 3) % 30000 + 1 for i in range(L)]
+
+        def once():
+            cache = eng.new_cache()
+            t0 = time.perf_counter()
+            eng.forward(ids, cache)
+            return time.perf_counter() - t0
+
+        for _ in range(warm):
+            once()
+        out["prefill_tok_s"][L] = L / statistics.median(once() for _ in range(reps))
+    return out
+
+
 def bench_roofline(path: str, threads: list[int], new: int = 8, copy: dict | None = None) -> dict:
     """Decode at batch 1 on a real-width checkpoint (e.g. a `slice`): weight bytes read per token over
     the measured copy bandwidth -> the fraction of the memory roofline reached."""
@@ -276,7 +327,25 @@ def main() -> None:
     p.add_argument("--slice", action="append", default=[],
                    help="a real-width checkpoint (e.g. `oracle make-checkpoint slice`) for the decode roofline; repeatable")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--gemm", action="store_true",
+                   help="only the multi-token kernels against the FMA peak (8192 x 4096; --tokens, --threads)")
+    p.add_argument("--tokens", default="6,16,64", help="token counts of --gemm")
+    p.add_argument("--prefill-on", metavar="DIR", help="only the engine's prefill tok/s on this checkpoint (--lengths)")
+    p.add_argument("--lengths", default="16,64", help="prompt lengths of --prefill-on")
     a = p.parse_args()
+    ths = [int(t) for t in a.threads.split(",")]
+    if a.gemm or a.prefill_on:  # one line per thread count: what an A/B of two builds compares
+        for th in ths:
+            if a.gemm:
+                g = bench_gemm(tokens=[int(t) for t in a.tokens.split(",")], threads=th)
+                line = " | ".join(f"{x['release']}/T{x['tokens']}: {x['MACs_per_ns']:.2f} ({x['of_fma_peak']:.1%})"
+                                  for x in g["runs"])
+                print(json.dumps(g) if a.json else f"{th} thread(s), peak {g['fma_peak_MACs_per_ns']:.1f} MAC/ns | {line}")
+            if a.prefill_on:
+                f = bench_prefill(a.prefill_on, [int(v) for v in a.lengths.split(",")], threads=th)
+                line = " | ".join(f"p{L}: {v:.1f} tok/s" for L, v in f["prefill_tok_s"].items())
+                print(json.dumps(f) if a.json else f"{th} thread(s) | {line}")
+        return
     r = run_bench(a.small, a.prompt, a.new, [int(t) for t in a.threads.split(",")], stream_rows=a.rows,
                   slice_dirs=a.slice, progress=None if a.json else (lambda msg: print(f"... {msg}", flush=True)))
     print(json.dumps(r, indent=1, default=str) if a.json else format_report(r))
