@@ -433,7 +433,8 @@ def test_matvec_empty_shapes():
 # group) give every (token, row) exactly cdot(decoded W[r], x_t)
 # ---------------------------------------------------------------------------------------------
 
-LINEAR_T = list(range(1, 10)) + [13, 20]  # 13, 20: several token blocks; 20: FP8/MXFP4 rows pre-decoded
+LINEAR_T = list(range(1, 10)) + [13, 20, 25]  # several token blocks; 20: FP8/MXFP4 rows of <= 1024
+# pre-decoded to f32; 25: longer FP8 rows turned into FP16 bits (matvec.cpp Fp8HalfRow)
 
 
 def _linear_weight(release, rng, R, C):
@@ -466,7 +467,7 @@ def _per_token_cdots(Wd, X):
 
 
 @pytest.mark.parametrize("release,C", [(r, c) for r in ("bf16", "f32", "fp8")
-                                        for c in (1, 5, 8, 9, 63, 64, 65, 96, 200, 352, 4096 + 32)] +
+                                        for c in (1, 5, 8, 9, 63, 64, 65, 96, 200, 352, 1033, 4096 + 32)] +
                          [("mxfp4", c) for c in (32, 96, 224, 352, 4096 + 32)])
 def test_linear_tokens_are_cdots(release, C):
     rng = np.random.default_rng(60 + C)
@@ -478,7 +479,7 @@ def test_linear_tokens_are_cdots(release, C):
         for T in LINEAR_T:
             assert_same_bits(core.linear(release, data, scale, X[:T].copy(), nan_free=nan_free), want[:T])
         for r0, r1 in ((3, 131), (129, 140), (127, 128), (5, 5)):
-            for T in (1, 2, 7, 20):
+            for T in (1, 2, 7, 20, 25):
                 got = core.linear(release, data, scale, X[:T].copy(), r0, r1, nan_free=nan_free)
                 assert_same_bits(got, want[:T, r0:r1])
 
@@ -519,17 +520,18 @@ def test_linear_special_values():
         core.linear("fp8", q, s, X, nan_free=True)
 
 
+@pytest.mark.parametrize("C", [200, 1088])  # 1088: rows turned into FP16 bits from 24 tokens (matvec.cpp Fp8HalfRow)
 @pytest.mark.parametrize("scale", [2.0 ** 121, 2.0 ** 127 * 1.5, np.inf, np.nan, 2.0 ** -149, 0.0, -3.0])
-def test_linear_fp8_extreme_scales(scale):
+def test_linear_fp8_extreme_scales(scale, C):
     # a scale whose product with 2^8 overflows makes the kernel skip the folded form for the call;
     # inf/NaN/subnormal/zero/negative scales decode as fl32(e4m3 * s)
     rng = np.random.default_rng(72)
-    R, C = 260, 200
+    R = 260
     q, s = _fp8_weight(rng, R, C)
     s[1, 0] = scale
-    X = _tokens(rng, 20, C)
+    X = _tokens(rng, 25, C)
     want = _per_token_cdots(core.decode_fp8_weight(q, s), X)
-    for T in (1, 2, 3, 6, 9, 20):
+    for T in (1, 2, 3, 6, 9, 20, 25):
         assert_same_bits(core.linear("fp8", q, s, X[:T].copy(), nan_free=True), want[:T])
         assert_same_bits(core.linear("fp8", q, s, X[:T].copy(), 120, 140, nan_free=True), want[:T, 120:140])
 
