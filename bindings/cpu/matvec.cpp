@@ -185,6 +185,63 @@ void fp8_half_bits(const uint8_t* q, size_t n, uint16_t* h) {
     for (; i < n; ++i) h[i] = static_cast<uint16_t>((static_cast<int8_t>(q[i]) * 128) & 0xBF80);
 }
 
+// MXFP4 rows turned likewise into the FP16 bits of their E2M1 values (exact, signed), beside their scales as
+// f32: w = fl32(e2m1 * s), the product Mxfp4Row's table rounds (its sign applied after: fl32(-m s) = -fl32(m s)
+// for every s but NaN, and a NaN scale, code 0xFF, keeps a call on Mxfp4Row: rows_mxfp4).
+struct Mxfp4HalfRow {
+    const uint16_t* h;  // this row's FP16 bits
+    const float* s;     // this row's scales, one per 32 columns
+    static constexpr size_t kChunkBytes = 128;
+    const void* stored(size_t c) const { return h + 64 * c; }
+    __m256 load8(size_t base, size_t g) const {
+        const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + base + 8 * g)));
+        return _mm256_mul_ps(v, _mm256_broadcast_ss(s + (base + 8 * g) / 32));
+    }
+    // C % 32 == 0: never a partial group
+    __m256 load_partial(size_t base, size_t g, size_t) const { return load8(base, g); }
+};
+// h[c] = the FP16 bits of E2M1 code c of a packed row of n columns (n % 32 == 0; column 2b in byte b's low
+// nibble, 2b + 1 in its high): each code's FP16 high byte from a table, its low byte 0.
+void mxfp4_half_bits(const uint8_t* packed, size_t n, uint16_t* h) {
+    // +-{0, .5, 1, 1.5, 2, 3, 4, 6}: FP16 0x0000, 0x3800, 0x3C00, 0x3E00, 0x4000, 0x4200, 0x4400, 0x4600
+    const __m128i table = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, static_cast<char>(0x80),
+                                        static_cast<char>(0xB8), static_cast<char>(0xBC), static_cast<char>(0xBE),
+                                        static_cast<char>(0xC0), static_cast<char>(0xC2), static_cast<char>(0xC4),
+                                        static_cast<char>(0xC6));
+    const __m128i low = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
+    for (size_t b = 0; b < n / 2; b += 16) {  // 32 columns
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + b));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(v, low));
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), low));
+        const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);  // columns 0-15, 16-31
+        __m128i* const d = reinterpret_cast<__m128i*>(h + 2 * b);
+        _mm_storeu_si128(d, _mm_unpacklo_epi8(zero, c0));
+        _mm_storeu_si128(d + 1, _mm_unpackhi_epi8(zero, c0));
+        _mm_storeu_si128(d + 2, _mm_unpacklo_epi8(zero, c1));
+        _mm_storeu_si128(d + 3, _mm_unpackhi_epi8(zero, c1));
+    }
+}
+
+// Rows [0, nr) through FP16 bits, 64 at a time: turn(a, m, h, ld) fills rows a .. a + m - 1 into h (ld apart),
+// row(h, ld, a, i) makes row i's source; X packed once for all.
+template <class Turn, class MakeRow>
+void rows_through_half(size_t nr, size_t C, const float* X, size_t ldx, size_t T, float* Y, size_t ldy, bool round,
+                       const Turn& turn, const MakeRow& row) {
+    const size_t ld = (C + 7) / 8 * 8, kRows = 64;
+    float* const Xp = detail::packed_tokens_buffer(64 * T * ((C + 63) / 64));
+    detail::pack_tokens(X, ldx, T, C, Xp);
+    thread_local std::vector<uint16_t> half;
+    if (half.size() < kRows * ld) half.resize(kRows * ld);
+    for (size_t a = 0; a < nr; a += kRows) {
+        const size_t m = std::min(kRows, nr - a);
+        turn(a, m, half.data(), ld);
+        detail::cdot_multi_packed([&](size_t i) { return row(half.data(), ld, a, i); }, m, Xp, T, C, Y + a, ldy, round,
+                                  2 * ld);
+    }
+}
+// (four token blocks or more over rows longer than rows_any's f32 pre-decode takes)
+bool takes_half(size_t T, size_t C) { return T >= 4 * detail::kMultiTokens && C > 1024; }
+
 // Y[t * ldy + i] = cdot(row(i), X[t]) for i < nr, t < T (see rows_bf16). With `predecode` (formats
 // whose decode costs more than an f32 load: FP8, MXFP4), rows of at most 1024 and 18 tokens or more, rows are
 // first decoded, a few at a time, into a per-thread f32 buffer (the values load8 gives, stored) and
@@ -262,26 +319,20 @@ void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, siz
     }
     const float* S = fold ? folded.data() : scale_inv + b0 * sc;
     const uint8_t* p = q + r0 * C;
-    if (nan_free && T >= 4 * detail::kMultiTokens && C > 1024) {
-        // four token blocks or more over rows longer than rows_any's f32 pre-decode takes: 64 rows at a time
-        // turned into FP16 bits (two bytes a weight, as BF16 rows), then every token block over them (8192 x
-        // 4096, one thread: 64 tokens 47-50 -> 53 % of the FMA peak, 128 46-51 -> 55-56 %; at 8-16 tokens the
-        // turning cost more than it saved, 24 was even; docs/perf.md, "Session 35")
-        const size_t nr = r1 - r0, ld = (C + 7) / 8 * 8, kRows = 64;
-        float* const Xp = detail::packed_tokens_buffer(64 * T * ((C + 63) / 64));
-        detail::pack_tokens(X, ldx, T, C, Xp);
-        thread_local std::vector<uint16_t> half;
-        if (half.size() < kRows * ld) half.resize(kRows * ld);
-        for (size_t a = 0; a < nr; a += kRows) {
-            const size_t m = std::min(kRows, nr - a);
-            for (size_t i = 0; i < m; ++i) fp8_half_bits(p + (a + i) * C, C, half.data() + i * ld);
-            auto go = [&](auto tag) {
-                using Row = decltype(tag);
-                detail::cdot_multi_packed([&](size_t i) { return Row{half.data() + i * ld, S + ((r0 + a + i) / 128 - b0) * sc}; },
-                                          m, Xp, T, C, Y + a, ldy, round, 2 * ld);
-            };
-            fold ? go(Fp8HalfRow<true>{}) : go(Fp8HalfRow<false>{});
-        }
+    if (nan_free && takes_half(T, C)) {
+        // 64 rows at a time turned into FP16 bits (two bytes a weight, as BF16 rows), then every token block over
+        // them (8192 x 4096, one thread: 64 tokens 47-50 -> 53 % of the FMA peak, 128 46-51 -> 55-56 %; at 8-16
+        // tokens the turning cost more than it saved, 24 was even; docs/perf.md, "Session 35")
+        auto turn = [&](size_t a, size_t m, uint16_t* h, size_t ld) {
+            for (size_t i = 0; i < m; ++i) fp8_half_bits(p + (a + i) * C, C, h + i * ld);
+        };
+        auto go = [&](auto tag) {
+            using Row = decltype(tag);
+            rows_through_half(r1 - r0, C, X, ldx, T, Y, ldy, round, turn, [&](const uint16_t* h, size_t ld, size_t a, size_t i) {
+                return Row{h + i * ld, S + ((r0 + a + i) / 128 - b0) * sc};
+            });
+        };
+        fold ? go(Fp8HalfRow<true>{}) : go(Fp8HalfRow<false>{});
         return;
     }
     auto run = [&](auto tag) {
@@ -300,6 +351,21 @@ void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0
     if (r1 <= r0) return;
     const uint8_t* p = packed + r0 * (C / 2);
     const uint8_t* s = scale + r0 * (C / 32);
+    if (takes_half(T, C) && std::memchr(s, 0xFF, (r1 - r0) * (C / 32)) == nullptr) {
+        const size_t ns = C / 32;
+        thread_local std::vector<float> sf;  // the chunk's scales as f32
+        if (sf.size() < 64 * ns) sf.resize(64 * ns);
+        auto turn = [&](size_t a, size_t m, uint16_t* h, size_t ld) {
+            for (size_t i = 0; i < m; ++i) {
+                mxfp4_half_bits(p + (a + i) * (C / 2), C, h + i * ld);
+                for (size_t j = 0; j < ns; ++j) sf[i * ns + j] = kE8M0[s[(a + i) * ns + j]];
+            }
+        };
+        rows_through_half(r1 - r0, C, X, ldx, T, Y, ldy, round, turn, [&](const uint16_t* h, size_t ld, size_t, size_t i) {
+            return Mxfp4HalfRow{h + i * ld, sf.data() + i * ns};
+        });
+        return;
+    }
     rows_any([&](size_t i) { return Mxfp4Row{p + i * (C / 2), s + i * (C / 32)}; }, r1 - r0, X, ldx, T, C, Y, ldy,
              round, C / 2 + C / 32, true);
 }
