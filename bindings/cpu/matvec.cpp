@@ -103,6 +103,14 @@ struct Mxfp4Row {
     __m256 load_partial(size_t base, size_t g, size_t) const { return load8(base, g); }
 };
 
+// e4m3 * 2^-8 (exact: e4m3_scaled_8's value) -> fl32(e4m3 * s), the scale at sp folded (s * 2^8) or raw (then
+// the value is multiplied by 2^8 first, exactly): one rounding of the exact product either way.
+template <bool Folded>
+inline __m256 fp8_times_scale(__m256 v, const float* sp) {
+    if (!Folded) v = _mm256_mul_ps(v, _mm256_set1_ps(kE4M3Unscale));
+    return _mm256_mul_ps(v, _mm256_broadcast_ss(sp));
+}
+
 // FP8 for the engine: srow is this row's block of scales, already folded (s * 2^8, exact: the caller
 // checked that none overflows) when Folded, raw otherwise (then e4m3 * 2^-8 is multiplied by 2^8,
 // exactly, and then by s). Either way one rounding of the exact product e4m3 * s. The scale is
@@ -114,9 +122,7 @@ struct Fp8ScaleRow {
     static constexpr size_t kChunkBytes = 64;
     const void* stored(size_t c) const { return p + 64 * c; }
     __m256 decode(__m128i b, const float* s) const {
-        __m256 v = e4m3_scaled_8(b);
-        if (!Folded) v = _mm256_mul_ps(v, _mm256_set1_ps(kE4M3Unscale));
-        v = _mm256_mul_ps(v, _mm256_broadcast_ss(s));
+        __m256 v = fp8_times_scale<Folded>(e4m3_scaled_8(b), s);
         if (NanCodes) v = _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), e4m3_nan_mask_8(b));
         return v;
     }
@@ -133,14 +139,8 @@ struct Fp8ScaleRow {
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + base + 8 * g));
         const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7),
                                            _mm256_set1_epi16(static_cast<short>(0xBF80)));
-        __m256 va = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), vb = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-        if (!Folded) {
-            va = _mm256_mul_ps(va, _mm256_set1_ps(kE4M3Unscale));
-            vb = _mm256_mul_ps(vb, _mm256_set1_ps(kE4M3Unscale));
-        }
-        const __m256 s = _mm256_broadcast_ss(srow + base / 128);
-        a = _mm256_mul_ps(va, s);
-        b = _mm256_mul_ps(vb, s);
+        a = fp8_times_scale<Folded>(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), srow + base / 128);
+        b = fp8_times_scale<Folded>(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), srow + base / 128);
         if (NanCodes) {
             const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
             a = _mm256_blendv_ps(a, nan, e4m3_nan_mask_8(c));
@@ -159,18 +159,15 @@ struct Fp8HalfRow {
     const float* srow;
     static constexpr size_t kChunkBytes = 128;
     const void* stored(size_t c) const { return h + 64 * c; }
-    __m256 scaled(__m128i bits, const float* s) const {
-        __m256 v = _mm256_cvtph_ps(bits);
-        if (!Folded) v = _mm256_mul_ps(v, _mm256_set1_ps(kE4M3Unscale));
-        return _mm256_mul_ps(v, _mm256_broadcast_ss(s));
-    }
     __m256 load8(size_t base, size_t g) const {
-        return scaled(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + base + 8 * g)), srow + base / 128);
+        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + base + 8 * g));
+        return fp8_times_scale<Folded>(_mm256_cvtph_ps(bits), srow + base / 128);
     }
     __m256 load_partial(size_t base, size_t g, size_t k) const {
         alignas(16) uint16_t buf[8] = {};
         std::memcpy(buf, h + base + 8 * g, k * sizeof(uint16_t));
-        return scaled(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)), srow + base / 128);
+        return fp8_times_scale<Folded>(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf))),
+                                       srow + base / 128);
     }
 };
 // h[i] = the FP16 bits of code q[i] as e4m3_scaled_8 forms them: sign-extended, shifted left by 7, bit 14 cleared.
