@@ -46,8 +46,14 @@ double cdot64(const double* a, const double* b, size_t n) {
 
 namespace detail {
 
-size_t pack_tokens(const float* X, size_t ldx, size_t T, size_t n, float* Xp) {
+const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n) {
     const size_t nb = token_blocks(T), nch = (n + 63) / 64;
+    struct alignas(32) Group {  // (32-byte aligned: the passes' x loads never split a line)
+        float v[8];
+    };
+    thread_local std::vector<Group> buf;
+    if (buf.size() < 8 * T * nch) buf.resize(8 * T * nch);
+    float* const Xp = buf.data()->v;
     size_t t0 = 0;
     for (size_t b = 0; b < nb; ++b) {
         const size_t nt = block_tokens(T, nb, b, t0);
@@ -68,16 +74,7 @@ size_t pack_tokens(const float* X, size_t ldx, size_t T, size_t n, float* Xp) {
         }
         t0 += nt;
     }
-    return 64 * T * nch;
-}
-
-float* packed_tokens_buffer(size_t floats) {
-    struct alignas(32) Group {  // (32-byte aligned: the passes' x loads never split a line)
-        float v[8];
-    };
-    thread_local std::vector<Group> buf;
-    if (buf.size() * 8 < floats) buf.resize((floats + 7) / 8);
-    return buf.data()->v;
+    return Xp;
 }
 
 }  // namespace detail

@@ -116,7 +116,7 @@ inline __m256 in_reg(__m256 v) {
 
 // Several rows against several tokens. One pass accumulates group g of rows 0 .. RB-1 and tokens
 // 0 .. NT-1 over chunks [c0, c1) (and the tail chunk c1 when `tail`), x from the token block packed by
-// pack_tokens (group g of chunk c of token t at Xp + ((8c + g) NT + t) 8), starting from and returning to
+// packed_tokens (group g of chunk c of token t at Xp + ((8c + g) NT + t) 8), starting from and returning to
 // P[i * ps + t * 8 + g] (memory; the first panel, c0 = 0, starts from +0 instead). Every accumulator P[i][t][g] receives exactly the fmas cdot_kernel
 // would give it, in the same chunk order (the eight groups of a chunk are independent sums, so visiting
 // them in separate passes changes nothing), so after the passes of every group over all chunks,
@@ -204,7 +204,7 @@ constexpr int block_rows() {
 }
 
 // Y[t * ldy + i] = cdot(row(i), x_t) over n elements for i < nr, t < NT (NT <= 6), x_t token t of the
-// block Xp packed by pack_tokens, rounded to bf16 when `round`; row(i) returns the Row source of the i-th
+// block Xp packed by packed_tokens, rounded to bf16 when `round`; row(i) returns the Row source of the i-th
 // row. Rows go SB at a time (RB per register block) and the columns in panels of KP chunks, so that the X
 // panel (NT x 64 KP floats, 16 KiB, contiguous) and the SB x NT accumulator sets (16 KiB) stay in L1 while SB
 // rows go by; accumulators wait in memory between passes and panels (an f32 store and load are exact), so
@@ -271,12 +271,11 @@ inline size_t block_tokens(size_t T, size_t nb, size_t b, size_t t0) {
 // t0 + nt - 1) from Xp + 64 t0 nch (nch = ceil(n / 64) chunks), then group g of chunk c of its token t at
 // ((8c + g) nt + t) 8, elements past n 0. Read in place, tokens 4n bytes apart (16 KiB at n = 4096) fell
 // in the same L1 sets as each other and the accumulators: the rows at n = 4096 ran 12-15 % slower than at
-// 4032 (docs/perf.md, "Session 35"). Returns the floats written: 64 T nch.
-size_t pack_tokens(const float* X, size_t ldx, size_t T, size_t n, float* Xp);
-// An aligned per-thread buffer of at least `floats` floats (one per thread, reused across calls).
-float* packed_tokens_buffer(size_t floats);
+// 4032 (docs/perf.md, "Session 35"). Packed into the calling thread's buffer (64 T nch floats, 32-byte
+// aligned, reused by its next call), which is returned.
+const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n);
 
-// Y[t * ldy + i] = cdot(row(i), X + t * ldx) for i < nr, t < T, from X packed by pack_tokens.
+// Y[t * ldy + i] = cdot(row(i), X + t * ldx) for i < nr, t < T, from X packed by packed_tokens.
 // Rows are taken in chunks of about 192 KiB of stored weights (row_bytes each), and every token block
 // runs over a chunk before the next chunk is read: a weight larger than the caches is read from memory
 // once per call, not once per token block.
@@ -309,9 +308,7 @@ inline void cdot_multi_packed(const MakeRow& row, size_t nr, const float* Xp, si
 template <class MakeRow>
 inline void cdot_multi(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t T, size_t n, float* Y,
                        size_t ldy, bool round, size_t row_bytes) {
-    float* const Xp = packed_tokens_buffer(64 * T * ((n + 63) / 64));
-    pack_tokens(X, ldx, T, n, Xp);
-    cdot_multi_packed(row, nr, Xp, T, n, Y, ldy, round, row_bytes);
+    cdot_multi_packed(row, nr, packed_tokens(X, ldx, T, n), T, n, Y, ldy, round, row_bytes);
 }
 
 struct F32Row {

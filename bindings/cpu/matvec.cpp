@@ -225,8 +225,7 @@ template <class Turn, class MakeRow>
 void rows_through_half(size_t nr, size_t C, const float* X, size_t ldx, size_t T, float* Y, size_t ldy, bool round,
                        const Turn& turn, const MakeRow& row) {
     const size_t ld = (C + 7) / 8 * 8, kRows = 64;
-    float* const Xp = detail::packed_tokens_buffer(64 * T * ((C + 63) / 64));
-    detail::pack_tokens(X, ldx, T, C, Xp);
+    const float* const Xp = detail::packed_tokens(X, ldx, T, C);
     thread_local std::vector<uint16_t> half;
     if (half.size() < kRows * ld) half.resize(kRows * ld);
     for (size_t a = 0; a < nr; a += kRows) {
@@ -262,8 +261,7 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
     }
     const size_t ld = (C + 7) / 8 * 8;
     const size_t nb = std::max<size_t>(16, (size_t{1} << 16) / ld);  // rows per decoded block (>= 256 KiB)
-    float* const Xp = detail::packed_tokens_buffer(64 * T * ((C + 63) / 64));  // (x packed once for every block)
-    detail::pack_tokens(X, ldx, T, C, Xp);
+    const float* const Xp = detail::packed_tokens(X, ldx, T, C);  // (x packed once for every block)
     thread_local std::vector<float> buf;
     if (buf.size() < nb * ld) buf.resize(nb * ld);
     for (size_t a = 0; a < nr; a += nb) {
