@@ -520,6 +520,16 @@ def test_linear_special_values():
         core.linear("fp8", q, s, X, nan_free=True)
 
 
+@pytest.mark.parametrize("release,C", [("bf16", 72), ("f32", 72), ("fp8", 1056), ("mxfp4", 1056)])
+def test_linear_token_groups(release, C):
+    # more tokens than one packed x holds (cdot.hpp kPackTokens, 512): the call goes in groups of tokens
+    rng = np.random.default_rng(74)
+    data, scale, Wd = _linear_weight(release, rng, 5, C)
+    X = np.ascontiguousarray((rng.standard_normal((1100, C)) * 0.5).astype(F32))
+    got = core.linear(release, data, scale, X, nan_free=release == "fp8")
+    assert_same_bits(got, _per_token_cdots(Wd, X))
+
+
 @pytest.mark.parametrize("C", [200, 1088])  # 1088: rows turned into FP16 bits from 24 tokens (matvec.cpp Fp8HalfRow)
 @pytest.mark.parametrize("scale", [2.0 ** 121, 2.0 ** 127 * 1.5, np.inf, np.nan, 2.0 ** -149, 0.0, -3.0])
 def test_linear_fp8_extreme_scales(scale, C):

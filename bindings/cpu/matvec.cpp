@@ -282,11 +282,22 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
     }
 }
 
+// Calls of more than kPackTokens tokens go in groups of it, fn(x, tokens, y) each; false when T fits one.
+template <class Fn>
+bool in_token_groups(const float* X, size_t ldx, size_t T, float* Y, size_t ldy, const Fn& fn) {
+    if (T <= detail::kPackTokens) return false;
+    for (size_t t0 = 0; t0 < T; t0 += detail::kPackTokens)
+        fn(X + t0 * ldx, std::min(detail::kPackTokens, T - t0), Y + t0 * ldy);
+    return true;
+}
+
 }  // namespace
 
 void rows_bf16(const uint16_t* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
                size_t ldy, bool round) {
     if (r1 <= r0) return;
+    if (in_token_groups(X, ldx, T, Y, ldy, [&](const float* x, size_t t, float* y) { rows_bf16(W, C, r0, r1, x, ldx, t, y, ldy, round); }))
+        return;
     const uint16_t* w = W + r0 * C;
     rows_any([&](size_t i) { return Bf16Row{w + i * C}; }, r1 - r0, X, ldx, T, C, Y, ldy, round, 2 * C);
 }
@@ -294,6 +305,8 @@ void rows_bf16(const uint16_t* W, size_t C, size_t r0, size_t r1, const float* X
 void rows_f32(const float* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
               size_t ldy, bool round) {
     if (r1 <= r0) return;
+    if (in_token_groups(X, ldx, T, Y, ldy, [&](const float* x, size_t t, float* y) { rows_f32(W, C, r0, r1, x, ldx, t, y, ldy, round); }))
+        return;
     const float* w = W + r0 * C;
     rows_any([&](size_t i) { return detail::F32Row{w + i * C}; }, r1 - r0, X, ldx, T, C, Y, ldy, round, 4 * C);
 }
@@ -301,6 +314,10 @@ void rows_f32(const float* W, size_t C, size_t r0, size_t r1, const float* X, si
 void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, size_t r1, const float* X, size_t ldx,
               size_t T, float* Y, size_t ldy, bool round, bool nan_free) {
     if (r1 <= r0) return;
+    if (in_token_groups(X, ldx, T, Y, ldy, [&](const float* x, size_t t, float* y) {
+            rows_fp8(q, scale_inv, C, r0, r1, x, ldx, t, y, ldy, round, nan_free);
+        }))
+        return;
     const size_t sc = fp8_scale_cols(C), b0 = r0 / 128, nb = (r1 - 1) / 128 + 1 - b0;
     // the scales these rows use, times 2^8 (exact), unless one would overflow: then none is folded
     // (both forms give the same bits; folding saves a multiply per eight weights)
@@ -344,6 +361,10 @@ void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, siz
 void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0, size_t r1, const float* X,
                 size_t ldx, size_t T, float* Y, size_t ldy, bool round) {
     if (r1 <= r0) return;
+    if (in_token_groups(X, ldx, T, Y, ldy, [&](const float* x, size_t t, float* y) {
+            rows_mxfp4(packed, scale, C, r0, r1, x, ldx, t, y, ldy, round);
+        }))
+        return;
     const uint8_t* p = packed + r0 * (C / 2);
     const uint8_t* s = scale + r0 * (C / 32);
     if (takes_half(T, C) && std::memchr(s, 0xFF, (r1 - r0) * (C / 32)) == nullptr) {
