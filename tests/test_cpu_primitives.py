@@ -522,7 +522,7 @@ def test_linear_special_values():
 
 @pytest.mark.parametrize("release,C", [("bf16", 72), ("f32", 72), ("fp8", 1056), ("mxfp4", 1056)])
 def test_linear_token_groups(release, C):
-    # more tokens than one packed x holds (cdot.hpp kPackTokens, 512): the call goes in groups of tokens
+    # more tokens than one packed x holds (cdot.hpp kPackTokens, 512): Lin::matmul goes in groups of tokens
     rng = np.random.default_rng(74)
     data, scale, Wd = _linear_weight(release, rng, 5, C)
     X = np.ascontiguousarray((rng.standard_normal((1100, C)) * 0.5).astype(F32))

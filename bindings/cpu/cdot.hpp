@@ -263,8 +263,8 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size
 // (one per fma there) bound the loop.)
 constexpr size_t kMultiTokens = 6;
 inline size_t token_blocks(size_t T) { return (T + kMultiTokens - 1) / kMultiTokens; }
-// Tokens one packed x holds at most (packed_tokens' buffer: about 4 kPackTokens n bytes a thread): the
-// matvec.cpp entries take longer calls in groups of it (each token's dots the same in any group).
+// Tokens one packed x holds at most (packed_tokens' buffer: about 4 kPackTokens n bytes a thread): Lin::matmul
+// takes longer calls in groups of it (each token's dots the same in any group).
 constexpr size_t kPackTokens = 512;
 // Tokens of block b of nb, whose first is t0.
 inline size_t block_tokens(size_t T, size_t nb, size_t b, size_t t0) {

@@ -219,17 +219,18 @@ void mxfp4_half_bits(const uint8_t* packed, size_t n, uint16_t* h) {
     }
 }
 
-// Rows [0, nr) through FP16 bits, 64 at a time: turn(a, m, h, ld) fills rows a .. a + m - 1 into h (ld apart),
-// row(h, ld, a, i) makes row i's source; X packed once for all.
+// Rows [0, nr) through FP16 bits, kHalfRows at a time: turn(a, m, h, ld) fills rows a .. a + m - 1 into h (ld
+// apart), row(h, ld, a, i) makes row i's source; X packed once for all.
+constexpr size_t kHalfRows = 64;
 template <class Turn, class MakeRow>
 void rows_through_half(size_t nr, size_t C, const float* X, size_t ldx, size_t T, float* Y, size_t ldy, bool round,
                        const Turn& turn, const MakeRow& row) {
-    const size_t ld = (C + 7) / 8 * 8, kRows = 64;
+    const size_t ld = (C + 7) / 8 * 8;
     const float* const Xp = detail::packed_tokens(X, ldx, T, C);
     thread_local std::vector<uint16_t> half;
-    if (half.size() < kRows * ld) half.resize(kRows * ld);
-    for (size_t a = 0; a < nr; a += kRows) {
-        const size_t m = std::min(kRows, nr - a);
+    if (half.size() < kHalfRows * ld) half.resize(kHalfRows * ld);
+    for (size_t a = 0; a < nr; a += kHalfRows) {
+        const size_t m = std::min(kHalfRows, nr - a);
         turn(a, m, half.data(), ld);
         detail::cdot_multi_packed([&](size_t i) { return row(half.data(), ld, a, i); }, m, Xp, T, C, Y + a, ldy, round,
                                   2 * ld);
@@ -282,22 +283,11 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
     }
 }
 
-// Calls of more than kPackTokens tokens go in groups of it, fn(x, tokens, y) each; false when T fits one.
-template <class Fn>
-bool in_token_groups(const float* X, size_t ldx, size_t T, float* Y, size_t ldy, const Fn& fn) {
-    if (T <= detail::kPackTokens) return false;
-    for (size_t t0 = 0; t0 < T; t0 += detail::kPackTokens)
-        fn(X + t0 * ldx, std::min(detail::kPackTokens, T - t0), Y + t0 * ldy);
-    return true;
-}
-
 }  // namespace
 
 void rows_bf16(const uint16_t* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
                size_t ldy, bool round) {
     if (r1 <= r0) return;
-    if (in_token_groups(X, ldx, T, Y, ldy, [&](const float* x, size_t t, float* y) { rows_bf16(W, C, r0, r1, x, ldx, t, y, ldy, round); }))
-        return;
     const uint16_t* w = W + r0 * C;
     rows_any([&](size_t i) { return Bf16Row{w + i * C}; }, r1 - r0, X, ldx, T, C, Y, ldy, round, 2 * C);
 }
@@ -305,8 +295,6 @@ void rows_bf16(const uint16_t* W, size_t C, size_t r0, size_t r1, const float* X
 void rows_f32(const float* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
               size_t ldy, bool round) {
     if (r1 <= r0) return;
-    if (in_token_groups(X, ldx, T, Y, ldy, [&](const float* x, size_t t, float* y) { rows_f32(W, C, r0, r1, x, ldx, t, y, ldy, round); }))
-        return;
     const float* w = W + r0 * C;
     rows_any([&](size_t i) { return detail::F32Row{w + i * C}; }, r1 - r0, X, ldx, T, C, Y, ldy, round, 4 * C);
 }
@@ -314,10 +302,6 @@ void rows_f32(const float* W, size_t C, size_t r0, size_t r1, const float* X, si
 void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, size_t r1, const float* X, size_t ldx,
               size_t T, float* Y, size_t ldy, bool round, bool nan_free) {
     if (r1 <= r0) return;
-    if (in_token_groups(X, ldx, T, Y, ldy, [&](const float* x, size_t t, float* y) {
-            rows_fp8(q, scale_inv, C, r0, r1, x, ldx, t, y, ldy, round, nan_free);
-        }))
-        return;
     const size_t sc = fp8_scale_cols(C), b0 = r0 / 128, nb = (r1 - 1) / 128 + 1 - b0;
     // the scales these rows use, times 2^8 (exact), unless one would overflow: then none is folded
     // (both forms give the same bits; folding saves a multiply per eight weights)
@@ -332,7 +316,7 @@ void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, siz
     const float* S = fold ? folded.data() : scale_inv + b0 * sc;
     const uint8_t* p = q + r0 * C;
     if (nan_free && takes_half(T, C)) {
-        // 64 rows at a time turned into FP16 bits (two bytes a weight, as BF16 rows), then every token block over
+        // kHalfRows rows at a time turned into FP16 bits (two bytes a weight, as BF16 rows), then every token block over
         // them (8192 x 4096, one thread: 64 tokens 47-50 -> 53 % of the FMA peak, 128 46-51 -> 55-56 %; at 8-16
         // tokens the turning cost more than it saved, 24 was even; docs/perf.md, "Session 35")
         auto turn = [&](size_t a, size_t m, uint16_t* h, size_t ld) {
@@ -361,16 +345,12 @@ void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, siz
 void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0, size_t r1, const float* X,
                 size_t ldx, size_t T, float* Y, size_t ldy, bool round) {
     if (r1 <= r0) return;
-    if (in_token_groups(X, ldx, T, Y, ldy, [&](const float* x, size_t t, float* y) {
-            rows_mxfp4(packed, scale, C, r0, r1, x, ldx, t, y, ldy, round);
-        }))
-        return;
     const uint8_t* p = packed + r0 * (C / 2);
     const uint8_t* s = scale + r0 * (C / 32);
     if (takes_half(T, C) && std::memchr(s, 0xFF, (r1 - r0) * (C / 32)) == nullptr) {
         const size_t ns = C / 32;
-        thread_local std::vector<float> sf;  // the chunk's scales as f32
-        if (sf.size() < 64 * ns) sf.resize(64 * ns);
+        thread_local std::vector<float> sf;  // the turned rows' scales as f32
+        if (sf.size() < kHalfRows * ns) sf.resize(kHalfRows * ns);
         auto turn = [&](size_t a, size_t m, uint16_t* h, size_t ld) {
             for (size_t i = 0; i < m; ++i) {
                 mxfp4_half_bits(p + (a + i) * (C / 2), C, h + i * ld);

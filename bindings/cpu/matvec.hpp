@@ -23,7 +23,8 @@ void matvec_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t R, size_t 
 // T token rows X[t * ldx ...] (C floats each): Y[t * ldy + i] = cdot(W[r0 + i], X[t]) for i < r1 - r0,
 // bf16-rounded when `round`. Bit-identical to one cdot per token and row, whatever T, r0, r1.
 // T = 1 runs the one-token kernel (eight accumulators in registers); T >= 2 decodes each group of
-// eight weights once for up to eight tokens (detail::cdot_multi). Runs on the calling thread.
+// eight weights once for up to eight tokens (detail::cdot_multi). Runs on the calling thread. T >= 2 packs x
+// into a per-thread buffer of about 4 T C bytes, kept: Lin::matmul calls with at most detail::kPackTokens.
 void rows_bf16(const uint16_t* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
                size_t ldy, bool round);
 void rows_f32(const float* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,

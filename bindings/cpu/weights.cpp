@@ -115,6 +115,11 @@ void Lin::matvec(size_t r0, size_t r1, const float* x, float* y) const { matmul(
 
 void Lin::matmul(size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y, size_t ldy, bool round) const {
     if (r1 <= r0 || T == 0) return;
+    if (T > detail::kPackTokens) {  // (the kernels pack x per call: its copy a thread keeps stays bounded)
+        for (size_t t0 = 0; t0 < T; t0 += detail::kPackTokens)
+            matmul(r0, r1, X + t0 * ldx, ldx, std::min(detail::kPackTokens, T - t0), Y + t0 * ldy, ldy, round);
+        return;
+    }
     const size_t a0 = row0 + r0, a1 = row0 + r1;
     switch (fmt) {
         case WFmt::BF16:
