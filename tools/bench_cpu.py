@@ -192,24 +192,22 @@ def bench_gemm(rows: int = 8192, cols: int = 4096, tokens=(6, 16, 64), releases=
 def bench_prefill(path: str, lengths=(16, 64), threads: int = 1, warm: int = 2, reps: int = 5) -> dict:
     """Prefill tokens/s of fast.Engine on a checkpoint (a new cache each pass): `warm` untimed passes of each
     length, then the median of `reps`."""
-    import statistics
-
     import fast
+    # (after fast: bench_throughput puts the checkout first on sys.path, which would shadow the build an A/B
+    # run names by PYTHONPATH)
+    from tools.bench_throughput import median_of
 
     eng = fast.Engine(path, threads=threads)
     out = {"checkpoint": path, "threads": threads, "prefill_tok_s": {}}
     for L in lengths:
         ids = [(7 * i + 3) % 30000 + 1 for i in range(L)]
 
-        def once():
+        def prefill():
             cache = eng.new_cache()
-            t0 = time.perf_counter()
             eng.forward(ids, cache)
-            return time.perf_counter() - t0
+            cache.close()
 
-        for _ in range(warm):
-            once()
-        out["prefill_tok_s"][L] = L / statistics.median(once() for _ in range(reps))
+        out["prefill_tok_s"][L] = L / median_of(prefill, warm, reps)
     return out
 
 
