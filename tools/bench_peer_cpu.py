@@ -40,7 +40,6 @@ def _load():
 
 def load_peer(path: str):
     import torch
-    from safetensors import safe_open
     from transformers import Glm5NextTextModel
     from transformers.utils import logging as tlog
 
@@ -54,18 +53,12 @@ def load_peer(path: str):
     if extra:
         raise RuntimeError(f"peer load of {path}: unexpected tensors {sorted(extra)[:5]}")
     model.eval()
-    # the head's tensor from the file that holds it (one file, or the shard the index names)
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            where = json.load(f)["weight_map"]
-    else:
-        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-            where = dict.fromkeys(f.keys(), "model.safetensors")
-    name = "lm_head.weight" if "lm_head.weight" in where else "model.embed_tokens.weight"
-    with safe_open(os.path.join(path, where[name]), "pt") as f:
-        head = f.get_tensor(name)
-    return model, head.to(torch.bfloat16)
+    # the head (tied or not, from whichever file holds it) by the project's checkpoint reader: BF16 bits
+    from oracle.checkpoint import open_checkpoint
+
+    with open_checkpoint(path, verify=False) as ck:
+        bits = np.array(ck.raw("lm_head").data, dtype=np.uint16)
+    return model, torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
 
 
 def peer_run(model, head, ids: list[int], new: int):
