@@ -87,3 +87,21 @@ def test_bench_cpu_gemm_and_prefill_lines(golden_dir):
                                                 for x in g["runs"])
     f = bench_prefill(str(golden_dir / "tiny-fp8"), lengths=(3, 5), warm=1, reps=3)
     assert sorted(f["prefill_tok_s"]) == [3, 5] and min(f["prefill_tok_s"].values()) > 0
+
+
+def test_bench_peer_cpu_batched_decode_rows(golden_dir):
+    """tools/bench_peer_cpu.py --batches: a row per thread count and batch, both sides timed on the same prompts."""
+    pytest.importorskip("fast._core")
+    pytest.importorskip("transformers")
+    from tools.bench_peer_cpu import batch_prompts, format_peer_report, run_peer_bench
+    r = run_peer_bench(str(golden_dir / "tiny-bf16"), prompt=5, new=3, threads=(1,), reps=1, pause=0, warmup=1,
+                       batches=(2, 3))
+    rows = r["runs"][1]["batch_decode"]
+    assert sorted(rows) == [2, 3]
+    for B, b in rows.items():
+        assert b["peer_tok_s"] > 0 and b["engine_tok_s"] > 0
+        assert b["ratio"] == pytest.approx(b["engine_tok_s"] / b["peer_tok_s"], rel=1e-12)
+        assert 0 <= b["sequences_agreeing"] <= B and b["steps"] == 3
+    text = format_peer_report(r)
+    assert "| 1 | 3 |" in text and f"{rows[3]['sequences_agreeing']}/3 |" in text
+    assert batch_prompts(3, 1000).shape == (3, 8) and (batch_prompts(3, 1000) == batch_prompts(3, 1000)).all()

@@ -16,6 +16,14 @@ take the second core from the engine), after `warmup` untimed passes of the same
 median of `reps`; the load average is recorded around every run (the VM is shared with other jobs). The report
 gives engine / peer ratios and how many greedy tokens agree (the peer is BF16 torch, not the canonical
 numerics, so they may part).
+
+With --batches B1,B2,..: batched greedy decode too, as tools/bench_throughput.py times it on the GPU.
+B sequences, each prefilled with the same 8 tokens on both sides, then one-token steps for all B at once
+(the peer: one forward of a [B, 1] batch with its DynamicCache and the argmax of lm_head; the engine:
+one Engine.step of B "argmax" segments), each side feeding its own tokens; the figure is a step's median
+after `warmup` untimed steps, and the report counts the sequences whose last token agrees.
+
+    python tools/bench_peer_cpu.py --ckpt /tmp/eng/slice-bf16 --threads 1,2 --batches 8,32
 """
 from __future__ import annotations
 
@@ -89,8 +97,50 @@ def engine_run(eng, ids: list[int], new: int):
     return t1 - t0, time.perf_counter() - t1, toks
 
 
+def batch_prompts(B: int, V: int) -> np.ndarray:
+    """The B 8-token prompts both sides take at batch B."""
+    return np.random.default_rng(B).integers(0, V, (B, 8))
+
+
+def peer_batch_step(model, head, prompts: np.ndarray, warmup: int, reps: int) -> tuple[float, list[int]]:
+    """(median seconds of one greedy decode step of the prompts' B sequences on the peer, the tokens its last
+    step chose)."""
+    import torch
+    from transformers import DynamicCache
+
+    from tools.bench_throughput import median_of
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+
+        def run(x):
+            h = model(input_ids=x, past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+            return torch.nn.functional.linear(h, head).argmax(-1, keepdim=True)
+        tok = run(torch.from_numpy(prompts))
+
+        def step():
+            nonlocal tok
+            tok = run(tok)
+        return median_of(step, warmup, reps), tok[:, 0].tolist()
+
+
+def engine_batch_step(eng, prompts: np.ndarray, warmup: int, reps: int) -> tuple[float, list[int]]:
+    """The same on the engine: one Engine.step of B "argmax" segments a step."""
+    from tools.bench_throughput import median_of
+    caches = [eng.new_cache() for _ in range(len(prompts))]
+    toks = eng.step([(c, p.tolist(), None, "argmax") for c, p in zip(caches, prompts)])
+
+    def step():
+        nonlocal toks
+        toks = eng.step([(c, [t], None, "argmax") for c, t in zip(caches, toks)])
+    try:
+        return median_of(step, warmup, reps), toks
+    finally:
+        for c in caches:
+            c.close()
+
+
 def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, threads=(1, 2), reps: int = 5,
-                   progress=None, pause: float = 1.0, warmup: int = 2) -> dict:
+                   progress=None, pause: float = 1.0, warmup: int = 2, batches=()) -> dict:
     import torch
     import transformers
 
@@ -148,7 +198,19 @@ def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, thr
                 "prefill_ratio": pp / ep, "decode_ratio": pd / ed,
                 "greedy_tokens_agreeing": agree,
                 "load_1min_before_peer_engine_after": loads,
+                "batch_decode": {},
             }
+            for B in batches:  # each side's warm-up and repeats in turn, a pause between them
+                say(f"{th} thread(s), batch {B}")
+                prompts = batch_prompts(B, V)
+                ps, ptoks = peer_batch_step(model, head, prompts, warmup, reps)
+                time.sleep(pause)
+                es, etoks = engine_batch_step(eng, prompts, warmup, reps)
+                time.sleep(pause)
+                rep["runs"][th]["batch_decode"][B] = {
+                    "peer_tok_s": B / ps, "engine_tok_s": B / es, "ratio": ps / es,
+                    "steps": 1 + warmup + reps,  # after the prompts' step
+                    "sequences_agreeing": sum(a == b for a, b in zip(ptoks, etoks))}
             del eng
         rep["machine"]["load_1min_end"] = _load()
         return rep
@@ -173,6 +235,13 @@ def format_peer_report(r: dict) -> str:
         lines.append(f"| {th} | {e['peer']['prefill_tok_s']:.0f} | {e['engine']['prefill_tok_s']:.0f} | "
                      f"{e['prefill_ratio']:.1f} | {e['peer']['decode_tok_s']:.0f} | {e['engine']['decode_tok_s']:.0f} | "
                      f"{e['decode_ratio']:.1f} | {e['greedy_tokens_agreeing']}/{r['new']} | {loads} |")
+    batch_rows = [(th, B, b) for th, e in r["runs"].items() for B, b in e.get("batch_decode", {}).items()]
+    if batch_rows:
+        lines += ["", "batched greedy decode (8-token prompts; a step's median; sequences whose token after the last "
+                  "step is the same on both sides):", "",
+                  "| threads | batch | peer tok/s | engine tok/s | x | sequences agreeing |", "|---|---|---|---|---|---|"]
+        lines += [f"| {th} | {B} | {b['peer_tok_s']:.1f} | {b['engine_tok_s']:.1f} | {b['ratio']:.2f} | "
+                  f"{b['sequences_agreeing']}/{B} |" for th, B, b in batch_rows]
     return "\n".join(lines)
 
 
@@ -184,10 +253,12 @@ def main() -> None:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed passes of the timed work per side first")
+    p.add_argument("--batches", default="", help="batch sizes for batched greedy decode, e.g. 8,32 (default: none)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     r = run_peer_bench(a.ckpt, a.prompt, a.new, [int(t) for t in a.threads.split(",")], a.reps,
-                       progress=None if a.json else (lambda msg: print(f"... {msg}", flush=True)), warmup=a.warmup)
+                       progress=None if a.json else (lambda msg: print(f"... {msg}", flush=True)), warmup=a.warmup,
+                       batches=[int(b) for b in a.batches.split(",") if b])
     print(json.dumps(r, indent=1, default=str) if a.json else format_peer_report(r))
 
 
