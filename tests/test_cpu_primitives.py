@@ -434,7 +434,8 @@ def test_matvec_empty_shapes():
 # ---------------------------------------------------------------------------------------------
 
 LINEAR_T = list(range(1, 10)) + [13, 20, 25]  # several token blocks; 20: FP8/MXFP4 rows of <= 1024
-# pre-decoded to f32; 25: longer FP8 rows turned into FP16 bits (matvec.cpp Fp8HalfRow)
+# pre-decoded to f32; longer rows turned into FP16 bits (matvec.cpp takes_half): FP8 from 13 tokens
+# (Fp8HalfRow), MXFP4 from 7 (Mxfp4HalfRow)
 
 
 def _linear_weight(release, rng, R, C):
@@ -530,7 +531,7 @@ def test_linear_token_groups(release, C):
     assert_same_bits(got, _per_token_cdots(Wd, X))
 
 
-@pytest.mark.parametrize("C", [200, 1088])  # 1088: rows turned into FP16 bits from 24 tokens (matvec.cpp Fp8HalfRow)
+@pytest.mark.parametrize("C", [200, 1088])  # 1088: rows turned into FP16 bits from 13 tokens (matvec.cpp Fp8HalfRow)
 @pytest.mark.parametrize("scale", [2.0 ** 121, 2.0 ** 127 * 1.5, np.inf, np.nan, 2.0 ** -149, 0.0, -3.0])
 def test_linear_fp8_extreme_scales(scale, C):
     # a scale whose product with 2^8 overflows makes the kernel skip the folded form for the call;

@@ -281,10 +281,13 @@ const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n);
 // Y[t * ldy + i] = cdot(row(i), X + t * ldx) for i < nr, t < T, from X packed by packed_tokens.
 // Rows are taken in chunks of about 192 KiB of stored weights (row_bytes each), and every token block
 // runs over a chunk before the next chunk is read: a weight larger than the caches is read from memory
-// once per call, not once per token block.
+// once per call, not once per token block. `from_memory`: the rows are a weight's (the first token block
+// asks for the next panel's lines ahead, cdot_multi_rows); false for rows the caller has just written into
+// a buffer of its own (in L2 already, where asking cost FP8 rows turned into FP16 bits 2-4 points of the
+// FMA peak at 24-64 tokens; docs/perf.md, "Session 36").
 template <class MakeRow>
 inline void cdot_multi_packed(const MakeRow& row, size_t nr, const float* Xp, size_t T, size_t n, float* Y, size_t ldy,
-                              bool round, size_t row_bytes) {
+                              bool round, size_t row_bytes, bool from_memory = true) {
     const size_t nb = token_blocks(T), nch = (n + 63) / 64;
     const size_t chunk = nb == 1 ? nr : std::max<size_t>(64, (size_t{192} << 10) / std::max<size_t>(row_bytes, 1));
     for (size_t a = 0; a < nr; a += chunk) {
@@ -293,15 +296,16 @@ inline void cdot_multi_packed(const MakeRow& row, size_t nr, const float* Xp, si
         size_t t0 = 0;
         for (size_t b = 0; b < nb; ++b) {  // (block 0 reads the chunk from memory: ahead)
             const size_t nt = block_tokens(T, nb, b, t0);
+            const bool ahead = from_memory && b == 0;
             const float* Xb = Xp + 64 * t0 * nch;
             float* Yb = Y + t0 * ldy + a;
             switch (nt) {
-                case 1: cdot_multi_rows<1>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
-                case 2: cdot_multi_rows<2>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
-                case 3: cdot_multi_rows<3>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
-                case 4: cdot_multi_rows<4>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
-                case 5: cdot_multi_rows<5>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
-                default: cdot_multi_rows<6>(sub, m, Xb, n, Yb, ldy, round, b == 0); break;
+                case 1: cdot_multi_rows<1>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
+                case 2: cdot_multi_rows<2>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
+                case 3: cdot_multi_rows<3>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
+                case 4: cdot_multi_rows<4>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
+                case 5: cdot_multi_rows<5>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
+                default: cdot_multi_rows<6>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
             }
             t0 += nt;
         }

@@ -233,11 +233,13 @@ void rows_through_half(size_t nr, size_t C, const float* X, size_t ldx, size_t T
         const size_t m = std::min(kHalfRows, nr - a);
         turn(a, m, half.data(), ld);
         detail::cdot_multi_packed([&](size_t i) { return row(half.data(), ld, a, i); }, m, Xp, T, C, Y + a, ldy, round,
-                                  2 * ld);
+                                  2 * ld, /*from_memory=*/false);
     }
 }
-// (four token blocks or more over rows longer than rows_any's f32 pre-decode takes)
-bool takes_half(size_t T, size_t C) { return T >= 4 * detail::kMultiTokens && C > 1024; }
+// Rows longer than rows_any's f32 pre-decode takes, against `blocks` token blocks or more (FP8 3, MXFP4 2:
+// where the turning began to pay once the turned rows' passes no longer asked for lines ahead; docs/perf.md,
+// "Session 36").
+bool takes_half(size_t T, size_t C, size_t blocks) { return detail::token_blocks(T) >= blocks && C > 1024; }
 
 // Y[t * ldy + i] = cdot(row(i), X[t]) for i < nr, t < T (see rows_bf16). With `predecode` (formats
 // whose decode costs more than an f32 load: FP8, MXFP4), rows of at most 1024 and 18 tokens or more, rows are
@@ -279,7 +281,7 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
         }
         const float* w = buf.data();
         detail::cdot_multi_packed([&](size_t i) { return detail::F32Row{w + i * ld}; }, m, Xp, T, C, Y + a, ldy, round,
-                                  ld * sizeof(float));
+                                  ld * sizeof(float), /*from_memory=*/false);
     }
 }
 
@@ -315,10 +317,10 @@ void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, siz
     }
     const float* S = fold ? folded.data() : scale_inv + b0 * sc;
     const uint8_t* p = q + r0 * C;
-    if (nan_free && takes_half(T, C)) {
+    if (nan_free && takes_half(T, C, 3)) {
         // kHalfRows rows at a time turned into FP16 bits (two bytes a weight, as BF16 rows), then every token block over
-        // them (8192 x 4096, one thread: 64 tokens 47-50 -> 53 % of the FMA peak, 128 46-51 -> 55-56 %; at 8-16
-        // tokens the turning cost more than it saved, 24 was even; docs/perf.md, "Session 35")
+        // them (8192 x 4096, one thread: 64 tokens 47-50 -> 53 % of the FMA peak, 128 46-51 -> 55-56 %; docs/perf.md,
+        // "Session 35"; from 13 tokens since session 36: at 7-12 the turning costs what two blocks' decodes save)
         auto turn = [&](size_t a, size_t m, uint16_t* h, size_t ld) {
             for (size_t i = 0; i < m; ++i) fp8_half_bits(p + (a + i) * C, C, h + i * ld);
         };
@@ -347,7 +349,7 @@ void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0
     if (r1 <= r0) return;
     const uint8_t* p = packed + r0 * (C / 2);
     const uint8_t* s = scale + r0 * (C / 32);
-    if (takes_half(T, C) && std::memchr(s, 0xFF, (r1 - r0) * (C / 32)) == nullptr) {
+    if (takes_half(T, C, 2) && std::memchr(s, 0xFF, (r1 - r0) * (C / 32)) == nullptr) {
         const size_t ns = C / 32;
         thread_local std::vector<float> sf;  // the turned rows' scales as f32
         if (sf.size() < kHalfRows * ns) sf.resize(kHalfRows * ns);
