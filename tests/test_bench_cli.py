@@ -105,3 +105,13 @@ def test_bench_peer_cpu_batched_decode_rows(golden_dir):
     text = format_peer_report(r)
     assert "| 1 | 3 |" in text and f"{rows[3]['sequences_agreeing']}/3 |" in text
     assert batch_prompts(3, 1000).shape == (3, 8) and (batch_prompts(3, 1000) == batch_prompts(3, 1000)).all()
+
+
+def test_bench_peer_cpu_names_its_peer_and_refuses_unknown_implementations(golden_dir):
+    pytest.importorskip("transformers")
+    from tools.bench_peer_cpu import load_peer
+    with pytest.raises(ValueError, match="experts one of .*'grouped_mm'.*got 'eager', 'fused'"):
+        load_peer(str(golden_dir / "tiny-bf16"), "eager", "fused")
+    model, head = load_peer(str(golden_dir / "tiny-bf16"), "sdpa", "grouped_mm")
+    assert model.config._attn_implementation == "sdpa" and model.config._experts_implementation == "grouped_mm"
+    assert head.shape == (model.config.vocab_size, model.config.hidden_size)

@@ -1,9 +1,10 @@
 """The CPU engine against the peer on the same work (docs/engine_cpu.md, docs/contract.md §10).
 
-The peer is transformers' glm5_next text model (`Glm5NextTextModel`, BF16, eager attention and eager
-experts) on torch's CPU backend, loaded from the same checkpoint (`small-bf16` of the zoo: the original
-layout with the `model.` prefix, which `from_pretrained` maps; the TextModel has no head, so the logits
-are `lm_head.weight` from the checkpoint applied to the last hidden state, in BF16 as a CausalLM would).
+The peer is transformers' glm5_next text model (`Glm5NextTextModel`, BF16; eager attention and eager
+experts unless --attn / --experts pick another of transformers' implementations) on torch's CPU
+backend, loaded from the same checkpoint (`small-bf16` of the zoo: the original layout with the
+`model.` prefix, which `from_pretrained` maps; the TextModel has no head, so the logits are
+`lm_head.weight` from the checkpoint applied to the last hidden state, in BF16 as a CausalLM would).
 
     python tools/bench_peer_cpu.py                     # generates small-bf16 into a temp dir first
     python tools/bench_peer_cpu.py --ckpt /tmp/zoo/small-bf16 --threads 1,2 --json
@@ -46,14 +47,23 @@ def _load():
         return None
 
 
-def load_peer(path: str):
+PEER_ATTN = ("eager", "sdpa")
+PEER_EXPERTS = ("eager", "grouped_mm", "batched_mm")
+
+
+def load_peer(path: str, attn: str = "eager", experts: str = "eager"):
+    """The peer on path's weights, with transformers' attention and experts implementations `attn` and
+    `experts` (their CPU-capable ones: PEER_ATTN, PEER_EXPERTS), and the head's BF16 weight."""
     import torch
     from transformers import Glm5NextTextModel
     from transformers.utils import logging as tlog
 
+    if attn not in PEER_ATTN or experts not in PEER_EXPERTS:
+        raise ValueError(f"peer implementations: attention one of {PEER_ATTN}, experts one of {PEER_EXPERTS}; "
+                         f"got {attn!r}, {experts!r}")
     tlog.set_verbosity_error()
-    model, info = Glm5NextTextModel.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager",
-                                                    experts_implementation="eager", output_loading_info=True)
+    model, info = Glm5NextTextModel.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=attn,
+                                                    experts_implementation=experts, output_loading_info=True)
     if info["missing_keys"] or info["mismatched_keys"]:
         raise RuntimeError(f"peer load of {path}: missing {sorted(info['missing_keys'])[:5]}, "
                            f"mismatched {list(info['mismatched_keys'])[:5]}")
@@ -140,7 +150,8 @@ def engine_batch_step(eng, prompts: np.ndarray, warmup: int, reps: int) -> tuple
 
 
 def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, threads=(1, 2), reps: int = 5,
-                   progress=None, pause: float = 1.0, warmup: int = 2, batches=()) -> dict:
+                   progress=None, pause: float = 1.0, warmup: int = 2, batches=(), attn: str = "eager",
+                   experts: str = "eager") -> dict:
     import torch
     import transformers
 
@@ -165,9 +176,10 @@ def run_peer_bench(path: str | None = None, prompt: int = 64, new: int = 32, thr
                "machine": {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
                            "torch": torch.__version__, "transformers": transformers.__version__,
                            "load_1min_start": _load()},
-               "peer": {"model": "transformers Glm5NextTextModel, bfloat16, eager attention, eager experts"},
+               "peer": {"model": f"transformers Glm5NextTextModel, bfloat16, {attn} attention, {experts} experts",
+                        "attn_implementation": attn, "experts_implementation": experts},
                "runs": {}}
-        model, head = load_peer(path)
+        model, head = load_peer(path, attn, experts)
         V = head.shape[0]
         ids = [(37 * i + 11) % V for i in range(prompt)]
         for th in threads:
@@ -254,11 +266,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed passes of the timed work per side first")
     p.add_argument("--batches", default="", help="batch sizes for batched greedy decode, e.g. 8,32 (default: none)")
+    p.add_argument("--attn", default="eager", choices=PEER_ATTN, help="the peer's attention implementation")
+    p.add_argument("--experts", default="eager", choices=PEER_EXPERTS, help="the peer's experts implementation")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     r = run_peer_bench(a.ckpt, a.prompt, a.new, [int(t) for t in a.threads.split(",")], a.reps,
                        progress=None if a.json else (lambda msg: print(f"... {msg}", flush=True)), warmup=a.warmup,
-                       batches=[int(b) for b in a.batches.split(",") if b])
+                       batches=[int(b) for b in a.batches.split(",") if b], attn=a.attn, experts=a.experts)
     print(json.dumps(r, indent=1, default=str) if a.json else format_peer_report(r))
 
 
