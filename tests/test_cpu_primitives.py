@@ -950,3 +950,21 @@ def test_core_uses_no_iostreams():
     streams = [n for n in imported if n.startswith(("_ZNSo", "_ZNSi", "_ZNSt6locale", "_ZNSt8ios_base"))
                or "basic_ostringstream" in n or "basic_ios" in n or "basic_streambuf" in n]
     assert not streams, f"fast._core imports iostream/locale symbols: {streams[:5]}"
+
+
+@pytest.mark.parametrize("release", ["bf16", "f32", "fp8", "mxfp4"])
+def test_linear_one_block_of_eight(release):
+    # 7-8 tokens against rows of more than 1 MiB go as one token block of one row a register block (cdot.hpp
+    # most_tokens); fewer rows' bytes, or 6 / 9 tokens, as blocks of at most six
+    rng = np.random.default_rng(75)
+    # (MXFP4 rows longer than 1024 are turned into FP16 bits from 7 tokens: its rows here are 1024 long)
+    C = 1024 if release == "mxfp4" else 4100
+    R = {"bf16": 140, "f32": 70, "fp8": 300, "mxfp4": 2000}[release]  # each just over 1 MiB of rows
+    data, scale, Wd = _linear_weight(release, rng, R, C)
+    X = _tokens(rng, 9, C)
+    want = _per_token_cdots(Wd, X)
+    for T in (6, 7, 8, 9):
+        assert_same_bits(core.linear(release, data, scale, X[:T].copy(), nan_free=release == "fp8"), want[:T])
+        # (rows 3 .. R - 9: under 1 MiB, so blocks of at most six)
+        assert_same_bits(core.linear(release, data, scale, X[:T].copy(), 3, R - 9, nan_free=release == "fp8"),
+                         want[:T, 3:R - 9])

@@ -46,8 +46,8 @@ double cdot64(const double* a, const double* b, size_t n) {
 
 namespace detail {
 
-const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n) {
-    const size_t nb = token_blocks(T), nch = (n + 63) / 64;
+const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most) {
+    const size_t nb = token_blocks(T, most), nch = (n + 63) / 64;
     struct alignas(32) Group {  // (32-byte aligned: the passes' x loads never split a line)
         float v[8];
     };

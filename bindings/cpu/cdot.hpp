@@ -200,10 +200,10 @@ inline void prefetch_part(const Row& r, size_t c0, size_t c1, size_t part, size_
 // Rows per register block for NT tokens: RB * NT accumulators, RB weight groups and one x in registers.
 template <int NT>
 constexpr int block_rows() {
-    return NT == 1 ? 8 : NT == 2 ? 4 : NT == 3 ? 3 : 2;
+    return NT == 1 ? 8 : NT == 2 ? 4 : NT == 3 ? 3 : NT <= 6 ? 2 : 1;
 }
 
-// Y[t * ldy + i] = cdot(row(i), x_t) over n elements for i < nr, t < NT (NT <= 6), x_t token t of the
+// Y[t * ldy + i] = cdot(row(i), x_t) over n elements for i < nr, t < NT (NT <= 8), x_t token t of the
 // block Xp packed by packed_tokens, rounded to bf16 when `round`; row(i) returns the Row source of the i-th
 // row. Rows go SB at a time (RB per register block) and the columns in panels of KP chunks, so that the X
 // panel (NT x 64 KP floats, 16 KiB, contiguous) and the SB x NT accumulator sets (16 KiB) stay in L1 while SB
@@ -262,7 +262,16 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size
 // measured on Zen 5, blocks of 7-8 tokens with one row per register block were slower, since loads
 // (one per fma there) bound the loop.)
 constexpr size_t kMultiTokens = 6;
-inline size_t token_blocks(size_t T) { return (T + kMultiTokens - 1) / kMultiTokens; }
+// But 7 or 8 tokens against rows that stream from memory (more than kStreamBytes of them, past a core's L2) go
+// as one block of one row a register block: the weights are then read once, at the memory's pace, with the
+// fmas beside the reads, instead of a block of 4 from memory and a second from L2 after it (BF16, 8192 x 4096,
+// 8 tokens, one thread: 41 -> 50 % of the FMA peak; weights in cache, 64 -> 57 %; docs/perf.md, "Session 36").
+constexpr size_t kStreamTokens = 8;
+constexpr size_t kStreamBytes = size_t{1} << 20;
+inline size_t most_tokens(size_t T, size_t rows_bytes) {
+    return T > kMultiTokens && T <= kStreamTokens && rows_bytes > kStreamBytes ? kStreamTokens : kMultiTokens;
+}
+inline size_t token_blocks(size_t T, size_t most = kMultiTokens) { return (T + most - 1) / most; }
 // Tokens one packed x holds at most (packed_tokens' buffer: about 4 kPackTokens n bytes a thread): Lin::matmul
 // takes longer calls in groups of it (each token's dots the same in any group).
 constexpr size_t kPackTokens = 512;
@@ -276,7 +285,8 @@ inline size_t block_tokens(size_t T, size_t nb, size_t b, size_t t0) {
 // in the same L1 sets as each other and the accumulators: the rows at n = 4096 ran 12-15 % slower than at
 // 4032 (docs/perf.md, "Session 35"). Packed into the calling thread's buffer (64 T nch floats, 32-byte
 // aligned, reused by its next call), which is returned.
-const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n);
+// (`most`: the largest block, kMultiTokens or most_tokens' choice; cdot_multi_packed must be given the same.)
+const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most = kMultiTokens);
 
 // Y[t * ldy + i] = cdot(row(i), X + t * ldx) for i < nr, t < T, from X packed by packed_tokens.
 // Rows are taken in chunks of about 192 KiB of stored weights (row_bytes each), and every token block
@@ -287,8 +297,8 @@ const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n);
 // FMA peak at 24-64 tokens; docs/perf.md, "Session 36").
 template <class MakeRow>
 inline void cdot_multi_packed(const MakeRow& row, size_t nr, const float* Xp, size_t T, size_t n, float* Y, size_t ldy,
-                              bool round, size_t row_bytes, bool from_memory = true) {
-    const size_t nb = token_blocks(T), nch = (n + 63) / 64;
+                              bool round, size_t row_bytes, bool from_memory = true, size_t most = kMultiTokens) {
+    const size_t nb = token_blocks(T, most), nch = (n + 63) / 64;
     const size_t chunk = nb == 1 ? nr : std::max<size_t>(64, (size_t{192} << 10) / std::max<size_t>(row_bytes, 1));
     for (size_t a = 0; a < nr; a += chunk) {
         const size_t m = nr - a < chunk ? nr - a : chunk;
@@ -305,7 +315,9 @@ inline void cdot_multi_packed(const MakeRow& row, size_t nr, const float* Xp, si
                 case 3: cdot_multi_rows<3>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
                 case 4: cdot_multi_rows<4>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
                 case 5: cdot_multi_rows<5>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
-                default: cdot_multi_rows<6>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
+                case 6: cdot_multi_rows<6>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
+                case 7: cdot_multi_rows<7>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
+                default: cdot_multi_rows<8>(sub, m, Xb, n, Yb, ldy, round, ahead); break;
             }
             t0 += nt;
         }
@@ -315,7 +327,8 @@ inline void cdot_multi_packed(const MakeRow& row, size_t nr, const float* Xp, si
 template <class MakeRow>
 inline void cdot_multi(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t T, size_t n, float* Y,
                        size_t ldy, bool round, size_t row_bytes) {
-    cdot_multi_packed(row, nr, packed_tokens(X, ldx, T, n), T, n, Y, ldy, round, row_bytes);
+    const size_t most = most_tokens(T, nr * row_bytes);
+    cdot_multi_packed(row, nr, packed_tokens(X, ldx, T, n, most), T, n, Y, ldy, round, row_bytes, true, most);
 }
 
 struct F32Row {
