@@ -187,13 +187,15 @@ template <class Row, class = void>
 struct has_stored : std::false_type {};
 template <class Row>
 struct has_stored<Row, std::void_t<decltype(std::declval<const Row&>().stored(size_t{}))>> : std::true_type {};
-// Part `part` of `parts` of the lines of a row's chunks [c0, c1), prefetched.
-template <class Row>
+// Part `part` of `parts` of the lines of a row's chunks [c0, c1), prefetched into L1 (`to_l2` false) or
+// into L2 only.
+template <bool to_l2, class Row>
 inline void prefetch_part(const Row& r, size_t c0, size_t c1, size_t part, size_t parts) {
     if constexpr (has_stored<Row>::value) {
         const size_t lines = (Row::kChunkBytes * (c1 - c0) + 63) / 64;
         const char* const b = static_cast<const char*>(r.stored(c0));
-        for (size_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l) _mm_prefetch(b + 64 * l, _MM_HINT_T0);
+        for (size_t l = lines * part / parts; l < lines * (part + 1) / parts; ++l)
+            _mm_prefetch(b + 64 * l, to_l2 ? _MM_HINT_T1 : _MM_HINT_T0);
     }
 }
 
@@ -211,7 +213,10 @@ constexpr int block_rows() {
 // each one still receives its elements in the canonical chunk order. With `ahead` (a row chunk's first token
 // block, whose weights come from memory, not from L2), each pass first asks for an eighth of the next panel's
 // weight lines (Row::stored): rows in panels of 10 chunks are short runs, too short for the hardware's
-// prefetch (BF16 at 6 tokens, 8192 x 4096: 33 -> 46 % of the FMA peak; docs/perf.md, "Session 35").
+// prefetch (BF16 at 6 tokens, 8192 x 4096: 33 -> 46 % of the FMA peak; docs/perf.md, "Session 35"). Blocks of
+// several rows (NT <= 6) ask for them into L2 only: asked into L1, they pushed out the X panel and the
+// accumulators the passes are using (BF16, 16384 x 4096, one thread: 2-6 tokens 18-43 -> 27-49 % of the FMA
+// peak; docs/perf.md, "Session 38"); one-row blocks (7-8 tokens) measured better asking into L1.
 template <int NT, class MakeRow>
 inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size_t n, float* Y, size_t ldy,
                             bool round, bool ahead) {
@@ -239,7 +244,7 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size
                 for (size_t g = 0; g < 8; ++g) {
                     if (ahead)
                         for (int k = 0; k < RB; ++k)
-                            if (pr + i + k < nr) prefetch_part(row(pr + i + k), pc0, pc1, g, 8);
+                            if (pr + i + k < nr) prefetch_part<(RB > 1)>(row(pr + i + k), pc0, pc1, g, 8);
                     cdot_block_pass<RB, NT>(rows, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
                 }
             }
