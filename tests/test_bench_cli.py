@@ -89,6 +89,20 @@ def test_bench_cpu_gemm_and_prefill_lines(golden_dir):
     assert sorted(f["prefill_tok_s"]) == [3, 5] and min(f["prefill_tok_s"].values()) > 0
 
 
+def test_bench_cpu_batch_and_shape(golden_dir, tmp_path):
+    """--batch-on: the engine's batched greedy decode, one figure per batch; --shape: refused unless ROWSxCOLS."""
+    pytest.importorskip("fast._core")
+    from tools.bench_cpu import bench_batch
+    b = bench_batch(str(golden_dir / "tiny-bf16"), batches=(2, 3), warm=1, reps=3)
+    assert sorted(b["batch_tok_s"]) == [2, 3] and min(b["batch_tok_s"].values()) > 0
+    import subprocess
+    import sys
+    from pathlib import Path
+    p = subprocess.run([sys.executable, "tools/bench_cpu.py", "--gemm", "--shape", "8192by4096"],
+                       cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--shape '8192by4096'" in p.stderr, p.stderr
+
+
 def test_bench_peer_cpu_batched_decode_rows(golden_dir):
     """tools/bench_peer_cpu.py --batches: a row per thread count and batch, both sides timed on the same prompts."""
     pytest.importorskip("fast._core")

@@ -6,7 +6,9 @@ expert dot's weight streaming against a copy-bandwidth ceiling measured in the s
     python tools/bench_cpu.py --json
     python tools/bench_cpu.py --gemm --threads 1 --tokens 6,16,64   # only the multi-token kernels vs the FMA peak
     python tools/bench_cpu.py --prefill-on /tmp/eng/slice-fp8 --threads 1 --lengths 16,64  # only engine prefill
-(the last two print one line per thread count: run them with PYTHONPATH at each build for an A/B)
+    python tools/bench_cpu.py --gemm --shape 16384x4096 --tokens 2,4,8   # rows that stream from memory
+    python tools/bench_cpu.py --batch-on /tmp/eng/slice-bf16 --threads 1,2 --batches 8   # only batched decode
+(the last four print one line per thread count: run them with PYTHONPATH at each build for an A/B)
 
 Three measurements, each at 1 and 2 threads:
 1. prefill and decode tokens/s of fast.Engine vs the oracle on `small` (bf16, fp8, mxfp4 releases),
@@ -211,6 +213,22 @@ def bench_prefill(path: str, lengths=(16, 64), threads: int = 1, warm: int = 2, 
     return out
 
 
+def bench_batch(path: str, batches=(8,), threads: int = 1, warm: int = 2, reps: int = 5) -> dict:
+    """Batched greedy decode tok/s of fast.Engine on a checkpoint: B sequences of the 8-token prompts
+    bench_peer_cpu gives both sides, each fed its own tokens, one Engine.step a step; `warm` untimed steps,
+    then a step's median over `reps` (B / that step's time)."""
+    import fast
+    from tools.bench_peer_cpu import batch_prompts, engine_batch_step
+
+    eng = fast.Engine(path, threads=threads)
+    V = int(eng.config.vocab_size)
+    out = {"checkpoint": path, "threads": threads, "batch_tok_s": {}}
+    for B in batches:
+        dt, _ = engine_batch_step(eng, batch_prompts(B, V), warm, reps)
+        out["batch_tok_s"][B] = B / dt
+    return out
+
+
 def bench_roofline(path: str, threads: list[int], new: int = 8, copy: dict | None = None) -> dict:
     """Decode at batch 1 on a real-width checkpoint (e.g. a `slice`): weight bytes read per token over
     the measured copy bandwidth -> the fraction of the memory roofline reached."""
@@ -328,14 +346,23 @@ def main() -> None:
     p.add_argument("--gemm", action="store_true",
                    help="only the multi-token kernels against the FMA peak (8192 x 4096; --tokens, --threads)")
     p.add_argument("--tokens", default="6,16,64", help="token counts of --gemm")
+    p.add_argument("--shape", default="8192x4096", help="ROWSxCOLS of --gemm's weight (16384x4096: rows that stream "
+                   "from memory on any cache)")
+    p.add_argument("--batch-on", metavar="DIR", help="only the engine's batched greedy decode tok/s on this "
+                   "checkpoint (--batches)")
+    p.add_argument("--batches", default="8", help="batch sizes of --batch-on")
     p.add_argument("--prefill-on", metavar="DIR", help="only the engine's prefill tok/s on this checkpoint (--lengths)")
     p.add_argument("--lengths", default="16,64", help="prompt lengths of --prefill-on")
     a = p.parse_args()
     ths = [int(t) for t in a.threads.split(",")]
-    if a.gemm or a.prefill_on:  # one line per thread count: what an A/B of two builds compares
+    if a.gemm or a.prefill_on or a.batch_on:  # one line per thread count: what an A/B of two builds compares
+        try:
+            rows, cols = (int(v) for v in a.shape.lower().split("x"))
+        except ValueError:
+            p.error(f"--shape {a.shape!r}: expected ROWSxCOLS, e.g. 16384x4096")
         for th in ths:
             if a.gemm:
-                g = bench_gemm(tokens=[int(t) for t in a.tokens.split(",")], threads=th)
+                g = bench_gemm(rows, cols, tokens=[int(t) for t in a.tokens.split(",")], threads=th)
                 line = " | ".join(f"{x['release']}/T{x['tokens']}: {x['MACs_per_ns']:.2f} ({x['of_fma_peak']:.1%})"
                                   for x in g["runs"])
                 print(json.dumps(g) if a.json else f"{th} thread(s), peak {g['fma_peak_MACs_per_ns']:.1f} MAC/ns | {line}")
@@ -343,6 +370,10 @@ def main() -> None:
                 f = bench_prefill(a.prefill_on, [int(v) for v in a.lengths.split(",")], threads=th)
                 line = " | ".join(f"p{L}: {v:.1f} tok/s" for L, v in f["prefill_tok_s"].items())
                 print(json.dumps(f) if a.json else f"{th} thread(s) | {line}")
+            if a.batch_on:
+                b = bench_batch(a.batch_on, [int(v) for v in a.batches.split(",")], threads=th)
+                line = " | ".join(f"b{B}: {v:.1f} tok/s" for B, v in b["batch_tok_s"].items())
+                print(json.dumps(b) if a.json else f"{th} thread(s) | {line}")
         return
     r = run_bench(a.small, a.prompt, a.new, [int(t) for t in a.threads.split(",")], stream_rows=a.rows,
                   slice_dirs=a.slice, progress=None if a.json else (lambda msg: print(f"... {msg}", flush=True)))
