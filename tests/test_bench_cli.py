@@ -89,7 +89,7 @@ def test_bench_cpu_gemm_and_prefill_lines(golden_dir):
     assert sorted(f["prefill_tok_s"]) == [3, 5] and min(f["prefill_tok_s"].values()) > 0
 
 
-def test_bench_cpu_batch_and_shape(golden_dir, tmp_path):
+def test_bench_cpu_batch_and_shape(golden_dir):
     """--batch-on: the engine's batched greedy decode, one figure per batch; --shape: refused unless ROWSxCOLS."""
     pytest.importorskip("fast._core")
     from tools.bench_cpu import bench_batch

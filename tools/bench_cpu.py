@@ -344,7 +344,7 @@ def main() -> None:
                    help="a real-width checkpoint (e.g. `oracle make-checkpoint slice`) for the decode roofline; repeatable")
     p.add_argument("--json", action="store_true")
     p.add_argument("--gemm", action="store_true",
-                   help="only the multi-token kernels against the FMA peak (8192 x 4096; --tokens, --threads)")
+                   help="only the multi-token kernels against the FMA peak (--shape, --tokens, --threads)")
     p.add_argument("--tokens", default="6,16,64", help="token counts of --gemm")
     p.add_argument("--shape", default="8192x4096", help="ROWSxCOLS of --gemm's weight (16384x4096: rows that stream "
                    "from memory on any cache)")
@@ -358,6 +358,8 @@ def main() -> None:
     if a.gemm or a.prefill_on or a.batch_on:  # one line per thread count: what an A/B of two builds compares
         try:
             rows, cols = (int(v) for v in a.shape.lower().split("x"))
+            if rows < 1 or cols < 1:
+                raise ValueError
         except ValueError:
             p.error(f"--shape {a.shape!r}: expected ROWSxCOLS, e.g. 16384x4096")
         for th in ths:
