@@ -85,8 +85,37 @@ def test_bench_cpu_gemm_and_prefill_lines(golden_dir):
     assert [(x["release"], x["tokens"]) for x in g["runs"]] == [("fp8", 1), ("fp8", 7), ("mxfp4", 1), ("mxfp4", 7)]
     assert g["fma_peak_MACs_per_ns"] > 0 and all(0 < x["of_fma_peak"] == x["MACs_per_ns"] / g["fma_peak_MACs_per_ns"]
                                                 for x in g["runs"])
+    # each run against its roofline: max(weight bytes / copy bandwidth, multiply-adds / FMA peak), both measured
+    assert g["copy_Bps"] > 0
+    for x in g["runs"]:
+        wbytes = 96 * 256 + 1 * 2 * 4 if x["release"] == "fp8" else 96 * 128 + 96 * 8  # codes + scales
+        t_mem, t_fma = wbytes / g["copy_Bps"], 96 * 256 * x["tokens"] / (g["fma_peak_MACs_per_ns"] * 1e9)
+        assert x["roofline_s"] == max(t_mem, t_fma) and x["bound"] == ("memory" if t_mem >= t_fma else "FMA")
+        assert x["of_roofline"] == x["roofline_s"] / x["seconds"] > 0
     f = bench_prefill(str(golden_dir / "tiny-fp8"), lengths=(3, 5), warm=1, reps=3)
     assert sorted(f["prefill_tok_s"]) == [3, 5] and min(f["prefill_tok_s"].values()) > 0
+    assert all(f["of_roofline"][L] > 0 and f["bound"][L] in ("memory", "FMA") for L in (3, 5))
+
+
+def test_cpu_step_roofline_counts_the_step(golden_dir):
+    """step_roofline: the CUDA rooflines' formula over CPU ceilings; with a copy bandwidth that makes memory free,
+    a step's time is its multiply-adds (the experts k of E a token, the head on the rows that want logits) / peak."""
+    pytest.importorskip("fast._core")
+    from oracle.checkpoint import open_checkpoint
+    from tools.bench_cpu import step_roofline
+    from tools.bench_throughput import weight_census
+    path = str(golden_dir / "tiny-bf16")
+    with open_checkpoint(path, verify=False) as ck:
+        cfg = ck.config
+    c = weight_census(path)
+    roof = step_roofline(path, {"copy_Bps": 1e30, "fma_peak_MACs_per_ns": 2.0})
+    k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+    for tokens, head in ((1, 1), (8, 8), (16, 1)):
+        macs = tokens * (c["dense_mac"] + c["expert_mac"] * k / E) + head * c["head_mac"]
+        t, bound = roof(tokens, head)
+        assert bound == "FMA" and t == pytest.approx(macs / 2e9, rel=1e-12)
+    t, bound = step_roofline(path, {"copy_Bps": 1.0, "fma_peak_MACs_per_ns": 1e30})(4, 4)
+    assert bound == "memory" and t == pytest.approx(c["dense_bytes"] + c["expert_bytes"] * (1 - (1 - k / E) ** 4), rel=1e-12)
 
 
 def test_bench_cpu_batch_and_shape(golden_dir):
@@ -95,6 +124,7 @@ def test_bench_cpu_batch_and_shape(golden_dir):
     from tools.bench_cpu import bench_batch
     b = bench_batch(str(golden_dir / "tiny-bf16"), batches=(2, 3), warm=1, reps=3)
     assert sorted(b["batch_tok_s"]) == [2, 3] and min(b["batch_tok_s"].values()) > 0
+    assert all(b["of_roofline"][B] > 0 and b["bound"][B] in ("memory", "FMA") for B in (2, 3))
     import subprocess
     import sys
     from pathlib import Path

@@ -8,7 +8,9 @@ expert dot's weight streaming against a copy-bandwidth ceiling measured in the s
     python tools/bench_cpu.py --prefill-on /tmp/eng/slice-fp8 --threads 1 --lengths 16,64  # only engine prefill
     python tools/bench_cpu.py --gemm --shape 16384x4096 --tokens 2,4,8   # rows that stream from memory
     python tools/bench_cpu.py --batch-on /tmp/eng/slice-bf16 --threads 1,2 --batches 8   # only batched decode
-(the last four print one line per thread count: run them with PYTHONPATH at each build for an A/B)
+(the last four print one line per thread count: run them with PYTHONPATH at each build for an A/B; each figure
+with its share of the roofline, max(bytes read / copy bandwidth, multiply-adds / FMA peak), both ceilings
+measured in the same process: cpu_ceilings)
 
 Three measurements, each at 1 and 2 threads:
 1. prefill and decode tokens/s of fast.Engine vs the oracle on `small` (bf16, fp8, mxfp4 releases),
@@ -167,65 +169,113 @@ def bench_streams(threads: list[int], rows: int = 49152, cols: int = 4096, copy_
     return out
 
 
+def cpu_ceilings(threads: int, reps: int = 5, copy_mb: int = 256) -> dict:
+    """The two ceilings of a CPU roofline on `threads` threads, measured here: the FMA peak (multiply-adds per ns,
+    independent 8-lane FMA chains on every thread) and the copy bandwidth (a memcpy of copy_mb MiB, read + written
+    bytes per second, the STREAM convention the CUDA rooflines use); each the best of two probes of `reps`."""
+    from fast import _core
+
+    peak = max(_core.engine_bench_fma(threads, reps) for _ in range(2))
+    t = min(_core.engine_bench_copy(copy_mb << 20, threads, reps) for _ in range(2))
+    return {"fma_peak_MACs_per_ns": peak, "copy_Bps": 2 * (copy_mb << 20) / t}
+
+
+def gemm_roofline_s(weight_bytes: int, macs: int, ceilings: dict) -> tuple[float, str]:
+    """(a weight's multiply of some tokens at its roofline, in seconds; which ceiling binds): max(the weight's bytes /
+    the copy bandwidth, the multiply-adds / the FMA peak). x and y are left out (a few tokens' rows)."""
+    t_mem = weight_bytes / ceilings["copy_Bps"]
+    t_fma = macs / (ceilings["fma_peak_MACs_per_ns"] * 1e9)
+    return (t_mem, "memory") if t_mem >= t_fma else (t_fma, "FMA")
+
+
 def bench_gemm(rows: int = 8192, cols: int = 4096, tokens=(6, 16, 64), releases=("fp8", "bf16", "mxfp4"),
                threads: int = 1, warm: int = 2, reps: int = 7) -> dict:
-    """The multi-token kernels (the engine's Lin, `fast._core.linear_bench`) against the FMA peak measured in
-    the same process: per release and token count, `warm` untimed calls, then the median of `reps` timed
-    calls; the peak is the best of two 5-rep probes (independent 8-lane FMA chains on every thread)."""
+    """The multi-token kernels (the engine's Lin, `fast._core.linear_bench`) against the FMA peak and the copy
+    bandwidth measured in the same process (cpu_ceilings): per release and token count, `warm` untimed calls, then
+    the median of `reps` timed calls; each run's share of the FMA peak and of its roofline (gemm_roofline_s)."""
     import statistics
 
     from fast import _core
 
-    peak = max(_core.engine_bench_fma(threads, 5) for _ in range(2))
+    ceil = cpu_ceilings(threads)
+    peak = ceil["fma_peak_MACs_per_ns"]
     rng = np.random.default_rng(1)
-    out = {"rows": rows, "cols": cols, "threads": threads, "fma_peak_MACs_per_ns": peak, "runs": []}
+    out = {"rows": rows, "cols": cols, "threads": threads, "fma_peak_MACs_per_ns": peak, "copy_Bps": ceil["copy_Bps"],
+           "runs": []}
     for rel in releases:
-        data, scale, _ = _expert_weights(rel, rows, cols)
+        data, scale, nbytes = _expert_weights(rel, rows, cols)
         for T in tokens:
             X = (rng.standard_normal((T, cols)) * 0.5).astype(np.float32)
             run = lambda n: _core.linear_bench(rel, data, scale, X, nan_free=rel == "fp8", threads=threads, reps=n)
             run(warm)
             t = statistics.median(run(1) for _ in range(reps))
             macs = rows * cols * T / t / 1e9
-            out["runs"].append({"release": rel, "tokens": T, "MACs_per_ns": macs, "of_fma_peak": macs / peak})
+            roof, bound = gemm_roofline_s(nbytes, rows * cols * T, ceil)
+            out["runs"].append({"release": rel, "tokens": T, "MACs_per_ns": macs, "of_fma_peak": macs / peak,
+                                "seconds": t, "roofline_s": roof, "bound": bound, "of_roofline": roof / t})
     return out
 
 
+def step_roofline(path: str, ceilings: dict):
+    """roofline(tokens, head_rows) -> (seconds, bound) of one engine step on the checkpoint at `path`: the CUDA
+    rooflines' formula (tools/bench_throughput.py, roofline_s: the weights a step reads, the routed experts as many
+    as its tokens touch, and 2 x its multiply-adds) over the CPU's ceilings (cpu_ceilings)."""
+    from oracle.checkpoint import open_checkpoint
+    from tools.bench_throughput import roofline_s, weight_census
+
+    with open_checkpoint(path, verify=False) as ck:
+        cfg = ck.config
+    census = weight_census(path)
+    bw, flops = ceilings["copy_Bps"], 2e9 * ceilings["fma_peak_MACs_per_ns"]
+
+    def roofline(tokens: int, head_rows: int) -> tuple[float, str]:
+        t, bound = roofline_s(census, cfg, tokens, head_rows, bw, flops)
+        return t, {"HBM": "memory", "FFMA": "FMA"}[bound]
+    return roofline
+
+
 def bench_prefill(path: str, lengths=(16, 64), threads: int = 1, warm: int = 2, reps: int = 5) -> dict:
-    """Prefill tokens/s of fast.Engine on a checkpoint (a new cache each pass): `warm` untimed passes of each
-    length, then the median of `reps`."""
+    """Prefill tokens/s of fast.Engine on a checkpoint (a new cache each pass, one Engine.step asking for the last
+    row's greedy token: the work the peers' prefills do): `warm` untimed passes of each length, then the median of
+    `reps`; and each length's share of its step roofline (step_roofline, the head on one row)."""
     import fast
     # (after fast: bench_throughput puts the checkout first on sys.path, which would shadow the build an A/B
     # run names by PYTHONPATH)
     from tools.bench_throughput import median_of
 
     eng = fast.Engine(path, threads=threads)
-    out = {"checkpoint": path, "threads": threads, "prefill_tok_s": {}}
+    roofline = step_roofline(path, cpu_ceilings(threads))
+    out = {"checkpoint": path, "threads": threads, "prefill_tok_s": {}, "of_roofline": {}, "bound": {}}
     for L in lengths:
         ids = [(7 * i + 3) % 30000 + 1 for i in range(L)]
 
         def prefill():
             cache = eng.new_cache()
-            eng.forward(ids, cache)
+            eng.step([(cache, ids, None, "argmax")])
             cache.close()
 
-        out["prefill_tok_s"][L] = L / median_of(prefill, warm, reps)
+        dt = median_of(prefill, warm, reps)
+        roof, out["bound"][L] = roofline(L, 1)
+        out["prefill_tok_s"][L], out["of_roofline"][L] = L / dt, roof / dt
     return out
 
 
 def bench_batch(path: str, batches=(8,), threads: int = 1, warm: int = 2, reps: int = 5) -> dict:
     """Batched greedy decode tok/s of fast.Engine on a checkpoint: B sequences of the 8-token prompts
     bench_peer_cpu gives both sides, each fed its own tokens, one Engine.step a step; `warm` untimed steps,
-    then a step's median over `reps` (B / that step's time)."""
+    then a step's median over `reps` (B / that step's time); and each batch's share of its step roofline
+    (step_roofline, the head on every row)."""
     import fast
     from tools.bench_peer_cpu import batch_prompts, engine_batch_step
 
     eng = fast.Engine(path, threads=threads)
+    roofline = step_roofline(path, cpu_ceilings(threads))
     V = int(eng.config.vocab_size)
-    out = {"checkpoint": path, "threads": threads, "batch_tok_s": {}}
+    out = {"checkpoint": path, "threads": threads, "batch_tok_s": {}, "of_roofline": {}, "bound": {}}
     for B in batches:
         dt, _ = engine_batch_step(eng, batch_prompts(B, V), warm, reps)
-        out["batch_tok_s"][B] = B / dt
+        roof, out["bound"][B] = roofline(B, B)
+        out["batch_tok_s"][B], out["of_roofline"][B] = B / dt, roof / dt
     return out
 
 
@@ -365,16 +415,19 @@ def main() -> None:
         for th in ths:
             if a.gemm:
                 g = bench_gemm(rows, cols, tokens=[int(t) for t in a.tokens.split(",")], threads=th)
-                line = " | ".join(f"{x['release']}/T{x['tokens']}: {x['MACs_per_ns']:.2f} ({x['of_fma_peak']:.1%})"
-                                  for x in g["runs"])
-                print(json.dumps(g) if a.json else f"{th} thread(s), peak {g['fma_peak_MACs_per_ns']:.1f} MAC/ns | {line}")
+                line = " | ".join(f"{x['release']}/T{x['tokens']}: {x['MACs_per_ns']:.2f} ({x['of_fma_peak']:.1%}; "
+                                  f"{x['of_roofline']:.0%} of {x['bound']})" for x in g["runs"])
+                print(json.dumps(g) if a.json else f"{th} thread(s), peak {g['fma_peak_MACs_per_ns']:.1f} MAC/ns, copy "
+                      f"{g['copy_Bps'] / 1e9:.1f} GB/s | {line}")
             if a.prefill_on:
                 f = bench_prefill(a.prefill_on, [int(v) for v in a.lengths.split(",")], threads=th)
-                line = " | ".join(f"p{L}: {v:.1f} tok/s" for L, v in f["prefill_tok_s"].items())
+                line = " | ".join(f"p{L}: {v:.1f} tok/s ({f['of_roofline'][L]:.0%} of {f['bound'][L]})"
+                                  for L, v in f["prefill_tok_s"].items())
                 print(json.dumps(f) if a.json else f"{th} thread(s) | {line}")
             if a.batch_on:
                 b = bench_batch(a.batch_on, [int(v) for v in a.batches.split(",")], threads=th)
-                line = " | ".join(f"b{B}: {v:.1f} tok/s" for B, v in b["batch_tok_s"].items())
+                line = " | ".join(f"b{B}: {v:.1f} tok/s ({b['of_roofline'][B]:.0%} of {b['bound'][B]})"
+                                  for B, v in b["batch_tok_s"].items())
                 print(json.dumps(b) if a.json else f"{th} thread(s) | {line}")
         return
     r = run_bench(a.small, a.prompt, a.new, [int(t) for t in a.threads.split(",")], stream_rows=a.rows,

@@ -99,11 +99,12 @@ def peer_run(model, head, ids: list[int], new: int):
 def engine_run(eng, ids: list[int], new: int):
     cache = eng.new_cache()
     t0 = time.perf_counter()
-    tok = int(eng.forward(ids, cache)[-1].argmax())
+    # (the last row's greedy token, as the peer computes lm_head on its last hidden state only)
+    tok = int(eng.step([(cache, ids, None, "argmax")])[0])
     t1 = time.perf_counter()
     toks = [tok]
     for _ in range(new - 1):
-        toks.append(int(eng.forward([toks[-1]], cache)[-1].argmax()))
+        toks.append(int(eng.step([(cache, [toks[-1]], None, "argmax")])[0]))
     return t1 - t0, time.perf_counter() - t1, toks
 
 
