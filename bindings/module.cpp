@@ -370,8 +370,21 @@ struct LinArg {
     size_t R = 0;
 };
 
-LinArg lin_arg(const std::string& release, const py::object& dobj, const py::object& sobj, bool nan_free) {
+// kernels: None (lin_kernels()'s choice) or an instruction set's name that this CPU and build run.
+const LinKernels* kernels_arg(const py::object& ko) {
+    if (ko.is_none()) return nullptr;
+    if (!py::isinstance<py::str>(ko)) bad("kernels: expected None, 'avx2' or 'avx512'");
+    const std::string name = ko.cast<std::string>();
+    if (name != "avx2" && name != "avx512") bad("kernels: expected None, 'avx2' or 'avx512', given '" + name + "'");
+    const LinKernels* k = lin_kernels_named(name.c_str());
+    if (k == nullptr) bad("kernels: '" + name + "' does not run here (this CPU, its OS or this build lacks AVX-512VL)");
+    return k;
+}
+
+LinArg lin_arg(const std::string& release, const py::object& dobj, const py::object& sobj, bool nan_free,
+               const py::object& ko) {
     LinArg a;
+    a.w.kernels = kernels_arg(ko);
     if (release == "bf16") {
         a.data = checked_arg(dobj, "data", kBf16(), 2);
         a.w.fmt = WFmt::BF16;
@@ -408,8 +421,9 @@ LinArg lin_arg(const std::string& release, const py::object& dobj, const py::obj
 
 // linear(release, data, scale, X[T, C], r0, r1, nan_free, round, threads) -> f32[T, r1 - r0]
 py::array py_linear(const std::string& release, const py::object& dobj, const py::object& sobj, const py::object& xo,
-                    const py::object& r0o, const py::object& r1o, bool nan_free, bool round, const py::object& to) {
-    LinArg a = lin_arg(release, dobj, sobj, nan_free);
+                    const py::object& r0o, const py::object& r1o, bool nan_free, bool round, const py::object& to,
+                    const py::object& ko) {
+    LinArg a = lin_arg(release, dobj, sobj, nan_free, ko);
     const py::array X = checked_arg(xo, "X", kF32, 2);
     const size_t C = a.w.C, T = static_cast<size_t>(X.shape(0));
     if (static_cast<size_t>(X.shape(1)) != C)
@@ -432,8 +446,9 @@ py::array py_linear(const std::string& release, const py::object& dobj, const py
 
 // Benchmark hook: best seconds of `reps` calls Y = W X (X: [T, C]), rows split over `threads` threads.
 double py_linear_bench(const std::string& release, const py::object& dobj, const py::object& sobj,
-                       const py::object& xo, bool nan_free, const py::object& to, const py::object& repo) {
-    LinArg a = lin_arg(release, dobj, sobj, nan_free);
+                       const py::object& xo, bool nan_free, const py::object& to, const py::object& repo,
+                       const py::object& ko) {
+    LinArg a = lin_arg(release, dobj, sobj, nan_free, ko);
     const py::array X = checked_arg(xo, "X", kF32, 2);
     const size_t C = a.w.C, T = static_cast<size_t>(X.shape(0)), R = a.R;
     if (static_cast<size_t>(X.shape(1)) != C)
@@ -547,14 +562,29 @@ PYBIND11_MODULE(_core, m) {
           "matvec_mxfp4(packed: u8[R, C/2], scale: u8[R, C/32], x: f32[C]) -> f32[R].");
     m.def("linear", &py_linear, A("release"), A("data"), A("scale"), A("X"), py::arg("r0") = 0,
           py::arg("r1") = py::none(), py::arg("nan_free") = false, py::arg("round") = false, py::arg("threads") = 1,
-          "linear(release, data, scale, X: f32[T, C], r0=0, r1=R, nan_free=False, round=False, threads=1) -> "
+          py::arg("kernels") = py::none(),
+          "linear(release, data, scale, X: f32[T, C], r0=0, r1=R, nan_free=False, round=False, threads=1, kernels=None) -> "
           "f32[T, r1 - r0]: the engine's Lin kernels, Y[t, i] = cdot(W[r0 + i], X[t]) (bf16-rounded when round). "
           "release 'bf16' (data u16[R, C]), 'f32' (f32[R, C]), 'fp8' (u8[R, C], scale f32[ceil(R/128), ceil(C/128)]), "
           "'mxfp4' (u8[R, C/2], scale u8[R, C/32]); scale None for bf16/f32. nan_free (fp8): take the path without "
-          "NaN-code checks (the data is scanned once here and refused if it holds one).");
+          "NaN-code checks (the data is scanned once here and refused if it holds one). kernels: None (cpu_kernels()'s "
+          "choice) or 'avx2' / 'avx512' (refused where it does not run); every choice gives the same bits.");
     m.def("linear_bench", &py_linear_bench, A("release"), A("data"), A("scale"), A("X"), py::arg("nan_free") = false,
-          py::arg("threads") = 1, py::arg("reps") = 5,
-          "Benchmark hook: best seconds of `reps` calls of linear(release, data, scale, X) over all rows.");
+          py::arg("threads") = 1, py::arg("reps") = 5, py::arg("kernels") = py::none(),
+          "Benchmark hook: best seconds of `reps` calls of linear(release, data, scale, X, kernels=kernels) over all "
+          "rows.");
+    m.def("cpu_kernels", [] {
+              py::list avail;
+              for (const char* n : {"avx2", "avx512"})
+                  if (lin_kernels_named(n)) avail.append(n);
+              py::dict d;
+              d["chosen"] = lin_kernels().isa;
+              d["available"] = avail;
+              return d;
+          },
+          "The CPU engine's multi-token kernels: {'chosen': the instruction set this process runs (AVX-512VL where "
+          "the CPU, its OS and the build have it, else AVX2; the environment's GLM_CPU_KERNELS=avx2|avx512 asks), "
+          "'available': those that run here}. Every choice gives the same bits.");
     m.def("ftz_daz_enabled", &ftz_daz_enabled, "True when this thread's MXCSR has FTZ or DAZ set.");
     m.def("contract_probe", &contract_probe,
           "a*b + c for a = b = 1 + 2^-12, c = -(1 + 2^-11): 0.0 unless the build contracts into an FMA (2^-24).");

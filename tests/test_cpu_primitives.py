@@ -434,6 +434,15 @@ def test_matvec_empty_shapes():
 # ---------------------------------------------------------------------------------------------
 
 LINEAR_T = list(range(1, 10)) + [13, 20, 25]  # several token blocks; 20: FP8/MXFP4 rows of <= 1024
+# Each linear test runs every instruction set's kernels (matvec.hpp LinKernels; cdot.hpp block_rows: AVX-512VL
+# takes larger register blocks), where they run; each must give the cdots' bits.
+KERNELS = ("avx2", "avx512")
+
+
+def _kernels(k):
+    if k not in core.cpu_kernels()["available"]:
+        pytest.skip(f"the {k} kernels do not run here (this CPU, its OS or this build lacks them)")
+    return k
 # pre-decoded to f32; longer rows turned into FP16 bits (matvec.cpp takes_half): FP8 from 13 tokens
 # (Fp8HalfRow), MXFP4 from 7 (Mxfp4HalfRow)
 
@@ -470,7 +479,9 @@ def _per_token_cdots(Wd, X):
 @pytest.mark.parametrize("release,C", [(r, c) for r in ("bf16", "f32", "fp8")
                                         for c in (1, 5, 8, 9, 63, 64, 65, 96, 200, 352, 1033, 4096 + 32)] +
                          [("mxfp4", c) for c in (32, 96, 224, 352, 4096 + 32)])
-def test_linear_tokens_are_cdots(release, C):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_linear_tokens_are_cdots(release, C, kernels):
+    k = _kernels(kernels)
     rng = np.random.default_rng(60 + C)
     R = 140  # crosses a 128-row FP8 scale block
     data, scale, Wd = _linear_weight(release, rng, R, C)
@@ -478,10 +489,10 @@ def test_linear_tokens_are_cdots(release, C):
     want = _per_token_cdots(Wd, X)
     for nan_free in ((False, True) if release == "fp8" else (False,)):
         for T in LINEAR_T:
-            assert_same_bits(core.linear(release, data, scale, X[:T].copy(), nan_free=nan_free), want[:T])
+            assert_same_bits(core.linear(release, data, scale, X[:T].copy(), nan_free=nan_free, kernels=k), want[:T])
         for r0, r1 in ((3, 131), (129, 140), (127, 128), (5, 5)):
             for T in (1, 2, 7, 20, 25):
-                got = core.linear(release, data, scale, X[:T].copy(), r0, r1, nan_free=nan_free)
+                got = core.linear(release, data, scale, X[:T].copy(), r0, r1, nan_free=nan_free, kernels=k)
                 assert_same_bits(got, want[:T, r0:r1])
 
 
@@ -498,8 +509,10 @@ def test_linear_against_spec_reference(C):
             assert same32(Y[t, r], ref_cdot(Wd[r].tolist(), X[t].tolist(), FMT32))
 
 
-def test_linear_special_values():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_linear_special_values(kernels):
     # inf/NaN weights, inputs and NaN codes propagate exactly as in cdot of the decoded row
+    k = _kernels(kernels)
     rng = np.random.default_rng(71)
     C, T = 70, 20
     X = _tokens(rng, T, C)
@@ -511,29 +524,31 @@ def test_linear_special_values():
     W[2, 69] = 0x7F80  # inf in the tail
     W[3, 5] = 0xFF80
     W[4, 3] = 0x7FC1  # a NaN weight
-    assert_same_bits(core.linear("bf16", W, None, X), _per_token_cdots((W.astype(U32) << 16).view(F32), X))
+    assert_same_bits(core.linear("bf16", W, None, X, kernels=k), _per_token_cdots((W.astype(U32) << 16).view(F32), X))
     q, s = _fp8_weight(rng, 6, C)
     q[1, 69] = 0x7F  # NaN codes: only without nan_free
     q[2, 0] = 0xFF
     want = _per_token_cdots(core.decode_fp8_weight(q, s), X)
-    assert_same_bits(core.linear("fp8", q, s, X), want)
+    assert_same_bits(core.linear("fp8", q, s, X, kernels=k), want)
     with pytest.raises(ValueError, match="^nan_free: expected"):
         core.linear("fp8", q, s, X, nan_free=True)
 
 
 @pytest.mark.parametrize("release,C", [("bf16", 72), ("f32", 72), ("fp8", 1056), ("mxfp4", 1056)])
-def test_linear_token_groups(release, C):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_linear_token_groups(release, C, kernels):
     # more tokens than one packed x holds (cdot.hpp kPackTokens, 512): Lin::matmul goes in groups of tokens
     rng = np.random.default_rng(74)
     data, scale, Wd = _linear_weight(release, rng, 5, C)
     X = np.ascontiguousarray((rng.standard_normal((1100, C)) * 0.5).astype(F32))
-    got = core.linear(release, data, scale, X, nan_free=release == "fp8")
+    got = core.linear(release, data, scale, X, nan_free=release == "fp8", kernels=_kernels(kernels))
     assert_same_bits(got, _per_token_cdots(Wd, X))
 
 
 @pytest.mark.parametrize("C", [200, 1088])  # 1088: rows turned into FP16 bits from 13 tokens (matvec.cpp Fp8HalfRow)
 @pytest.mark.parametrize("scale", [2.0 ** 121, 2.0 ** 127 * 1.5, np.inf, np.nan, 2.0 ** -149, 0.0, -3.0])
-def test_linear_fp8_extreme_scales(scale, C):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_linear_fp8_extreme_scales(scale, C, kernels):
     # a scale whose product with 2^8 overflows makes the kernel skip the folded form for the call;
     # inf/NaN/subnormal/zero/negative scales decode as fl32(e4m3 * s)
     rng = np.random.default_rng(72)
@@ -542,9 +557,10 @@ def test_linear_fp8_extreme_scales(scale, C):
     s[1, 0] = scale
     X = _tokens(rng, 25, C)
     want = _per_token_cdots(core.decode_fp8_weight(q, s), X)
+    k = _kernels(kernels)
     for T in (1, 2, 3, 6, 9, 20, 25):
-        assert_same_bits(core.linear("fp8", q, s, X[:T].copy(), nan_free=True), want[:T])
-        assert_same_bits(core.linear("fp8", q, s, X[:T].copy(), 120, 140, nan_free=True), want[:T, 120:140])
+        assert_same_bits(core.linear("fp8", q, s, X[:T].copy(), nan_free=True, kernels=k), want[:T])
+        assert_same_bits(core.linear("fp8", q, s, X[:T].copy(), 120, 140, nan_free=True, kernels=k), want[:T, 120:140])
 
 
 def test_linear_threads_round_and_empty():
@@ -953,9 +969,10 @@ def test_core_uses_no_iostreams():
 
 
 @pytest.mark.parametrize("release", ["bf16", "f32", "fp8", "mxfp4"])
-def test_linear_one_block_of_eight(release):
-    # 7-8 tokens against rows of more than 1 MiB go as one token block of one row a register block (cdot.hpp
-    # most_tokens); fewer rows' bytes, or 6 / 9 tokens, as blocks of at most six
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_linear_one_block_of_eight(release, kernels):
+    # 7-8 tokens against rows of more than 1 MiB go as one token block (cdot.hpp most_tokens; of one row a register
+    # block with AVX2, two with AVX-512VL); fewer rows' bytes, or 6 / 9 tokens, as blocks of at most six
     rng = np.random.default_rng(75)
     # (MXFP4 rows longer than 1024 are turned into FP16 bits from 7 tokens: its rows here are 1024 long)
     C = 1024 if release == "mxfp4" else 4100
@@ -963,8 +980,10 @@ def test_linear_one_block_of_eight(release):
     data, scale, Wd = _linear_weight(release, rng, R, C)
     X = _tokens(rng, 9, C)
     want = _per_token_cdots(Wd, X)
+    k = _kernels(kernels)
     for T in (6, 7, 8, 9):
-        assert_same_bits(core.linear(release, data, scale, X[:T].copy(), nan_free=release == "fp8"), want[:T])
+        assert_same_bits(core.linear(release, data, scale, X[:T].copy(), nan_free=release == "fp8", kernels=k),
+                         want[:T])
         # (rows 3 .. R - 9: under 1 MiB, so blocks of at most six)
-        assert_same_bits(core.linear(release, data, scale, X[:T].copy(), 3, R - 9, nan_free=release == "fp8"),
-                         want[:T, 3:R - 9])
+        assert_same_bits(core.linear(release, data, scale, X[:T].copy(), 3, R - 9, nan_free=release == "fp8",
+                                     kernels=k), want[:T, 3:R - 9])

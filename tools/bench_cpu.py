@@ -189,10 +189,12 @@ def gemm_roofline_s(weight_bytes: int, macs: int, ceilings: dict) -> tuple[float
 
 
 def bench_gemm(rows: int = 8192, cols: int = 4096, tokens=(6, 16, 64), releases=("fp8", "bf16", "mxfp4"),
-               threads: int = 1, warm: int = 2, reps: int = 7) -> dict:
+               threads: int = 1, warm: int = 2, reps: int = 7, kernels=(None,)) -> dict:
     """The multi-token kernels (the engine's Lin, `fast._core.linear_bench`) against the FMA peak and the copy
     bandwidth measured in the same process (cpu_ceilings): per release and token count, `warm` untimed calls, then
-    the median of `reps` timed calls; each run's share of the FMA peak and of its roofline (gemm_roofline_s)."""
+    the median of `reps` timed calls; each run's share of the FMA peak and of its roofline (gemm_roofline_s).
+    `kernels`: the instruction sets' kernels to run, by turns for each shape (None: the process's choice,
+    fast._core.cpu_kernels)."""
     import statistics
 
     from fast import _core
@@ -206,13 +208,16 @@ def bench_gemm(rows: int = 8192, cols: int = 4096, tokens=(6, 16, 64), releases=
         data, scale, nbytes = _expert_weights(rel, rows, cols)
         for T in tokens:
             X = (rng.standard_normal((T, cols)) * 0.5).astype(np.float32)
-            run = lambda n: _core.linear_bench(rel, data, scale, X, nan_free=rel == "fp8", threads=threads, reps=n)
-            run(warm)
-            t = statistics.median(run(1) for _ in range(reps))
-            macs = rows * cols * T / t / 1e9
-            roof, bound = gemm_roofline_s(nbytes, rows * cols * T, ceil)
-            out["runs"].append({"release": rel, "tokens": T, "MACs_per_ns": macs, "of_fma_peak": macs / peak,
-                                "seconds": t, "roofline_s": roof, "bound": bound, "of_roofline": roof / t})
+            for k in kernels:
+                run = lambda n: _core.linear_bench(rel, data, scale, X, nan_free=rel == "fp8", threads=threads, reps=n,
+                                                   kernels=k)
+                run(warm)
+                t = statistics.median(run(1) for _ in range(reps))
+                macs = rows * cols * T / t / 1e9
+                roof, bound = gemm_roofline_s(nbytes, rows * cols * T, ceil)
+                out["runs"].append({"release": rel, "tokens": T, "kernels": k or _core.cpu_kernels()["chosen"],
+                                    "MACs_per_ns": macs, "of_fma_peak": macs / peak, "seconds": t, "roofline_s": roof,
+                                    "bound": bound, "of_roofline": roof / t})
     return out
 
 
@@ -396,6 +401,8 @@ def main() -> None:
     p.add_argument("--gemm", action="store_true",
                    help="only the multi-token kernels against the FMA peak (--shape, --tokens, --threads)")
     p.add_argument("--tokens", default="6,16,64", help="token counts of --gemm")
+    p.add_argument("--kernels", default="", help="--gemm: instruction sets' kernels to run by turns, e.g. avx2,avx512 "
+                   "(default: the process's choice; GLM_CPU_KERNELS in the environment sets it for every part)")
     p.add_argument("--shape", default="8192x4096", help="ROWSxCOLS of --gemm's weight (16384x4096: rows that stream "
                    "from memory on any cache)")
     p.add_argument("--batch-on", metavar="DIR", help="only the engine's batched greedy decode tok/s on this "
@@ -414,8 +421,10 @@ def main() -> None:
             p.error(f"--shape {a.shape!r}: expected ROWSxCOLS, e.g. 16384x4096")
         for th in ths:
             if a.gemm:
-                g = bench_gemm(rows, cols, tokens=[int(t) for t in a.tokens.split(",")], threads=th)
-                line = " | ".join(f"{x['release']}/T{x['tokens']}: {x['MACs_per_ns']:.2f} ({x['of_fma_peak']:.1%}; "
+                ks = tuple(a.kernels.split(",")) if a.kernels else (None,)
+                g = bench_gemm(rows, cols, tokens=[int(t) for t in a.tokens.split(",")], threads=th, kernels=ks)
+                line = " | ".join(f"{x['release']}/T{x['tokens']}{'/' + x['kernels'] if a.kernels else ''}: "
+                                  f"{x['MACs_per_ns']:.2f} ({x['of_fma_peak']:.1%}; "
                                   f"{x['of_roofline']:.0%} of {x['bound']})" for x in g["runs"])
                 print(json.dumps(g) if a.json else f"{th} thread(s), peak {g['fma_peak_MACs_per_ns']:.1f} MAC/ns, copy "
                       f"{g['copy_Bps'] / 1e9:.1f} GB/s | {line}")

@@ -44,10 +44,8 @@ double cdot64(const double* a, const double* b, size_t n) {
     return P[0][0];
 }
 
-namespace detail {
-
 const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most) {
-    const size_t nb = token_blocks(T, most), nch = (n + 63) / 64;
+    const size_t nb = detail::token_blocks(T, most), nch = (n + 63) / 64;
     struct alignas(32) Group {  // (32-byte aligned: the passes' x loads never split a line)
         float v[8];
     };
@@ -56,7 +54,7 @@ const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_
     float* const Xp = buf.data()->v;
     size_t t0 = 0;
     for (size_t b = 0; b < nb; ++b) {
-        const size_t nt = block_tokens(T, nb, b, t0);
+        const size_t nt = detail::block_tokens(T, nb, b, t0);
         float* const blk = Xp + 64 * t0 * nch;
         for (size_t t = 0; t < nt; ++t) {
             const float* const x = X + (t0 + t) * ldx;
@@ -77,5 +75,4 @@ const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_
     return Xp;
 }
 
-}  // namespace detail
 }  // namespace glm::cpu

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "formats.hpp"
+#include "isa.hpp"
 
 namespace glm::cpu {
 
@@ -26,6 +27,17 @@ float cdot(const float* a, const float* b, size_t n);
 double cdot64(const double* a, const double* b, size_t n);
 float csum(const float* x, size_t n);  // = cdot(x, ones)
 
+// x of T tokens (rows X + t * ldx, n floats each) as the token blocks of at most `most` tokens read it: block b
+// (tokens t0 .. t0 + nt - 1, detail::block_tokens) from Xp + 64 t0 nch (nch = ceil(n / 64) chunks), then group g
+// of chunk c of its token t at ((8c + g) nt + t) 8, elements past n 0. Read in place, tokens 4n bytes apart (16 KiB
+// at n = 4096) fell in the same L1 sets as each other and the accumulators: the rows at n = 4096 ran 12-15 %
+// slower than at 4032 (docs/perf.md, "Session 35"). Packed into the calling thread's buffer (64 T nch floats,
+// 32-byte aligned, reused by its next call), which is returned. (`most`: detail::kMultiTokens or
+// detail::most_tokens' choice; cdot_multi_packed must be given the same.) One definition for every instruction set
+// (isa.hpp): it only moves floats.
+const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most);
+
+inline namespace GLM_CPU_ISA {
 namespace detail {
 
 // Lane mask with the first k (0..8) lanes set.
@@ -199,9 +211,25 @@ inline void prefetch_part(const Row& r, size_t c0, size_t c1, size_t part, size_
     }
 }
 
-// Rows per register block for NT tokens: RB * NT accumulators, RB weight groups and one x in registers.
-template <int NT>
+// A Row may say `static constexpr bool kPlainLoads = true`: a weight group costs one load (and at most a widening
+// shift), no decode (BF16, f32 rows).
+template <class Row, class = void>
+struct plain_loads : std::false_type {};
+template <class Row>
+struct plain_loads<Row, std::void_t<decltype(Row::kPlainLoads)>> : std::bool_constant<Row::kPlainLoads> {};
+
+// Rows per register block for NT tokens: RB * NT accumulators, RB weight groups and one x in registers. AVX2 has 16
+// vector registers; AVX-512VL's 32 (isa.hpp) hold two rows at 7-8 tokens (19 registers) and, for rows that decode
+// (FP8, MXFP4, and their rows turned into FP16 bits), four at 4-6 (up to 29): each x load then serves two or four
+// rows, not one or two. Rows 16384 x 4096, one thread, Zen 4, % of the FMA peak, AVX2 -> AVX-512VL: FP8 +1-4 points
+// at 2-64 tokens, MXFP4 +4-8 at 4-6 and +1-4 elsewhere, BF16 +7 at 7 and +3 at 8; BF16 rows lost at 4-5 tokens with
+// four rows a block (53 -> 38 at 4), so they keep two (docs/perf.md, "Session 39").
+template <int NT, class Row>
 constexpr int block_rows() {
+#ifdef GLM_CPU_WIDE_REGISTERS
+    if constexpr (NT >= 7) return 2;
+    if constexpr (NT >= 4 && !plain_loads<Row>::value) return 4;
+#endif
     return NT == 1 ? 8 : NT == 2 ? 4 : NT == 3 ? 3 : NT <= 6 ? 2 : 1;
 }
 
@@ -216,12 +244,13 @@ constexpr int block_rows() {
 // prefetch (BF16 at 6 tokens, 8192 x 4096: 33 -> 46 % of the FMA peak; docs/perf.md, "Session 35"). Blocks of
 // several rows (NT <= 6) ask for them into L2 only: asked into L1, they pushed out the X panel and the
 // accumulators the passes are using (BF16, 16384 x 4096, one thread: 2-6 tokens 18-43 -> 27-49 % of the FMA
-// peak; docs/perf.md, "Session 38"); one-row blocks (7-8 tokens) measured better asking into L1.
+// peak; docs/perf.md, "Session 38"); one-row blocks (7-8 tokens with AVX2) measured better asking into L1,
+// AVX-512VL's two-row blocks there were measured (session 39) asking into L2.
 template <int NT, class MakeRow>
 inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size_t n, float* Y, size_t ldy,
                             bool round, bool ahead) {
     using Row = decltype(row(size_t{0}));
-    constexpr int RB = block_rows<NT>();
+    constexpr int RB = block_rows<NT, Row>();
     constexpr size_t SB = (64 / NT) / RB * RB;  // rows per sub-block, a multiple of RB
     constexpr size_t KP = 64 / NT;              // chunks per panel
     constexpr size_t PS = NT * 8;               // accumulators per row
@@ -284,14 +313,6 @@ constexpr size_t kPackTokens = 512;
 inline size_t block_tokens(size_t T, size_t nb, size_t b, size_t t0) {
     return (T - t0) / (nb - b) + ((T - t0) % (nb - b) != 0);
 }
-// x of T tokens (rows X + t * ldx, n floats each) as the token blocks read it: block b (tokens t0 ..
-// t0 + nt - 1) from Xp + 64 t0 nch (nch = ceil(n / 64) chunks), then group g of chunk c of its token t at
-// ((8c + g) nt + t) 8, elements past n 0. Read in place, tokens 4n bytes apart (16 KiB at n = 4096) fell
-// in the same L1 sets as each other and the accumulators: the rows at n = 4096 ran 12-15 % slower than at
-// 4032 (docs/perf.md, "Session 35"). Packed into the calling thread's buffer (64 T nch floats, 32-byte
-// aligned, reused by its next call), which is returned.
-// (`most`: the largest block, kMultiTokens or most_tokens' choice; cdot_multi_packed must be given the same.)
-const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most = kMultiTokens);
 
 // Y[t * ldy + i] = cdot(row(i), X + t * ldx) for i < nr, t < T, from X packed by packed_tokens.
 // Rows are taken in chunks of about 192 KiB of stored weights (row_bytes each), and every token block
@@ -339,6 +360,7 @@ inline void cdot_multi(const MakeRow& row, size_t nr, const float* X, size_t ldx
 struct F32Row {
     const float* p;
     static constexpr size_t kChunkBytes = 256;
+    static constexpr bool kPlainLoads = true;
     const void* stored(size_t c) const { return p + 64 * c; }
     __m256 load8(size_t base, size_t g) const { return _mm256_loadu_ps(p + base + 8 * g); }
     __m256 load_partial(size_t base, size_t g, size_t k) const {
@@ -352,4 +374,5 @@ struct OnesRow {
 };
 
 }  // namespace detail
+}  // inline namespace GLM_CPU_ISA
 }  // namespace glm::cpu

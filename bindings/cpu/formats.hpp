@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "../numerics_dev.hpp"
+#include "isa.hpp"
 
 namespace glm::cpu {
 
@@ -26,6 +27,8 @@ using num::f64_from_bits;
 
 constexpr uint16_t kBf16CanonicalNaN = num::kBf16CanonicalNaN;
 
+// Inline kernels under their instruction set's name (isa.hpp); tables and out-of-line functions outside.
+inline namespace GLM_CPU_ISA {
 // f32 -> bf16 bits: round to nearest, ties to even; every NaN -> 0x7FC0 (num::bf16_bits_of).
 inline uint16_t bf16_bits(float x) { return static_cast<uint16_t>(num::bf16_bits_of(f32_bits(x))); }
 
@@ -48,6 +51,8 @@ inline __m256 bf16_round8(__m256 x) {
     return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
 }
 
+}  // inline namespace GLM_CPU_ISA
+
 // out[i] = bf16_bits(x[i]) (eight lanes at a time).
 void bf16_bits_array(const float* x, uint16_t* out, size_t n);
 
@@ -59,6 +64,7 @@ extern const std::array<float, 256> kE4M3;  // fn: bias 7, no inf, S.1111.111 = 
 extern const std::array<float, 16> kE2M1;    // ±{0, .5, 1, 1.5, 2, 3, 4, 6}; code bit 3 is the sign
 extern const std::array<float, 256> kE8M0;   // 2^(e-127); e = 0 -> 2^-127 (0x00400000); 0xFF -> NaN
 
+inline namespace GLM_CPU_ISA {
 inline float decode_e4m3(uint8_t q) { return kE4M3[q]; }
 inline float decode_e2m1(uint8_t q) { return kE2M1[q & 15u]; }
 inline float decode_e8m0(uint8_t e) { return kE8M0[e]; }
@@ -87,9 +93,12 @@ inline __m256 decode_e4m3_8(__m128i b) {
     return _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), e4m3_nan_mask_8(b));
 }
 
+}  // inline namespace GLM_CPU_ISA
+
 // True when any of the n codes is a NaN code (S.1111.111).
 bool has_e4m3_nan(const uint8_t* q, size_t n);
 
+inline namespace GLM_CPU_ISA {
 // Eight E2M1 codes (in each 32-bit lane) -> exact f32, by a permutation of the eight
 // magnitudes and the sign bit (code bit 3) moved to bit 31 (no gathers).
 // Only the low 4 bits of each lane are looked at. `mags` may be the magnitudes already multiplied by
@@ -101,12 +110,16 @@ inline __m256 decode_e2m1_8(__m256i code, __m256 mags = e2m1_magnitudes()) {
     return _mm256_or_ps(m, _mm256_castsi256_ps(sign));
 }
 
+}  // inline namespace GLM_CPU_ISA
+
 // ---- weight layouts -----------------------------------------------------------------------------
 
 // FP8 block-128 weight: w[r][c] = fl32(e4m3(q[r][c]) * scale_inv[r/128][c/128]),
 // scale_inv is [ceil(R/128), ceil(C/128)] row-major.
+inline namespace GLM_CPU_ISA {
 inline size_t fp8_scale_rows(size_t R) { return (R + 127) / 128; }
 inline size_t fp8_scale_cols(size_t C) { return (C + 127) / 128; }
+}  // inline namespace GLM_CPU_ISA
 
 // Decode whole tensors (for tests and tools; the matvec kernels decode in registers instead).
 void decode_fp8_weight(const uint8_t* q, const float* scale_inv, size_t R, size_t C, float* out);

@@ -4,14 +4,20 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "cdot.hpp"
 #include "formats.hpp"
 
+// (compiled twice: here for AVX2, and by matvec_avx512.cpp for AVX-512VL, each in its instruction set's inline
+// namespace, isa.hpp; the one-token matvec_* and the choice of kernels only here)
 namespace glm::cpu {
+inline namespace GLM_CPU_ISA {
 namespace {
 
 // Split rows [0, R) over threads (each row is computed whole by one thread, so the split changes
@@ -41,6 +47,7 @@ void for_rows(size_t R, size_t C, unsigned threads, Fn fn) {
 struct Bf16Row {
     const uint16_t* p;
     static constexpr size_t kChunkBytes = 128;
+    static constexpr bool kPlainLoads = true;
     const void* stored(size_t c) const { return p + 64 * c; }
     static __m256 widen(__m128i h) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -226,7 +233,7 @@ template <class Turn, class MakeRow>
 void rows_through_half(size_t nr, size_t C, const float* X, size_t ldx, size_t T, float* Y, size_t ldy, bool round,
                        const Turn& turn, const MakeRow& row) {
     const size_t ld = (C + 7) / 8 * 8;
-    const float* const Xp = detail::packed_tokens(X, ldx, T, C);
+    const float* const Xp = packed_tokens(X, ldx, T, C, detail::kMultiTokens);
     thread_local std::vector<uint16_t> half;
     if (half.size() < kHalfRows * ld) half.resize(kHalfRows * ld);
     for (size_t a = 0; a < nr; a += kHalfRows) {
@@ -264,7 +271,7 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
     }
     const size_t ld = (C + 7) / 8 * 8;
     const size_t nb = std::max<size_t>(16, (size_t{1} << 16) / ld);  // rows per decoded block (>= 256 KiB)
-    const float* const Xp = detail::packed_tokens(X, ldx, T, C);  // (x packed once for every block)
+    const float* const Xp = packed_tokens(X, ldx, T, C, detail::kMultiTokens);  // (x packed once for every block)
     thread_local std::vector<float> buf;
     if (buf.size() < nb * ld) buf.resize(nb * ld);
     for (size_t a = 0; a < nr; a += nb) {
@@ -368,6 +375,63 @@ void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0
              round, C / 2 + C / 32, true);
 }
 
+}  // inline namespace GLM_CPU_ISA
+
+#define GLM_CPU_STR2(x) #x
+#define GLM_CPU_STR(x) GLM_CPU_STR2(x)
+#ifdef GLM_CPU_AVX512_TU
+#define GLM_CPU_LIN_TABLE kLinKernelsAvx512
+#else
+#define GLM_CPU_LIN_TABLE kLinKernelsAvx2
+#endif
+extern const LinKernels GLM_CPU_LIN_TABLE;
+const LinKernels GLM_CPU_LIN_TABLE = {GLM_CPU_STR(GLM_CPU_ISA), &rows_bf16, &rows_f32, &rows_fp8, &rows_mxfp4};
+
+#ifndef GLM_CPU_AVX512_TU
+#if GLM_CPU_BUILD_AVX512
+extern const LinKernels kLinKernelsAvx512;
+#endif
+
+namespace {
+bool avx512_runs() {
+#if GLM_CPU_BUILD_AVX512
+    // (libgcc's answer includes the OS's: AVX-512 only where XCR0 says the OS saves its registers)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+#else
+    return false;
+#endif
+}
+}  // namespace
+
+const LinKernels* lin_kernels_named(const char* isa) {
+    const std::string s = isa ? isa : "";
+    if (s == "avx2") return &kLinKernelsAvx2;
+#if GLM_CPU_BUILD_AVX512
+    if (s == "avx512" && avx512_runs()) return &kLinKernelsAvx512;
+#endif
+    return nullptr;
+}
+
+const LinKernels& lin_kernels() {
+    static const LinKernels* const chosen = [] {
+        const char* e = std::getenv("GLM_CPU_KERNELS");
+        if (e == nullptr || *e == '\0') {
+            const LinKernels* wide = lin_kernels_named("avx512");
+            return wide ? wide : &kLinKernelsAvx2;
+        }
+        const std::string v = e;
+        if (v != "avx2" && v != "avx512")
+            throw std::invalid_argument("GLM_CPU_KERNELS=" + v +
+                                        ": expected avx2 or avx512 (or unset: the fastest this CPU runs)");
+        const LinKernels* k = lin_kernels_named(e);
+        if (k == nullptr)
+            throw std::invalid_argument("GLM_CPU_KERNELS=avx512: this CPU, its OS or this build has no AVX-512VL");
+        return k;
+    }();
+    return *chosen;
+}
+
 void matvec_bf16(const uint16_t* W, size_t R, size_t C, const float* x, float* y, unsigned threads) {
     for_rows(R, C, threads, [&](size_t r) { y[r] = detail::cdot_kernel(Bf16Row{W + r * C}, x, C); });
 }
@@ -403,5 +467,6 @@ void matvec_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t R, size_t 
         y[r] = detail::cdot_kernel(Mxfp4Row{packed + r * (C / 2), scale + r * (C / 32)}, x, C);
     });
 }
+#endif  // GLM_CPU_AVX512_TU
 
 }  // namespace glm::cpu

@@ -21,20 +21,29 @@ void matvec_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t R, size_t 
 // ---- the engine's entry points (weights.cpp `Lin`) ----------------------------------------------
 // Rows [r0, r1) of a stored [*, C] weight (the pointers are the tensor's row 0 and its scales), against
 // T token rows X[t * ldx ...] (C floats each): Y[t * ldy + i] = cdot(W[r0 + i], X[t]) for i < r1 - r0,
-// bf16-rounded when `round`. Bit-identical to one cdot per token and row, whatever T, r0, r1.
-// T = 1 runs the one-token kernel (eight accumulators in registers); T >= 2 decodes each group of
-// eight weights once for up to eight tokens (detail::cdot_multi). Runs on the calling thread. T >= 2 packs x
-// into a per-thread buffer of about 4 T C bytes, kept: Lin::matmul calls with at most detail::kPackTokens.
-void rows_bf16(const uint16_t* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
-               size_t ldy, bool round);
-void rows_f32(const float* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
-              size_t ldy, bool round);
-// nan_free: the caller has checked once that no code of the tensor is a NaN code (the engine does at
-// load), so no row is scanned; otherwise each group of eight codes is checked in registers.
-void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, size_t r1, const float* X, size_t ldx,
-              size_t T, float* Y, size_t ldy, bool round, bool nan_free);
-// C % 32 == 0.
-void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0, size_t r1, const float* X,
-                size_t ldx, size_t T, float* Y, size_t ldy, bool round);
+// bf16-rounded when `round`. Bit-identical to one cdot per token and row, whatever T, r0, r1 and whichever
+// instruction set's kernels run them. T = 1 runs the one-token kernel (eight accumulators in registers); T >= 2
+// decodes each group of eight weights once for up to eight tokens (detail::cdot_multi). Runs on the calling
+// thread. T >= 2 packs x into a per-thread buffer of about 4 T C bytes, kept: Lin::matmul calls with at most
+// detail::kPackTokens. FP8's nan_free: the caller has checked once that no code of the tensor is a NaN code (the
+// engine does at load), so no row is scanned; otherwise each group of eight codes is checked in registers.
+// MXFP4: C % 32 == 0.
+struct LinKernels {
+    const char* isa;  // "avx2" or "avx512" (isa.hpp)
+    void (*rows_bf16)(const uint16_t* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T,
+                      float* Y, size_t ldy, bool round);
+    void (*rows_f32)(const float* W, size_t C, size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y,
+                     size_t ldy, bool round);
+    void (*rows_fp8)(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, size_t r1, const float* X,
+                     size_t ldx, size_t T, float* Y, size_t ldy, bool round, bool nan_free);
+    void (*rows_mxfp4)(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0, size_t r1, const float* X,
+                       size_t ldx, size_t T, float* Y, size_t ldy, bool round);
+};
+// The kernels this process runs: AVX-512VL's where the build has them and the CPU and its OS run them, else
+// AVX2's; the environment's GLM_CPU_KERNELS=avx2 asks for AVX2's, =avx512 for AVX-512VL's (refused where they
+// cannot run). Chosen once, at the first call; an unknown value is refused then (std::invalid_argument naming it).
+const LinKernels& lin_kernels();
+// One instruction set's kernels by name ("avx2", "avx512"), or nullptr where this build or this CPU has none.
+const LinKernels* lin_kernels_named(const char* isa);
 
 }  // namespace glm::cpu

@@ -121,19 +121,20 @@ void Lin::matmul(size_t r0, size_t r1, const float* X, size_t ldx, size_t T, flo
         return;
     }
     const size_t a0 = row0 + r0, a1 = row0 + r1;
+    const LinKernels& k = kernels ? *kernels : lin_kernels();
     switch (fmt) {
         case WFmt::BF16:
-            rows_bf16(static_cast<const uint16_t*>(data), C, a0, a1, X, ldx, T, Y, ldy, round);
+            k.rows_bf16(static_cast<const uint16_t*>(data), C, a0, a1, X, ldx, T, Y, ldy, round);
             return;
         case WFmt::F32:
-            rows_f32(static_cast<const float*>(data), C, a0, a1, X, ldx, T, Y, ldy, round);
+            k.rows_f32(static_cast<const float*>(data), C, a0, a1, X, ldx, T, Y, ldy, round);
             return;
         case WFmt::FP8:
-            rows_fp8(static_cast<const uint8_t*>(data), static_cast<const float*>(scale), C, a0, a1, X, ldx, T, Y, ldy,
+            k.rows_fp8(static_cast<const uint8_t*>(data), static_cast<const float*>(scale), C, a0, a1, X, ldx, T, Y, ldy,
                      round, fp8_nan_free);
             return;
         case WFmt::MXFP4:
-            rows_mxfp4(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(scale), C, a0, a1, X, ldx, T, Y,
+            k.rows_mxfp4(static_cast<const uint8_t*>(data), static_cast<const uint8_t*>(scale), C, a0, a1, X, ldx, T, Y,
                        ldy, round);
             return;
     }

@@ -19,6 +19,8 @@ enum class WFmt : uint8_t { BF16 = 0, F32 = 1, FP8 = 2, MXFP4 = 3 };
 
 const char* wfmt_name(WFmt f);
 
+struct LinKernels;  // matvec.hpp
+
 struct Lin {
     WFmt fmt = WFmt::BF16;
     size_t R = 0, C = 0;   // this view: R rows of C columns
@@ -26,6 +28,8 @@ struct Lin {
     const void* data = nullptr;   // the stored tensor (row 0)
     const void* scale = nullptr;  // fp8: f32 [ceil(rows/128), ceil(C/128)]; mxfp4: u8 [rows, C/32]
     bool fp8_nan_free = false;    // fp8: no NaN code anywhere (checked once at load): no NaN checks in the dots
+    // the instruction set's kernels matmul runs (matvec.hpp LinKernels); nullptr: lin_kernels()'s choice
+    const LinKernels* kernels = nullptr;
 
     bool empty() const { return data == nullptr; }
     // rows [r0, r0 + n) of this view
@@ -42,8 +46,8 @@ struct Lin {
     // y[i] = cdot(W[r0 + i], x) for i < r1 - r0 (canonical cdot, decoded in registers).
     void matvec(size_t r0, size_t r1, const float* x, float* y) const;
     // Several tokens: Y[t * ldy + i] = cdot(W[r0 + i], X + t * ldx) for t < T, i < r1 - r0, bf16-rounded
-    // when `round`. Each group of eight weights is decoded in registers once for up to six tokens
-    // (rows_* in matvec.hpp); bit-identical to matvec once per token. Runs on the calling thread.
+    // when `round`. Each group of eight weights is decoded in registers once for up to eight tokens
+    // (LinKernels in matvec.hpp); bit-identical to matvec once per token. Runs on the calling thread.
     void matmul(size_t r0, size_t r1, const float* X, size_t ldx, size_t T, float* Y, size_t ldy, bool round) const;
 };
 

@@ -1,0 +1,36 @@
+// The engine's multi-token kernels (matvec.cpp) compiled again for AVX-512VL: the same __m256 code with 32 vector
+// registers, so larger register blocks (cdot.hpp, block_rows) and the same bits. isa.hpp says why the names differ;
+// matvec.cpp's lin_kernels() runs these only where the CPU and its OS have AVX-512F and AVX-512VL.
+#define GLM_CPU_ISA avx512
+#define GLM_CPU_AVX512_TU 1
+#define GLM_CPU_WIDE_REGISTERS 1
+#include "isa.hpp"
+
+#if GLM_CPU_BUILD_AVX512
+// Everything the kernels include comes first, under the build's own target: the standard library's and
+// numerics_dev.hpp's inline code here must be what every other translation unit compiles (the linker keeps one
+// copy of each). Only what follows the pragma -- cdot.hpp's, formats.hpp's and matvec.cpp's own code, under the
+// names of glm::cpu::avx512 -- may use AVX-512 instructions (tests/test_cpu_kernels_isa.py reads the module's
+// machine code for any outside them).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "../numerics_dev.hpp"
+#include "matvec.hpp"
+
+#pragma GCC target("avx512f,avx512vl")
+#include "matvec.cpp"
+#endif
