@@ -97,6 +97,14 @@ def test_bench_cpu_gemm_and_prefill_lines(golden_dir):
     assert all(f["of_roofline"][L] > 0 and f["bound"][L] in ("memory", "FMA") for L in (3, 5))
 
 
+def test_bench_cpu_machine_names_the_kernels():
+    """The machine facts of every bench_cpu report name the linear kernels' build the engine runs there."""
+    core = pytest.importorskip("fast._core")
+    from tools.bench_cpu import machine_info
+    k = machine_info()["cpu_kernels"]
+    assert k == core.cpu_kernels()["chosen"] and k in core.cpu_kernels()["available"]
+
+
 def test_cpu_step_roofline_counts_the_step(golden_dir):
     """step_roofline: the CUDA rooflines' formula over CPU ceilings; with a copy bandwidth that makes memory free,
     a step's time is its multiply-adds (the experts k of E a token, the head on the rows that want logits) / peak."""

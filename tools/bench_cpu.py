@@ -53,8 +53,13 @@ def machine_info() -> dict:
         load = os.getloadavg()[0]
     except OSError:
         load = None
+    try:  # (which build of the linear kernels the engine runs here: docs/engine_cpu.md, "Instruction sets")
+        from fast import _core
+        kernels = _core.cpu_kernels()["chosen"]
+    except (ImportError, ValueError):
+        kernels = None
     return {"cpu": cpu or platform.processor(), "cores": cores, "machine": platform.machine(),
-            "python": platform.python_version(), "load_1min": load}
+            "python": platform.python_version(), "load_1min": load, "cpu_kernels": kernels}
 
 
 def _timed(fn, reps: int):
@@ -349,8 +354,8 @@ def format_report(r: dict) -> str:
     m = r["machine"]
     def load(v):
         return "?" if v is None else f"{v:.1f}"
-    lines = [f"machine: {m['cpu']} ({m['cores']} cores), 1-min load average {load(m['load_1min'])} before, "
-             f"{load(m.get('load_1min_after'))} after", ""]
+    lines = [f"machine: {m['cpu']} ({m['cores']} cores; the engine's {m.get('cpu_kernels')} kernels), 1-min load "
+             f"average {load(m['load_1min'])} before, {load(m.get('load_1min_after'))} after", ""]
     def loads(part):
         lo = part.get("load_1min")
         return "" if not lo else f"{load(lo[0])} -> {load(lo[1])}"
