@@ -92,6 +92,11 @@ def test_bench_cpu_gemm_and_prefill_lines(golden_dir):
         t_mem, t_fma = wbytes / g["copy_Bps"], 96 * 256 * x["tokens"] / (g["fma_peak_MACs_per_ns"] * 1e9)
         assert x["roofline_s"] == max(t_mem, t_fma) and x["bound"] == ("memory" if t_mem >= t_fma else "FMA")
         assert x["of_roofline"] == x["roofline_s"] / x["seconds"] > 0
+    from fast import _core
+    assert {x["kernels"] for x in g["runs"]} == {_core.cpu_kernels()["chosen"]}
+    ks = tuple(_core.cpu_kernels()["available"])  # --kernels: each build by turns, every shape
+    g2 = bench_gemm(rows=96, cols=256, tokens=(3,), releases=("bf16",), warm=1, reps=1, kernels=ks)
+    assert [x["kernels"] for x in g2["runs"]] == list(ks)
     f = bench_prefill(str(golden_dir / "tiny-fp8"), lengths=(3, 5), warm=1, reps=3)
     assert sorted(f["prefill_tok_s"]) == [3, 5] and min(f["prefill_tok_s"].values()) > 0
     assert all(f["of_roofline"][L] > 0 and f["bound"][L] in ("memory", "FMA") for L in (3, 5))
