@@ -373,11 +373,10 @@ struct LinArg {
 // kernels: None (lin_kernels()'s choice) or an instruction set's name that this CPU and build run.
 const LinKernels* kernels_arg(const py::object& ko) {
     if (ko.is_none()) return nullptr;
-    if (!py::isinstance<py::str>(ko)) bad("kernels: expected None, 'avx2' or 'avx512'");
+    if (!py::isinstance<py::str>(ko)) bad("kernels: expected None or a name of cpu_kernels()");
     const std::string name = ko.cast<std::string>();
-    if (name != "avx2" && name != "avx512") bad("kernels: expected None, 'avx2' or 'avx512', given '" + name + "'");
     const LinKernels* k = lin_kernels_named(name.c_str());
-    if (k == nullptr) bad("kernels: '" + name + "' does not run here (this CPU, its OS or this build lacks AVX-512VL)");
+    if (k == nullptr) bad("kernels: '" + name + "': " + lin_kernels_refusal(name.c_str()) + " (None: cpu_kernels()'s choice)");
     return k;
 }
 
@@ -575,7 +574,7 @@ PYBIND11_MODULE(_core, m) {
           "rows.");
     m.def("cpu_kernels", [] {
               py::list avail;
-              for (const char* n : {"avx2", "avx512"})
+              for (const char* n : kLinKernelNames)
                   if (lin_kernels_named(n)) avail.append(n);
               py::dict d;
               d["chosen"] = lin_kernels().isa;

@@ -404,6 +404,14 @@ bool avx512_runs() {
 }
 }  // namespace
 
+std::string lin_kernels_refusal(const char* isa) {
+    std::string names;
+    for (const char* n : kLinKernelNames) names += std::string(names.empty() ? "" : " or ") + n;
+    for (const char* n : kLinKernelNames)
+        if (std::string(n) == isa) return "does not run here (this CPU, its OS or this build lacks it)";
+    return "expected " + names;
+}
+
 const LinKernels* lin_kernels_named(const char* isa) {
     const std::string s = isa ? isa : "";
     if (s == "avx2") return &kLinKernelsAvx2;
@@ -420,13 +428,10 @@ const LinKernels& lin_kernels() {
             const LinKernels* wide = lin_kernels_named("avx512");
             return wide ? wide : &kLinKernelsAvx2;
         }
-        const std::string v = e;
-        if (v != "avx2" && v != "avx512")
-            throw std::invalid_argument("GLM_CPU_KERNELS=" + v +
-                                        ": expected avx2 or avx512 (or unset: the fastest this CPU runs)");
         const LinKernels* k = lin_kernels_named(e);
         if (k == nullptr)
-            throw std::invalid_argument("GLM_CPU_KERNELS=avx512: this CPU, its OS or this build has no AVX-512VL");
+            throw std::invalid_argument("GLM_CPU_KERNELS=" + std::string(e) + ": " + lin_kernels_refusal(e) +
+                                        " (unset: the fastest this CPU runs)");
         return k;
     }();
     return *chosen;

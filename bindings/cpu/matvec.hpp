@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace glm::cpu {
 
@@ -43,7 +44,11 @@ struct LinKernels {
 // AVX2's; the environment's GLM_CPU_KERNELS=avx2 asks for AVX2's, =avx512 for AVX-512VL's (refused where they
 // cannot run). Chosen once, at the first call; an unknown value is refused then (std::invalid_argument naming it).
 const LinKernels& lin_kernels();
-// One instruction set's kernels by name ("avx2", "avx512"), or nullptr where this build or this CPU has none.
+// One instruction set's kernels by name (one of kLinKernelNames), or nullptr for another name or where this build
+// or this CPU has none.
+inline constexpr const char* kLinKernelNames[] = {"avx2", "avx512"};
 const LinKernels* lin_kernels_named(const char* isa);
+// Why lin_kernels_named(isa) gave nullptr, in words.
+std::string lin_kernels_refusal(const char* isa);
 
 }  // namespace glm::cpu
