@@ -36,6 +36,9 @@ def test_the_choice_and_its_refusals():
     assert _run(show, "avx2").stdout.strip() == "avx2"
     bad = _run(show, "sse4")
     assert bad.returncode != 0 and "GLM_CPU_KERNELS=sse4: expected avx2 or avx512 (unset: the fastest" in bad.stderr
+    # an engine refuses it when made, not at its first step
+    made = _run(f"import fast; fast.Engine({str(ROOT / 'golden' / 'tiny-bf16')!r})", "sse4")
+    assert made.returncode != 0 and "ValueError: GLM_CPU_KERNELS=sse4: expected avx2 or avx512" in made.stderr
     wide = _run(show, "avx512")
     if "avx512" in avail:
         assert wide.stdout.strip() == "avx512"

@@ -17,6 +17,7 @@
 #include "../tensor_roles.hpp"
 #include "formats.hpp"
 #include "greedy.hpp"
+#include "matvec.hpp"
 #include "smalldot.hpp"
 
 namespace glm::cpu {
@@ -167,6 +168,7 @@ void Step::linear(const Lin& W, const float* X, size_t ldx, float* Y, size_t ldy
 
 Engine::Engine(const EngineConfig& cfg, unsigned threads, Numerics nm, size_t inline_work) : cfg_(cfg), nm_(nm) {
     validate_config(cfg_, kCpuLimits);
+    lin_kernels();  // (the linear kernels' build chosen here, so that a refused GLM_CPU_KERNELS stops construction)
     pool_ = std::make_unique<ThreadPool>(threads, inline_work);
     layers.resize(static_cast<size_t>(cfg_.num_hidden_layers));
     for (size_t l = 0; l < layers.size(); ++l) {
