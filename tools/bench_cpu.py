@@ -185,12 +185,17 @@ def cpu_ceilings(threads: int, reps: int = 5, copy_mb: int = 256) -> dict:
     return {"fma_peak_MACs_per_ns": peak, "copy_Bps": 2 * (copy_mb << 20) / t}
 
 
+_BOUND = {"HBM": "memory", "FFMA": "FMA"}  # (bench_throughput's names of the ceilings, as a CPU's)
+
+
 def gemm_roofline_s(weight_bytes: int, macs: int, ceilings: dict) -> tuple[float, str]:
     """(a weight's multiply of some tokens at its roofline, in seconds; which ceiling binds): max(the weight's bytes /
-    the copy bandwidth, the multiply-adds / the FMA peak). x and y are left out (a few tokens' rows)."""
-    t_mem = weight_bytes / ceilings["copy_Bps"]
-    t_fma = macs / (ceilings["fma_peak_MACs_per_ns"] * 1e9)
-    return (t_mem, "memory") if t_mem >= t_fma else (t_fma, "FMA")
+    the copy bandwidth, the multiply-adds / the FMA peak) (bench_throughput.ceiling_s). x and y are left out (a few
+    tokens' rows)."""
+    from tools.bench_throughput import ceiling_s
+
+    t, bound = ceiling_s(weight_bytes, macs, ceilings["copy_Bps"], ceilings["fma_peak_MACs_per_ns"] * 1e9)
+    return t, _BOUND[bound]
 
 
 def bench_gemm(rows: int = 8192, cols: int = 4096, tokens=(6, 16, 64), releases=("fp8", "bf16", "mxfp4"),
@@ -240,7 +245,7 @@ def step_roofline(path: str, ceilings: dict):
 
     def roofline(tokens: int, head_rows: int) -> tuple[float, str]:
         t, bound = roofline_s(census, cfg, tokens, head_rows, bw, flops)
-        return t, {"HBM": "memory", "FFMA": "FMA"}[bound]
+        return t, _BOUND[bound]
     return roofline
 
 

@@ -83,6 +83,11 @@ def roofline_s(census: dict, cfg, tokens: int, head_rows: int, bw: float, peak: 
     touched = E * (1 - (1 - k / E) ** tokens)
     bytes_ = census["dense_bytes"] + census["expert_bytes"] * touched / E
     flops = 2.0 * (tokens * (census["dense_mac"] + census["expert_mac"] * k / E) + head_rows * census["head_mac"])
+    return ceiling_s(bytes_, flops, bw, peak)
+
+
+def ceiling_s(bytes_: float, flops: float, bw: float, peak: float) -> tuple[float, str]:
+    """(max(bytes / bandwidth, FLOPs / peak) in seconds, which binds: "HBM" or "FFMA")."""
     t_mem, t_fma = bytes_ / bw, flops / peak
     return (t_mem, "HBM") if t_mem >= t_fma else (t_fma, "FFMA")
 
