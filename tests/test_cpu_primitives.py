@@ -532,6 +532,14 @@ def test_linear_special_values(kernels):
     assert_same_bits(core.linear("fp8", q, s, X, kernels=k), want)
     with pytest.raises(ValueError, match="^nan_free: expected"):
         core.linear("fp8", q, s, X, nan_free=True)
+    # MXFP4 rows with a NaN scale (code 0xFF: every row goes through the nibble table, at any length) and negative
+    # codes under it: the sign is OR'd onto NaN products as onto any other
+    for c in (96, 1056):
+        p, e = _mxfp4_weight(rng, 6, c)
+        e[1, 0] = e[3, c // 32 - 1] = 0xFF
+        Xm = _tokens(rng, T, c)
+        assert_same_bits(core.linear("mxfp4", p, e, Xm, kernels=k),
+                         _per_token_cdots(core.decode_mxfp4_weight(p, e), Xm))
 
 
 @pytest.mark.parametrize("release,C", [("bf16", 72), ("f32", 72), ("fp8", 1056), ("mxfp4", 1056)])

@@ -56,6 +56,43 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 echo "cores: $(nproc); $(python3 -V); $(nvcc --version | tail -1); cmake $(cmake --version | head -1 | cut -d' ' -f3)"
 df -h /tmp | tail -1
 
+if [ "${CPU_ONLY:-0}" = "1" ]; then
+  # CPU_ONLY=1: the CPU engine's linear kernels on this host's CPU and compiler, nothing of CUDA: fast._core built
+  # with GLM_ENABLE_CUDA=OFF, the instruction-set tests and the linear kernels' tests, then tools/bench_cpu.py's
+  # GEMMs by build (CPU_TOKENS, CPU_SHAPE, CPU_THREADS). CPU_BASE=FILE.tar (a `git archive` of another commit,
+  # carried in): that tree is built too and the two benchmarks run by turns, CPU_ROUNDS rounds.
+  phase "CPU only: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2); $(gcc --version | head -1)"
+  grep -m1 flags /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|fma|avx512f|avx512vl|avx512bw|amx_bf16)$' | tr '\n' ' '; echo
+  cpu_build() {  # $1 source tree, $2 build dir
+    cmake -S "$1" -B "$2" -DCMAKE_BUILD_TYPE=Release -DGLM_ENABLE_CUDA=OFF -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" \
+      > "$OUT/cmake_cpu_$(basename "$2").log" 2>&1 || { tail -30 "$OUT/cmake_cpu_$(basename "$2").log"; return 1; }
+    cmake --build "$2" -j"$(nproc)" --target _core > "$OUT/build_cpu_$(basename "$2").log" 2>&1 \
+      || { grep -E "error" -A6 "$OUT/build_cpu_$(basename "$2").log" | head -60; return 1; }
+    grep -c "warning" "$OUT/build_cpu_$(basename "$2").log" | sed 's/^/build warnings: /'
+  }
+  cpu_build . /tmp/glm-cpu || exit 1
+  python3 -c "from fast import _core; print('kernels:', _core.cpu_kernels())"
+  echo "built at $(elapsed) s"
+  if [ -n "${CPU_BASE:-}" ]; then
+    rm -rf /tmp/cpu-base && mkdir -p /tmp/cpu-base && tar -xf "$CPU_BASE" -C /tmp/cpu-base && cpu_build /tmp/cpu-base /tmp/glm-cpu-base || exit 1
+    echo "base built at $(elapsed) s"
+  fi
+  phase "CPU tests: tests/test_cpu_kernels_isa.py, the linear kernels (tests/test_cpu_primitives.py -k linear)"
+  python3 -m pytest -q -rs -p no:cacheprovider tests/test_cpu_kernels_isa.py 2>&1 | tail -8
+  python3 -m pytest -q -rs -p no:cacheprovider tests/test_cpu_primitives.py -k linear 2>&1 | tail -8
+  ARGS="--gemm --shape ${CPU_SHAPE:-16384x4096} --tokens ${CPU_TOKENS:-2,3,4,6,7,8,16,64} --threads ${CPU_THREADS:-1} --kernels avx2,avx512"
+  for round in $(seq 1 "${CPU_ROUNDS:-1}"); do
+    if [ -n "${CPU_BASE:-}" ]; then
+      phase "round $round, base: tools/bench_cpu.py $ARGS"
+      (cd /tmp/cpu-base && PYTHONPATH=. python3 tools/bench_cpu.py $ARGS)
+    fi
+    phase "round $round: tools/bench_cpu.py $ARGS"
+    PYTHONPATH=. python3 tools/bench_cpu.py $ARGS
+  done
+  phase "done"
+  exit 0
+fi
+
 phase "wheels"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

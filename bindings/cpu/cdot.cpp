@@ -44,13 +44,13 @@ double cdot64(const double* a, const double* b, size_t n) {
     return P[0][0];
 }
 
-const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most) {
-    const size_t nb = detail::token_blocks(T, most), nch = (n + 63) / 64;
-    struct alignas(32) Group {  // (32-byte aligned: the passes' x loads never split a line)
-        float v[8];
+const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most, size_t width) {
+    const size_t nb = detail::token_blocks(T, most), nch = (n + 63) / 64, G = 64 / width;
+    struct alignas(64) Group {  // (aligned: the passes' x loads never split a line)
+        float v[16];
     };
     thread_local std::vector<Group> buf;
-    if (buf.size() < 8 * T * nch) buf.resize(8 * T * nch);
+    if (buf.size() < 4 * T * nch) buf.resize(4 * T * nch);
     float* const Xp = buf.data()->v;
     size_t t0 = 0;
     for (size_t b = 0; b < nb; ++b) {
@@ -59,13 +59,13 @@ const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_
         for (size_t t = 0; t < nt; ++t) {
             const float* const x = X + (t0 + t) * ldx;
             for (size_t c = 0; c < nch; ++c)
-                for (size_t g = 0; g < 8; ++g) {
-                    float* const d = blk + ((8 * c + g) * nt + t) * 8;
-                    const size_t i = 64 * c + 8 * g, k = i < n ? std::min<size_t>(8, n - i) : 0;
-                    if (k == 8) {
-                        _mm256_store_ps(d, _mm256_loadu_ps(x + i));
+                for (size_t j = 0; j < G; ++j) {
+                    float* const d = blk + ((G * c + j) * nt + t) * width;
+                    const size_t i = 64 * c + width * j, k = i < n ? std::min<size_t>(width, n - i) : 0;
+                    if (k == width) {
+                        std::memcpy(d, x + i, width * sizeof(float));
                     } else {
-                        std::memset(d, 0, 8 * sizeof(float));
+                        std::memset(d, 0, width * sizeof(float));
                         if (k) std::memcpy(d, x + i, k * sizeof(float));
                     }
                 }

@@ -35,7 +35,9 @@ float csum(const float* x, size_t n);  // = cdot(x, ones)
 // 32-byte aligned, reused by its next call), which is returned. (`most`: detail::kMultiTokens or
 // detail::most_tokens' choice; cdot_multi_packed must be given the same.) One definition for every instruction set
 // (isa.hpp): it only moves floats.
-const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most);
+// With `width` 16 (the AVX-512 build's passes, detail::kGroupFloats) groups g and g + 1 (g even) of a token lie side
+// by side instead: pair j of chunk c of token t at ((4c + j) nt + t) 16.
+const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most, size_t width = 8);
 
 inline namespace GLM_CPU_ISA {
 namespace detail {
@@ -122,7 +124,11 @@ __attribute__((always_inline)) inline float cdot_kernel(const Row& row, const fl
 // Keeps v in a register: otherwise GCC folds one load of x into every fma that uses it (RB loads
 // instead of one), and loads are what bounds this loop.
 inline __m256 in_reg(__m256 v) {
+#ifdef GLM_CPU_WIDE_REGISTERS
+    asm("" : "+v"(v));  // ("x" would hold it to the first 16 of the 32 registers)
+#else
     asm("" : "+x"(v));
+#endif
     return v;
 }
 
@@ -193,6 +199,99 @@ inline void cdot_block_pass(const Row* rows, const float* Xp, size_t n, size_t c
         for (int t = 0; t < NT; ++t) _mm256_store_ps(reinterpret_cast<float*>(P + i * ps + t * 8 + g), acc[i][t]);
 }
 
+#ifdef GLM_CPU_ZMM
+// The AVX-512 build's passes hold groups g and g + 1 (g even) of one row and one token in one 512-bit register,
+// P[g][0..7] and P[g + 1][0..7] side by side, since their elements are sixteen adjacent columns 64c + 8g ..
+// 64c + 8g + 15: one multiply-add instruction a pair of groups, each lane still its own chain in the canonical
+// order. A Row provides `__m512 load16z(size_t base, size_t g)` (groups g and g + 1 of a full chunk). On CPUs with
+// two 512-bit FMA units (Intel Xeon since Skylake-SP) this doubles the multiply-adds an instruction can issue; on
+// Zen 4 (256-bit units) it halves the instructions, not the multiply-add time.
+template <class Row, class = void>
+struct has_load16z : std::false_type {};
+template <class Row>
+struct has_load16z<Row, std::void_t<decltype(void(std::declval<const Row&>().load16z(size_t{}, size_t{})))>>
+    : std::true_type {};
+inline __m512 join_halves(__m256 a, __m256 b) {  // (AVX-512F only: no DQ insert)
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_zextpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+inline __m512 in_reg(__m512 v) {
+    asm("" : "+v"(v));
+    return v;
+}
+// cdot_block_pass for the pair of groups g, g + 1 (g even): the same multiply-adds into the same chains in the same
+// chunk order, sixteen lanes an instruction; x from Xp packed with width 16. The tail chunk's live lanes (columns
+// below n) take the fma, the others keep their value (as the blend of cdot_block_pass).
+template <int RB, int NT, class Row>
+inline void cdot_block_pass_z(const Row* rows, const float* Xp, size_t n, size_t c0, size_t c1, bool tail, size_t g,
+                              __m256* P, size_t ps) {
+    __m512 acc[RB][NT];
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t)
+            acc[i][t] = c0 ? _mm512_load_ps(reinterpret_cast<const float*>(P + i * ps + t * 8 + g)) : _mm512_setzero_ps();
+    for (size_t c = c0; c < c1; ++c) {
+        const size_t base = 64 * c;
+        const float* const xc = Xp + (4 * c + g / 2) * NT * 16;
+        __m512 w[RB];
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; ++i) w[i] = NT > 1 ? in_reg(rows[i].load16z(base, g)) : rows[i].load16z(base, g);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) {
+            const __m512 x = RB > 1 ? in_reg(_mm512_load_ps(xc + 16 * t)) : _mm512_load_ps(xc + 16 * t);
+#pragma GCC unroll 8
+            for (int i = 0; i < RB; ++i) acc[i][t] = _mm512_fmadd_ps(w[i], x, acc[i][t]);
+        }
+    }
+    if (tail) {
+        const size_t base = 64 * c1, rem = n - base;
+        const float* const xc = Xp + (4 * c1 + g / 2) * NT * 16;
+        if (8 * g < rem) {
+            const size_t k = rem - 8 * g;  // live columns of the pair
+            const __mmask16 m = k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << k) - 1);
+            __m512 w[RB];
+#pragma GCC unroll 8
+            for (int i = 0; i < RB; ++i) {
+                if (k >= 16) {
+                    w[i] = rows[i].load16z(base, g);
+                } else {  // (past the live columns anything finite: those lanes keep their value)
+                    const __m256 lo = k >= 8 ? rows[i].load8(base, g) : rows[i].load_partial(base, g, k);
+                    const __m256 hi = k > 8 ? rows[i].load_partial(base, g + 1, k - 8) : _mm256_setzero_ps();
+                    w[i] = join_halves(lo, hi);
+                }
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; ++t) {
+                const __m512 x = _mm512_load_ps(xc + 16 * t);  // (zero past n: packed_tokens)
+#pragma GCC unroll 8
+                for (int i = 0; i < RB; ++i) acc[i][t] = _mm512_mask3_fmadd_ps(w[i], x, acc[i][t], m);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) _mm512_store_ps(reinterpret_cast<float*>(P + i * ps + t * 8 + g), acc[i][t]);
+}
+// Floats of one token's group in a packed x (packed_tokens' width)
+constexpr size_t kGroupFloats = 16;
+#else
+constexpr size_t kGroupFloats = 8;
+#endif
+constexpr size_t kGroupStep = kGroupFloats / 8;  // groups a pass takes
+
+// The pass of this build over groups g .. g + kGroupStep - 1.
+template <int RB, int NT, class Row>
+inline void block_pass(const Row* rows, const float* Xp, size_t n, size_t c0, size_t c1, bool tail, size_t g, __m256* P,
+                       size_t ps) {
+#ifdef GLM_CPU_ZMM
+    static_assert(has_load16z<Row>::value, "the AVX-512 passes need Row::load16z");
+    cdot_block_pass_z<RB, NT>(rows, Xp, n, c0, c1, tail, g, P, ps);
+#else
+    cdot_block_pass<RB, NT>(rows, Xp, n, c0, c1, tail, g, P, ps);
+#endif
+}
+
 // A Row may provide `const void* stored(size_t c)` and `static constexpr size_t kChunkBytes`: where chunk c
 // of its stored row starts, and its bytes (cdot_multi_rows asks for the next panel's lines ahead of use).
 template <class Row, class = void>
@@ -254,7 +353,7 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size
     constexpr size_t SB = (64 / NT) / RB * RB;  // rows per sub-block, a multiple of RB
     constexpr size_t KP = 64 / NT;              // chunks per panel
     constexpr size_t PS = NT * 8;               // accumulators per row
-    alignas(32) __m256 P[SB * PS];
+    alignas(64) __m256 P[SB * PS];
     const size_t nfull = n / 64;
     const bool tail = n % 64 != 0;
     for (size_t r0 = 0; r0 < nr; r0 += SB) {
@@ -270,17 +369,16 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size
             for (; i + RB <= sb; i += RB) {
                 Row rows[RB];
                 for (int k = 0; k < RB; ++k) rows[k] = row(r0 + i + k);
-                for (size_t g = 0; g < 8; ++g) {
+                for (size_t g = 0; g < 8; g += kGroupStep) {
                     if (ahead)
                         for (int k = 0; k < RB; ++k)
-                            if (pr + i + k < nr) prefetch_part<(RB > 1)>(row(pr + i + k), pc0, pc1, g, 8);
-                    cdot_block_pass<RB, NT>(rows, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
+                            if (pr + i + k < nr) prefetch_part<(RB > 1)>(row(pr + i + k), pc0, pc1, g / kGroupStep, 8 / kGroupStep);
+                    block_pass<RB, NT>(rows, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
                 }
             }
             for (; i < sb; ++i) {
                 const Row r1[1] = {row(r0 + i)};
-                for (size_t g = 0; g < 8; ++g)
-                    cdot_block_pass<1, NT>(r1, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
+                for (size_t g = 0; g < 8; g += kGroupStep) block_pass<1, NT>(r1, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
             }
             if (last) break;
         }
@@ -354,7 +452,7 @@ template <class MakeRow>
 inline void cdot_multi(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t T, size_t n, float* Y,
                        size_t ldy, bool round, size_t row_bytes) {
     const size_t most = most_tokens(T, nr * row_bytes);
-    cdot_multi_packed(row, nr, packed_tokens(X, ldx, T, n, most), T, n, Y, ldy, round, row_bytes, true, most);
+    cdot_multi_packed(row, nr, packed_tokens(X, ldx, T, n, most, kGroupFloats), T, n, Y, ldy, round, row_bytes, true, most);
 }
 
 struct F32Row {
@@ -366,6 +464,9 @@ struct F32Row {
     __m256 load_partial(size_t base, size_t g, size_t k) const {
         return _mm256_maskload_ps(p + base + 8 * g, lane_mask(k));
     }
+#ifdef GLM_CPU_ZMM
+    __m512 load16z(size_t base, size_t g) const { return _mm512_loadu_ps(p + base + 8 * g); }
+#endif
 };
 
 struct OnesRow {

@@ -60,6 +60,12 @@ struct Bf16Row {
         std::memcpy(buf, p + base + 8 * g, k * sizeof(uint16_t));
         return widen(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
     }
+#ifdef GLM_CPU_ZMM
+    __m512 load16z(size_t base, size_t g) const {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + base + 8 * g));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+#endif
 };
 
 // FP8: w = fl32(e4m3 * s) for the block's scale s. e4m3_scaled_8 gives v = e4m3 * 2^-8 exactly, so
@@ -108,6 +114,21 @@ struct Mxfp4Row {
     }
     // C % 32 == 0 and groups of eight never straddle it, so there is never a partial group.
     __m256 load_partial(size_t base, size_t g, size_t) const { return load8(base, g); }
+#ifdef GLM_CPU_ZMM
+    // sixteen nibbles (one scale: g even) through a table of the eight magnitudes times the scale and, above them,
+    // the same values with the sign bit set: the bits decode_e2m1_8 gives (its sign OR'd in after the product)
+    __m512 load16z(size_t base, size_t g) const {
+        const size_t i = base + 8 * g;
+        uint32_t v[2];
+        std::memcpy(v, p + i / 2, 8);
+        const __m512i wide = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi32(static_cast<int>(v[0]))),
+                                                _mm256_set1_epi32(static_cast<int>(v[1])), 1);
+        const __m512i nib = _mm512_srlv_epi32(wide, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
+        const __m256 mags = _mm256_mul_ps(e2m1_magnitudes(), _mm256_set1_ps(kE8M0[sc[base / 32 + g / 4]]));
+        const __m256 neg = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mags), _mm256_set1_epi32(static_cast<int>(0x80000000u))));
+        return _mm512_permutexvar_ps(nib, detail::join_halves(mags, neg));  // (the low 4 bits of each lane)
+    }
+#endif
 };
 
 // e4m3 * 2^-8 (exact: e4m3_scaled_8's value) -> fl32(e4m3 * s), the scale at sp folded (s * 2^8) or raw (then
@@ -154,6 +175,22 @@ struct Fp8ScaleRow {
             b = _mm256_blendv_ps(b, nan, e4m3_nan_mask_8(_mm_srli_si128(c, 8)));
         }
     }
+#ifdef GLM_CPU_ZMM
+    __m512 load16z(size_t base, size_t g) const {  // (as load16, in one register)
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + base + 8 * g));
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7),
+                                           _mm256_set1_epi16(static_cast<short>(0xBF80)));
+        __m512 v = _mm512_cvtph_ps(h);
+        if (!Folded) v = _mm512_mul_ps(v, _mm512_set1_ps(kE4M3Unscale));
+        v = _mm512_mul_ps(v, _mm512_set1_ps(srow[base / 128]));
+        if (NanCodes) {
+            const __m512i mag = _mm512_and_si512(_mm512_cvtepu8_epi32(c), _mm512_set1_epi32(0x7F));
+            v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), v,
+                                     _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+        }
+        return v;
+    }
+#endif
 };
 
 // FP8 rows already turned into the FP16 bits e4m3_scaled_8 makes (e4m3 * 2^-8, exact; NaN codes are not
@@ -176,6 +213,13 @@ struct Fp8HalfRow {
         return fp8_times_scale<Folded>(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf))),
                                        srow + base / 128);
     }
+#ifdef GLM_CPU_ZMM
+    __m512 load16z(size_t base, size_t g) const {
+        __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + base + 8 * g)));
+        if (!Folded) v = _mm512_mul_ps(v, _mm512_set1_ps(kE4M3Unscale));
+        return _mm512_mul_ps(v, _mm512_set1_ps(srow[base / 128]));
+    }
+#endif
 };
 // h[i] = the FP16 bits of code q[i] as e4m3_scaled_8 forms them: sign-extended, shifted left by 7, bit 14 cleared.
 void fp8_half_bits(const uint8_t* q, size_t n, uint16_t* h) {
@@ -203,6 +247,12 @@ struct Mxfp4HalfRow {
     }
     // C % 32 == 0: never a partial group
     __m256 load_partial(size_t base, size_t g, size_t) const { return load8(base, g); }
+#ifdef GLM_CPU_ZMM
+    __m512 load16z(size_t base, size_t g) const {  // (g even: one scale)
+        const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + base + 8 * g)));
+        return _mm512_mul_ps(v, _mm512_set1_ps(s[(base + 8 * g) / 32]));
+    }
+#endif
 };
 // h[c] = the FP16 bits of E2M1 code c of a packed row of n columns (n % 32 == 0; column 2b in byte b's low
 // nibble, 2b + 1 in its high): each code's FP16 high byte from a table, its low byte 0.
@@ -233,7 +283,7 @@ template <class Turn, class MakeRow>
 void rows_through_half(size_t nr, size_t C, const float* X, size_t ldx, size_t T, float* Y, size_t ldy, bool round,
                        const Turn& turn, const MakeRow& row) {
     const size_t ld = (C + 7) / 8 * 8;
-    const float* const Xp = packed_tokens(X, ldx, T, C, detail::kMultiTokens);
+    const float* const Xp = packed_tokens(X, ldx, T, C, detail::kMultiTokens, detail::kGroupFloats);
     thread_local std::vector<uint16_t> half;
     if (half.size() < kHalfRows * ld) half.resize(kHalfRows * ld);
     for (size_t a = 0; a < nr; a += kHalfRows) {
@@ -271,7 +321,7 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
     }
     const size_t ld = (C + 7) / 8 * 8;
     const size_t nb = std::max<size_t>(16, (size_t{1} << 16) / ld);  // rows per decoded block (>= 256 KiB)
-    const float* const Xp = packed_tokens(X, ldx, T, C, detail::kMultiTokens);  // (x packed once for every block)
+    const float* const Xp = packed_tokens(X, ldx, T, C, detail::kMultiTokens, detail::kGroupFloats);  // (x packed once for every block)
     thread_local std::vector<float> buf;
     if (buf.size() < nb * ld) buf.resize(nb * ld);
     for (size_t a = 0; a < nr; a += nb) {

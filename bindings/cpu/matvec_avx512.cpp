@@ -4,6 +4,7 @@
 #define GLM_CPU_ISA avx512
 #define GLM_CPU_AVX512_TU 1
 #define GLM_CPU_WIDE_REGISTERS 1
+#define GLM_CPU_ZMM 1
 #include "isa.hpp"
 
 #if GLM_CPU_BUILD_AVX512
@@ -32,5 +33,7 @@
 #include "matvec.hpp"
 
 #pragma GCC target("avx512f,avx512vl")
+// (GCC 12's _mm512_cvtph_ps merges into _mm512_undefined_ps(), which -Wmaybe-uninitialized reports as used)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "matvec.cpp"
 #endif
