@@ -21,6 +21,7 @@
 #include "cpu/engine.hpp"
 #include "cpu/exp64.hpp"
 #include "cpu/formats.hpp"
+#include "cpu/matvec.hpp"
 #include "cpu/smalldot.hpp"
 
 namespace py = pybind11;
@@ -165,12 +166,14 @@ double bench_linear(const std::string& release, const py::array& data, const py:
     return best;
 }
 
-// The cores' FP32 FMA peak, the yardstick of the linear kernels' multiply-adds (tools/bench_cpu.py):
-// every thread runs kFmaChains independent 8-lane FMA chains (enough to cover the FMA latency on both
-// ports); best of `reps`. Returns multiply-adds per nanosecond over all threads.
-double bench_fma(unsigned threads, unsigned reps) {
+// The cores' FP32 FMA peak, the yardstick of the linear kernels' multiply-adds (tools/bench_cpu.py): every thread
+// runs kFmaChains independent FMA chains in the widest vectors of one build of the linear kernels (`kernels`, one of
+// kLinKernelNames; empty: the build this process runs, lin_kernels()); best of `reps`. Returns multiply-adds per
+// nanosecond over all threads.
+double bench_fma(unsigned threads, unsigned reps, const std::string& kernels) {
     if (threads < 1 || threads > 1024 || reps < 1) bad("bench_fma: threads, reps >= 1");
-    constexpr int kFmaChains = 12;
+    const LinKernels* k = kernels.empty() ? &lin_kernels() : lin_kernels_named(kernels.c_str());
+    if (k == nullptr) bad("bench_fma: kernels='" + kernels + "' " + lin_kernels_refusal(kernels.c_str()));
     constexpr long kIters = 1L << 22;
     ThreadPool pool(threads);
     std::atomic<int> sink{0};
@@ -179,20 +182,11 @@ double bench_fma(unsigned threads, unsigned reps) {
     for (unsigned r = 0; r < reps; ++r) {
         const auto t0 = std::chrono::steady_clock::now();
         pool.run_all([&](unsigned t) {
-            __m256 v[kFmaChains];
-            for (int k = 0; k < kFmaChains; ++k) v[k] = _mm256_set1_ps(static_cast<float>(t + k));
-            const __m256 b = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
-            for (long i = 0; i < kIters; ++i)
-                for (int k = 0; k < kFmaChains; ++k) v[k] = _mm256_fmadd_ps(v[k], b, c);
-            __m256 s = v[0];
-            for (int k = 1; k < kFmaChains; ++k) s = _mm256_add_ps(s, v[k]);
-            float out[8];
-            _mm256_storeu_ps(out, s);
-            if (out[0] == 1.2345f) sink.fetch_add(1);  // (never: keeps the chains alive)
+            if (k->fma_chains(kIters, static_cast<float>(t)) == 1.2345f) sink.fetch_add(1);  // (never: keeps the chains alive)
         });
         best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    return static_cast<double>(threads) * kIters * kFmaChains * 8 / best / 1e9;
+    return static_cast<double>(threads) * kIters * kFmaChains * k->fma_lanes / best / 1e9;
 }
 
 }  // namespace
@@ -331,8 +325,9 @@ void register_engine(py::module_& m) {
     m.def("engine_bench_copy", &bench_copy, py::arg("nbytes"), py::arg("threads"), py::arg("reps"),
           py::call_guard<py::gil_scoped_release>(),
           "Benchmark hook: best seconds of one memcpy of nbytes split over threads.");
-    m.def("engine_bench_fma", &bench_fma, py::arg("threads"), py::arg("reps"),
-          "Benchmark hook: the cores' FP32 FMA peak, multiply-adds per ns over `threads` threads (best of reps).");
+    m.def("engine_bench_fma", &bench_fma, py::arg("threads"), py::arg("reps"), py::arg("kernels") = "",
+          "Benchmark hook: the cores' FP32 FMA peak in one build's widest vectors (kernels: 'avx2', 'avx512'; "
+          "default the build this process runs), multiply-adds per ns over `threads` threads (best of reps).");
     m.def("engine_bench_linear", &bench_linear, py::arg("release"), py::arg("data"), py::arg("scale"), py::arg("R"),
           py::arg("C"), py::arg("threads"), py::arg("reps"),
           "Benchmark hook: best seconds of one single-token matvec over a release-format weight.");

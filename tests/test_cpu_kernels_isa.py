@@ -53,6 +53,18 @@ def test_the_choice_and_its_refusals():
             core.linear("bf16", W, None, X, kernels="avx512")
 
 
+def test_fma_peak_probe_of_each_build():
+    # the FMA peak's probe runs each build's widest vectors (AVX-512: 16 lanes); bench_cpu takes the best as the peak
+    from tools.bench_cpu import fma_peak
+
+    avail = core.cpu_kernels()["available"]
+    for k in avail:
+        assert core.engine_bench_fma(1, 1, kernels=k) > 0
+    assert fma_peak(1, 1)[1] in avail
+    with pytest.raises(ValueError, match="^bench_fma: kernels='sse4' expected avx2 or avx512"):
+        core.engine_bench_fma(1, 1, kernels="sse4")
+
+
 # A prefill (several token blocks a weight), a batched decode step of 7 and 8 sequences (one block of 7-8 tokens
 # against the head) and its greedy tokens, every logit's bits hashed.
 _ENGINE = r"""

@@ -150,8 +150,8 @@ def bench_streams(threads: list[int], rows: int = 49152, cols: int = 4096, copy_
     out = {"rows": rows, "cols": cols, "copy_bytes": copy_mb << 20, "tokens": tokens, "copy": {}, "expert_dot": {},
            "fma_peak_MACs_per_ns": {}}
     for th in threads:
-        # the compute ceiling: independent 8-lane FMA chains on every thread (multiply-adds per ns)
-        out["fma_peak_MACs_per_ns"][th] = _core.engine_bench_fma(th, reps)
+        # the compute ceiling: independent FMA chains on every thread, the widest vectors here (multiply-adds per ns)
+        out["fma_peak_MACs_per_ns"][th] = fma_peak(th, reps)[0]
         t = _core.engine_bench_copy(copy_mb << 20, th, reps)
         # the ceiling: memory traffic of a large memcpy, read + write (the STREAM "copy" convention; a
         # read-only stream such as a weight sweep can exceed the read half alone)
@@ -174,15 +174,28 @@ def bench_streams(threads: list[int], rows: int = 49152, cols: int = 4096, copy_
     return out
 
 
-def cpu_ceilings(threads: int, reps: int = 5, copy_mb: int = 256) -> dict:
-    """The two ceilings of a CPU roofline on `threads` threads, measured here: the FMA peak (multiply-adds per ns,
-    independent 8-lane FMA chains on every thread) and the copy bandwidth (a memcpy of copy_mb MiB, read + written
-    bytes per second, the STREAM convention the CUDA rooflines use); each the best of two probes of `reps`."""
+def fma_peak(threads: int, reps: int = 5, probes: int = 1) -> tuple[float, str]:
+    """(The cores' FMA peak in multiply-adds per ns on `threads` threads, the build whose vectors reached it): independent
+    FMA chains on every thread in the widest vectors of each build of the linear kernels that runs here (AVX2: 8
+    lanes; AVX-512: 16, which on CPUs with two 512-bit FMA units is twice the 8-lane rate), the best of `probes`
+    probes of `reps` each. The machine's peak is the widest's, whichever build the engine runs."""
     from fast import _core
 
-    peak = max(_core.engine_bench_fma(threads, reps) for _ in range(2))
+    best = {k: max(_core.engine_bench_fma(threads, reps, kernels=k) for _ in range(probes))
+            for k in _core.cpu_kernels()["available"]}
+    k = max(best, key=best.get)
+    return best[k], k
+
+
+def cpu_ceilings(threads: int, reps: int = 5, copy_mb: int = 256) -> dict:
+    """The two ceilings of a CPU roofline on `threads` threads, measured here: the FMA peak (fma_peak) and the copy
+    bandwidth (a memcpy of copy_mb MiB, read + written bytes per second, the STREAM convention the CUDA rooflines use);
+    each the best of two probes of `reps`."""
+    from fast import _core
+
+    peak, widest = fma_peak(threads, reps, probes=2)
     t = min(_core.engine_bench_copy(copy_mb << 20, threads, reps) for _ in range(2))
-    return {"fma_peak_MACs_per_ns": peak, "copy_Bps": 2 * (copy_mb << 20) / t}
+    return {"fma_peak_MACs_per_ns": peak, "fma_peak_kernels": widest, "copy_Bps": 2 * (copy_mb << 20) / t}
 
 
 _BOUND = {"HBM": "memory", "FFMA": "FMA"}  # (bench_throughput's names of the ceilings, as a CPU's)
@@ -212,8 +225,8 @@ def bench_gemm(rows: int = 8192, cols: int = 4096, tokens=(6, 16, 64), releases=
     ceil = cpu_ceilings(threads)
     peak = ceil["fma_peak_MACs_per_ns"]
     rng = np.random.default_rng(1)
-    out = {"rows": rows, "cols": cols, "threads": threads, "fma_peak_MACs_per_ns": peak, "copy_Bps": ceil["copy_Bps"],
-           "runs": []}
+    out = {"rows": rows, "cols": cols, "threads": threads, "fma_peak_MACs_per_ns": peak,
+           "fma_peak_kernels": ceil["fma_peak_kernels"], "copy_Bps": ceil["copy_Bps"], "runs": []}
     for rel in releases:
         data, scale, nbytes = _expert_weights(rel, rows, cols)
         for T in tokens:
@@ -436,7 +449,7 @@ def main() -> None:
                 line = " | ".join(f"{x['release']}/T{x['tokens']}{'/' + x['kernels'] if a.kernels else ''}: "
                                   f"{x['MACs_per_ns']:.2f} ({x['of_fma_peak']:.1%}; "
                                   f"{x['of_roofline']:.0%} of {x['bound']})" for x in g["runs"])
-                print(json.dumps(g) if a.json else f"{th} thread(s), peak {g['fma_peak_MACs_per_ns']:.1f} MAC/ns, copy "
+                print(json.dumps(g) if a.json else f"{th} thread(s), peak {g['fma_peak_MACs_per_ns']:.1f} MAC/ns ({g['fma_peak_kernels']}), copy "
                       f"{g['copy_Bps'] / 1e9:.1f} GB/s | {line}")
             if a.prefill_on:
                 f = bench_prefill(a.prefill_on, [int(v) for v in a.lengths.split(",")], threads=th)

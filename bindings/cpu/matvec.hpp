@@ -39,7 +39,12 @@ struct LinKernels {
                      size_t ldx, size_t T, float* Y, size_t ldy, bool round, bool nan_free);
     void (*rows_mxfp4)(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0, size_t r1, const float* X,
                        size_t ldx, size_t T, float* Y, size_t ldy, bool round);
+    // The FMA peak's probe in this build's widest vectors (the machine's peak is the widest's: tools/bench_cpu.py):
+    // kFmaChains independent chains of `iters` multiply-adds of fma_lanes lanes each, from `seed`; returns a lane.
+    float (*fma_chains)(long iters, float seed);
+    unsigned fma_lanes;
 };
+inline constexpr int kFmaChains = 12;  // (enough to cover the FMA latency on two ports)
 // The kernels this process runs: AVX-512VL's where the build has them and the CPU and its OS run them, else
 // AVX2's; the environment's GLM_CPU_KERNELS=avx2 asks for AVX2's, =avx512 for AVX-512VL's (refused where they
 // cannot run). Chosen once, at the first call; an unknown value is refused then (std::invalid_argument naming it).
