@@ -273,6 +273,38 @@ inline void cdot_block_pass_z(const Row* rows, const float* Xp, size_t n, size_t
 #pragma GCC unroll 8
         for (int t = 0; t < NT; ++t) _mm512_store_ps(reinterpret_cast<float*>(P + i * ps + t * 8 + g), acc[i][t]);
 }
+// cdot_kernel with two groups a 512-bit register (one token: the rows of a decode step, an expert's one token):
+// acc[j] holds P[2j][0..7] and P[2j + 1][0..7]; the same chains in the same order, then the same fold.
+template <class Row>
+__attribute__((always_inline)) inline float cdot_kernel_z(const Row& row, const float* x, size_t n) {
+    __m512 acc[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_ps();
+    const size_t nfull = n / 64;
+    for (size_t c = 0; c < nfull; ++c) {
+        const size_t base = 64 * c;
+#pragma GCC unroll 4
+        for (size_t j = 0; j < 4; ++j)
+            acc[j] = _mm512_fmadd_ps(row.load16z(base, 2 * j), _mm512_loadu_ps(x + base + 16 * j), acc[j]);
+    }
+    const size_t base = 64 * nfull, rem = n - base;
+#pragma GCC unroll 4
+    for (size_t j = 0; j < 4; ++j) {
+        if (16 * j + 16 <= rem) {
+            acc[j] = _mm512_fmadd_ps(row.load16z(base, 2 * j), _mm512_loadu_ps(x + base + 16 * j), acc[j]);
+        } else if (16 * j < rem) {  // live lanes take the fma, the others keep their value (cdot_kernel's blend)
+            const size_t k = rem - 16 * j;
+            const __mmask16 m = __mmask16((1u << k) - 1);
+            const __m256 lo = k >= 8 ? row.load8(base, 2 * j) : row.load_partial(base, 2 * j, k);
+            const __m256 hi = k > 8 ? row.load_partial(base, 2 * j + 1, k - 8) : _mm256_setzero_ps();
+            acc[j] = _mm512_mask3_fmadd_ps(join_halves(lo, hi), _mm512_maskz_loadu_ps(m, x + base + 16 * j), acc[j], m);
+        }
+    }
+    alignas(64) __m256 P[8];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(reinterpret_cast<float*>(P + 2 * j), acc[j]);
+    return fold8(P);
+}
 // Floats of one token's group in a packed x (packed_tokens' width)
 constexpr size_t kGroupFloats = 16;
 #else

@@ -119,10 +119,9 @@ struct Mxfp4Row {
     // the same values with the sign bit set: the bits decode_e2m1_8 gives (its sign OR'd in after the product)
     __m512 load16z(size_t base, size_t g) const {
         const size_t i = base + 8 * g;
-        uint32_t v[2];
-        std::memcpy(v, p + i / 2, 8);
-        const __m512i wide = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_set1_epi32(static_cast<int>(v[0]))),
-                                                _mm256_set1_epi32(static_cast<int>(v[1])), 1);
+        // (the 8 bytes' first dword to lanes 0-7, the second to 8-15, each lane shifted to its nibble)
+        const __m512i bytes = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i / 2)));
+        const __m512i wide = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), bytes);
         const __m512i nib = _mm512_srlv_epi32(wide, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
         const __m256 mags = _mm256_mul_ps(e2m1_magnitudes(), _mm256_set1_ps(kE8M0[sc[base / 32 + g / 4]]));
         const __m256 neg = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mags), _mm256_set1_epi32(static_cast<int>(0x80000000u))));
@@ -308,7 +307,11 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
     if (nr == 0 || T == 0) return;
     if (T == 1) {
         for (size_t i = 0; i < nr; ++i) {
+#ifdef GLM_CPU_ZMM
+            const float v = detail::cdot_kernel_z(row(i), X, C);
+#else
             const float v = detail::cdot_kernel(row(i), X, C);
+#endif
             Y[i] = round ? bf16_round(v) : v;
         }
         return;

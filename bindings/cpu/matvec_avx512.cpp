@@ -1,5 +1,6 @@
-// The engine's multi-token kernels (matvec.cpp) compiled again for AVX-512VL: the same __m256 code with 32 vector
-// registers, so larger register blocks (cdot.hpp, block_rows) and the same bits. isa.hpp says why the names differ;
+// The engine's multi-token kernels (matvec.cpp) compiled again for AVX-512 F + VL: 512-bit passes of two groups a
+// register (cdot.hpp, cdot_block_pass_z), 32 vector registers for larger register blocks (block_rows), the same
+// bits. isa.hpp says why the names differ;
 // matvec.cpp's lin_kernels() runs these only where the CPU and its OS have AVX-512F and AVX-512VL.
 #define GLM_CPU_ISA avx512
 #define GLM_CPU_AVX512_TU 1
