@@ -132,73 +132,6 @@ inline __m256 in_reg(__m256 v) {
     return v;
 }
 
-// Several rows against several tokens. One pass accumulates group g of rows 0 .. RB-1 and tokens
-// 0 .. NT-1 over chunks [c0, c1) (and the tail chunk c1 when `tail`), x from the token block packed by
-// packed_tokens (group g of chunk c of token t at Xp + ((8c + g) NT + t) 8), starting from and returning to
-// P[i * ps + t * 8 + g] (memory; the first panel, c0 = 0, starts from +0 instead). Every accumulator P[i][t][g] receives exactly the fmas cdot_kernel
-// would give it, in the same chunk order (the eight groups of a chunk are independent sums, so visiting
-// them in separate passes changes nothing), so after the passes of every group over all chunks,
-// fold8(P[i][t]) is cdot(row i, X + t * ldx) bit for bit. Each weight group is decoded once for the NT
-// tokens and each group of x once for the RB rows: RB + NT loads (or decodes) per RB * NT fmas.
-template <int RB, int NT, class Row>
-inline void cdot_block_pass(const Row* rows, const float* Xp, size_t n, size_t c0, size_t c1, bool tail, size_t g,
-                            __m256* P, size_t ps) {
-    __m256 acc[RB][NT];
-#pragma GCC unroll 8
-    for (int i = 0; i < RB; ++i)
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t)
-            acc[i][t] = c0 ? _mm256_load_ps(reinterpret_cast<const float*>(P + i * ps + t * 8 + g)) : _mm256_setzero_ps();
-    for (size_t c = c0; c < c1; ++c) {
-        const size_t base = 64 * c;
-        const float* const xc = Xp + (8 * c + g) * NT * 8;
-        __m256 w[RB];
-#pragma GCC unroll 8
-        for (int i = 0; i < RB; ++i) w[i] = NT > 1 ? in_reg(rows[i].load8(base, g)) : rows[i].load8(base, g);
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t) {
-            const __m256 x = RB > 1 ? in_reg(_mm256_load_ps(xc + 8 * t)) : _mm256_load_ps(xc + 8 * t);
-#pragma GCC unroll 8
-            for (int i = 0; i < RB; ++i) acc[i][t] = _mm256_fmadd_ps(w[i], x, acc[i][t]);
-        }
-    }
-    if (tail) {
-        const size_t base = 64 * c1, rem = n - base;
-        const float* const xc = Xp + (8 * c1 + g) * NT * 8;
-        if (8 * g < rem) {
-            const size_t k = rem - 8 * g;
-            __m256 w[RB];
-            if (k >= 8) {
-#pragma GCC unroll 8
-                for (int i = 0; i < RB; ++i) w[i] = rows[i].load8(base, g);
-#pragma GCC unroll 8
-                for (int t = 0; t < NT; ++t) {
-                    const __m256 x = _mm256_load_ps(xc + 8 * t);
-#pragma GCC unroll 8
-                    for (int i = 0; i < RB; ++i) acc[i][t] = _mm256_fmadd_ps(w[i], x, acc[i][t]);
-                }
-            } else {
-                // a partial group: zero-padded operands, blended into the live lanes only (as cdot_kernel)
-                const __m256i m = lane_mask(k);
-                const __m256 mf = _mm256_castsi256_ps(m);
-#pragma GCC unroll 8
-                for (int i = 0; i < RB; ++i) w[i] = rows[i].load_partial(base, g, k);
-#pragma GCC unroll 8
-                for (int t = 0; t < NT; ++t) {
-                    const __m256 x = _mm256_maskload_ps(xc + 8 * t, m);
-#pragma GCC unroll 8
-                    for (int i = 0; i < RB; ++i)
-                        acc[i][t] = _mm256_blendv_ps(acc[i][t], _mm256_fmadd_ps(w[i], x, acc[i][t]), mf);
-                }
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < RB; ++i)
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t) _mm256_store_ps(reinterpret_cast<float*>(P + i * ps + t * 8 + g), acc[i][t]);
-}
-
 #ifdef GLM_CPU_ZMM
 // The AVX-512 build's passes hold groups g and g + 1 (g even) of one row and one token in one 512-bit register,
 // P[g][0..7] and P[g + 1][0..7] side by side, since their elements are sixteen adjacent columns 64c + 8g ..
@@ -217,61 +150,6 @@ inline __m512 join_halves(__m256 a, __m256 b) {  // (AVX-512F only: no DQ insert
 inline __m512 in_reg(__m512 v) {
     asm("" : "+v"(v));
     return v;
-}
-// cdot_block_pass for the pair of groups g, g + 1 (g even): the same multiply-adds into the same chains in the same
-// chunk order, sixteen lanes an instruction; x from Xp packed with width 16. The tail chunk's live lanes (columns
-// below n) take the fma, the others keep their value (as the blend of cdot_block_pass).
-template <int RB, int NT, class Row>
-inline void cdot_block_pass_z(const Row* rows, const float* Xp, size_t n, size_t c0, size_t c1, bool tail, size_t g,
-                              __m256* P, size_t ps) {
-    __m512 acc[RB][NT];
-#pragma GCC unroll 8
-    for (int i = 0; i < RB; ++i)
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t)
-            acc[i][t] = c0 ? _mm512_load_ps(reinterpret_cast<const float*>(P + i * ps + t * 8 + g)) : _mm512_setzero_ps();
-    for (size_t c = c0; c < c1; ++c) {
-        const size_t base = 64 * c;
-        const float* const xc = Xp + (4 * c + g / 2) * NT * 16;
-        __m512 w[RB];
-#pragma GCC unroll 8
-        for (int i = 0; i < RB; ++i) w[i] = NT > 1 ? in_reg(rows[i].load16z(base, g)) : rows[i].load16z(base, g);
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t) {
-            const __m512 x = RB > 1 ? in_reg(_mm512_load_ps(xc + 16 * t)) : _mm512_load_ps(xc + 16 * t);
-#pragma GCC unroll 8
-            for (int i = 0; i < RB; ++i) acc[i][t] = _mm512_fmadd_ps(w[i], x, acc[i][t]);
-        }
-    }
-    if (tail) {
-        const size_t base = 64 * c1, rem = n - base;
-        const float* const xc = Xp + (4 * c1 + g / 2) * NT * 16;
-        if (8 * g < rem) {
-            const size_t k = rem - 8 * g;  // live columns of the pair
-            const __mmask16 m = k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << k) - 1);
-            __m512 w[RB];
-#pragma GCC unroll 8
-            for (int i = 0; i < RB; ++i) {
-                if (k >= 16) {
-                    w[i] = rows[i].load16z(base, g);
-                } else {  // (past the live columns anything finite: those lanes keep their value)
-                    const __m256 lo = k >= 8 ? rows[i].load8(base, g) : rows[i].load_partial(base, g, k);
-                    const __m256 hi = k > 8 ? rows[i].load_partial(base, g + 1, k - 8) : _mm256_setzero_ps();
-                    w[i] = join_halves(lo, hi);
-                }
-            }
-#pragma GCC unroll 8
-            for (int t = 0; t < NT; ++t) {
-                const __m512 x = _mm512_load_ps(xc + 16 * t);  // (zero past n: packed_tokens)
-#pragma GCC unroll 8
-                for (int i = 0; i < RB; ++i) acc[i][t] = _mm512_mask3_fmadd_ps(w[i], x, acc[i][t], m);
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < RB; ++i)
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t) _mm512_store_ps(reinterpret_cast<float*>(P + i * ps + t * 8 + g), acc[i][t]);
 }
 // cdot_kernel with two groups a 512-bit register (one token: the rows of a decode step, an expert's one token):
 // acc[j] holds P[2j][0..7] and P[2j + 1][0..7]; the same chains in the same order, then the same fold.
@@ -312,16 +190,103 @@ constexpr size_t kGroupFloats = 8;
 #endif
 constexpr size_t kGroupStep = kGroupFloats / 8;  // groups a pass takes
 
-// The pass of this build over groups g .. g + kGroupStep - 1.
-template <int RB, int NT, class Row>
-inline void block_pass(const Row* rows, const float* Xp, size_t n, size_t c0, size_t c1, bool tail, size_t g, __m256* P,
-                       size_t ps) {
+// The vectors a pass works in: Lanes8, one group of eight chains a register (the AVX2 build), or Lanes16, groups g and
+// g + 1 (g even) side by side (the AVX-512 build): the register, its loads, a row's groups decoded into it, and the
+// tail's multiply-add into the first k live lanes only (the others keep their value: fma(0, 0, -0) would turn a -0
+// partial sum into +0).
+struct Lanes8 {
+    using V = __m256;
+    static V zero() { return _mm256_setzero_ps(); }
+    static V load(const float* p) { return _mm256_load_ps(p); }
+    static void store(float* p, V v) { _mm256_store_ps(p, v); }
+    static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    template <class Row>
+    static V row(const Row& r, size_t base, size_t g) { return r.load8(base, g); }
+    template <class Row>
+    static V row_part(const Row& r, size_t base, size_t g, size_t k) { return r.load_partial(base, g, k); }
+    static V fma_live(V w, V x, V acc, size_t k) {
+        return _mm256_blendv_ps(acc, _mm256_fmadd_ps(w, x, acc), _mm256_castsi256_ps(lane_mask(k)));
+    }
+};
 #ifdef GLM_CPU_ZMM
-    static_assert(has_load16z<Row>::value, "the AVX-512 passes need Row::load16z");
-    cdot_block_pass_z<RB, NT>(rows, Xp, n, c0, c1, tail, g, P, ps);
+struct Lanes16 {
+    using V = __m512;
+    static V zero() { return _mm512_setzero_ps(); }
+    static V load(const float* p) { return _mm512_load_ps(p); }
+    static void store(float* p, V v) { _mm512_store_ps(p, v); }
+    static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    template <class Row>
+    static V row(const Row& r, size_t base, size_t g) {
+        static_assert(has_load16z<Row>::value, "the AVX-512 passes need Row::load16z");
+        return r.load16z(base, g);
+    }
+    template <class Row>
+    static V row_part(const Row& r, size_t base, size_t g, size_t k) {  // (past the live columns anything finite)
+        const __m256 lo = k >= 8 ? r.load8(base, g) : r.load_partial(base, g, k);
+        return join_halves(lo, k > 8 ? r.load_partial(base, g + 1, k - 8) : _mm256_setzero_ps());
+    }
+    static V fma_live(V w, V x, V acc, size_t k) { return _mm512_mask3_fmadd_ps(w, x, acc, __mmask16((1u << k) - 1)); }
+};
+using PassLanes = Lanes16;
 #else
-    cdot_block_pass<RB, NT>(rows, Xp, n, c0, c1, tail, g, P, ps);
+using PassLanes = Lanes8;
 #endif
+static_assert(sizeof(PassLanes::V) == kGroupFloats * sizeof(float), "a pass's register holds one packed group of x");
+
+// Several rows against several tokens. One pass accumulates the groups of L's register (g, or g and g + 1) of rows
+// 0 .. RB-1 and tokens 0 .. NT-1 over chunks [c0, c1) (and the tail chunk c1 when `tail`), x from the token block
+// packed by packed_tokens with the register's width (with one group, group g of chunk c of token t at Xp + ((8c + g)
+// NT + t) 8), starting from and returning to P[i * ps + t * 8 + g] (memory; the first panel, c0 = 0, starts from +0
+// instead). Every accumulator P[i][t][g] receives exactly the fmas cdot_kernel would give it, in the same chunk
+// order (the eight groups of a chunk are independent sums, so visiting them in separate passes, or two in one
+// register, changes nothing), so after the passes of every group over all chunks, fold8(P[i][t]) is cdot(row i,
+// X + t * ldx) bit for bit. Each weight group is decoded once for the NT tokens and each group of x once for the RB
+// rows: RB + NT loads (or decodes) per RB * NT fmas.
+template <class L, int RB, int NT, class Row>
+inline void cdot_block_pass(const Row* rows, const float* Xp, size_t n, size_t c0, size_t c1, bool tail, size_t g,
+                            __m256* P, size_t ps) {
+    using V = typename L::V;
+    constexpr size_t W = sizeof(V) / sizeof(float), G = W / 8;  // lanes, groups a register
+    V acc[RB][NT];
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t)
+            acc[i][t] = c0 ? L::load(reinterpret_cast<const float*>(P + i * ps + t * 8 + g)) : L::zero();
+    for (size_t c = c0; c < c1; ++c) {
+        const size_t base = 64 * c;
+        const float* const xc = Xp + (8 / G * c + g / G) * NT * W;
+        V w[RB];
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; ++i) w[i] = NT > 1 ? in_reg(L::row(rows[i], base, g)) : L::row(rows[i], base, g);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) {
+            const V x = RB > 1 ? in_reg(L::load(xc + W * t)) : L::load(xc + W * t);
+#pragma GCC unroll 8
+            for (int i = 0; i < RB; ++i) acc[i][t] = L::fma(w[i], x, acc[i][t]);
+        }
+    }
+    if (tail) {
+        const size_t base = 64 * c1, rem = n - base;
+        const float* const xc = Xp + (8 / G * c1 + g / G) * NT * W;
+        if (8 * g < rem) {
+            const size_t k = rem - 8 * g;  // live columns of the register's groups
+            V w[RB];
+#pragma GCC unroll 8
+            for (int i = 0; i < RB; ++i) w[i] = k >= W ? L::row(rows[i], base, g) : L::row_part(rows[i], base, g, k);
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; ++t) {
+                const V x = L::load(xc + W * t);  // (zero past n: packed_tokens)
+#pragma GCC unroll 8
+                for (int i = 0; i < RB; ++i)
+                    acc[i][t] = k >= W ? L::fma(w[i], x, acc[i][t]) : L::fma_live(w[i], x, acc[i][t], k);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) L::store(reinterpret_cast<float*>(P + i * ps + t * 8 + g), acc[i][t]);
 }
 
 // A Row may provide `const void* stored(size_t c)` and `static constexpr size_t kChunkBytes`: where chunk c
@@ -407,12 +372,12 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size
                     if (ahead)
                         for (int k = 0; k < RB; ++k)
                             if (pr + i + k < nr) prefetch_part<(RB > 1)>(row(pr + i + k), pc0, pc1, g / kGroupStep, 8 / kGroupStep);
-                    block_pass<RB, NT>(rows, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
+                    cdot_block_pass<PassLanes, RB, NT>(rows, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
                 }
             }
             for (; i < sb; ++i) {
                 const Row r1[1] = {row(r0 + i)};
-                for (size_t g = 0; g < 8; g += kGroupStep) block_pass<1, NT>(r1, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
+                for (size_t g = 0; g < 8; g += kGroupStep) cdot_block_pass<PassLanes, 1, NT>(r1, Xp, n, c0, c1, last && tail, g, P + i * PS, PS);
             }
             if (last) break;
         }

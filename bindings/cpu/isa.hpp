@@ -3,7 +3,7 @@
 // Every translation unit compiles the inline and template kernels of cdot.hpp and formats.hpp for AVX2 + FMA
 // (the build's flags), in the inline namespace glm::cpu::avx2. matvec_avx512.cpp compiles the multi-token
 // kernels again for AVX-512 F + VL (`#pragma GCC target`), in glm::cpu::avx512, with GLM_CPU_ZMM: two groups of
-// eight chains a 512-bit register (cdot.hpp, cdot_block_pass_z) and 32 vector registers for larger register blocks
+// eight chains a 512-bit register (cdot.hpp, cdot_block_pass with Lanes16) and 32 vector registers for larger register blocks
 // (block_rows); every accumulator still takes its elements in the canonical order, so the bits are the same
 // (tests/test_cpu_kernels_isa.py). The two namespaces keep the two compilations' inline functions apart: under
 // one name the linker would keep one copy for both, and an AVX-512 copy would run on a CPU without it.

@@ -1,5 +1,5 @@
 // The engine's multi-token kernels (matvec.cpp) compiled again for AVX-512 F + VL: 512-bit passes of two groups a
-// register (cdot.hpp, cdot_block_pass_z), 32 vector registers for larger register blocks (block_rows), the same
+// register (cdot.hpp, cdot_block_pass with Lanes16), 32 vector registers for larger register blocks (block_rows), the same
 // bits. isa.hpp says why the names differ;
 // matvec.cpp's lin_kernels() runs these only where the CPU and its OS have AVX-512F and AVX-512VL.
 #define GLM_CPU_ISA avx512
@@ -34,7 +34,9 @@
 #include "matvec.hpp"
 
 #pragma GCC target("avx512f,avx512vl")
-// (GCC 12's _mm512_cvtph_ps merges into _mm512_undefined_ps(), which -Wmaybe-uninitialized reports as used)
+// (GCC 12's AVX-512 intrinsics, _mm512_cvtph_ps and others, merge into _mm512_undefined_ps(), which
+// -Wuninitialized and -Wmaybe-uninitialized report as used)
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "matvec.cpp"
 #endif
