@@ -197,6 +197,8 @@ constexpr size_t kGroupStep = kGroupFloats / 8;  // groups a pass takes
 struct Lanes8 {
     using V = __m256;
     static V zero() { return _mm256_setzero_ps(); }
+    static V set1(float v) { return _mm256_set1_ps(v); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
     static V load(const float* p) { return _mm256_load_ps(p); }
     static void store(float* p, V v) { _mm256_store_ps(p, v); }
     static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
@@ -212,6 +214,8 @@ struct Lanes8 {
 struct Lanes16 {
     using V = __m512;
     static V zero() { return _mm512_setzero_ps(); }
+    static V set1(float v) { return _mm512_set1_ps(v); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
     static V load(const float* p) { return _mm512_load_ps(p); }
     static void store(float* p, V v) { _mm512_store_ps(p, v); }
     static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }

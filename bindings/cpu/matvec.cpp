@@ -429,34 +429,21 @@ void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0
 }
 
 namespace {
-#ifdef GLM_CPU_ZMM
-using FmaVec = __m512;
-#define GLM_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define GLM_SET1(v) _mm512_set1_ps(v)
-#define GLM_ADD(a, b) _mm512_add_ps(a, b)
-#else
-using FmaVec = __m256;
-#define GLM_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define GLM_SET1(v) _mm256_set1_ps(v)
-#define GLM_ADD(a, b) _mm256_add_ps(a, b)
-#endif
+// (in the passes' vectors, detail::PassLanes: the widest this build's kernels use)
 float fma_chains(long iters, float seed) {
-    FmaVec v[kFmaChains];
-    for (int k = 0; k < kFmaChains; ++k) v[k] = GLM_SET1(seed + static_cast<float>(k));
-    const FmaVec b = GLM_SET1(0.999999f), c = GLM_SET1(1e-7f);
+    using L = detail::PassLanes;
+    L::V v[kFmaChains];
+    for (int k = 0; k < kFmaChains; ++k) v[k] = L::set1(seed + static_cast<float>(k));
+    const L::V b = L::set1(0.999999f), c = L::set1(1e-7f);
     for (long i = 0; i < iters; ++i)
 #pragma GCC unroll 12
-        for (int k = 0; k < kFmaChains; ++k) v[k] = GLM_FMA(v[k], b, c);
-    FmaVec s = v[0];
-    for (int k = 1; k < kFmaChains; ++k) s = GLM_ADD(s, v[k]);
-    float out[sizeof(FmaVec) / sizeof(float)];
+        for (int k = 0; k < kFmaChains; ++k) v[k] = L::fma(v[k], b, c);
+    L::V s = v[0];
+    for (int k = 1; k < kFmaChains; ++k) s = L::add(s, v[k]);
+    float out[sizeof(L::V) / sizeof(float)];
     std::memcpy(out, &s, sizeof out);
     return out[0];
 }
-constexpr unsigned kFmaLanes = sizeof(FmaVec) / sizeof(float);
-#undef GLM_FMA
-#undef GLM_SET1
-#undef GLM_ADD
 }  // namespace
 
 }  // inline namespace GLM_CPU_ISA
@@ -470,7 +457,7 @@ constexpr unsigned kFmaLanes = sizeof(FmaVec) / sizeof(float);
 #endif
 extern const LinKernels GLM_CPU_LIN_TABLE;
 const LinKernels GLM_CPU_LIN_TABLE = {GLM_CPU_STR(GLM_CPU_ISA), &rows_bf16, &rows_f32, &rows_fp8, &rows_mxfp4,
-                                       &fma_chains, kFmaLanes};
+                                       &fma_chains, detail::kGroupFloats};
 
 #ifndef GLM_CPU_AVX512_TU
 #if GLM_CPU_BUILD_AVX512
