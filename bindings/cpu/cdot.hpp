@@ -32,7 +32,7 @@ float csum(const float* x, size_t n);  // = cdot(x, ones)
 // of chunk c of its token t at ((8c + g) nt + t) 8, elements past n 0. Read in place, tokens 4n bytes apart (16 KiB
 // at n = 4096) fell in the same L1 sets as each other and the accumulators: the rows at n = 4096 ran 12-15 %
 // slower than at 4032 (docs/perf.md, "Session 35"). Packed into the calling thread's buffer (64 T nch floats,
-// 32-byte aligned, reused by its next call), which is returned. (`most`: detail::kMultiTokens or
+// 64-byte aligned, reused by its next call), which is returned. (`most`: detail::kMultiTokens or
 // detail::most_tokens' choice; cdot_multi_packed must be given the same.) One definition for every instruction set
 // (isa.hpp): it only moves floats.
 // With `width` 16 (the AVX-512 build's passes, detail::kGroupFloats) groups g and g + 1 (g even) of a token lie side
@@ -151,44 +151,7 @@ inline __m512 in_reg(__m512 v) {
     asm("" : "+v"(v));
     return v;
 }
-// cdot_kernel with two groups a 512-bit register (one token: the rows of a decode step, an expert's one token):
-// acc[j] holds P[2j][0..7] and P[2j + 1][0..7]; the same chains in the same order, then the same fold.
-template <class Row>
-__attribute__((always_inline)) inline float cdot_kernel_z(const Row& row, const float* x, size_t n) {
-    __m512 acc[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_ps();
-    const size_t nfull = n / 64;
-    for (size_t c = 0; c < nfull; ++c) {
-        const size_t base = 64 * c;
-#pragma GCC unroll 4
-        for (size_t j = 0; j < 4; ++j)
-            acc[j] = _mm512_fmadd_ps(row.load16z(base, 2 * j), _mm512_loadu_ps(x + base + 16 * j), acc[j]);
-    }
-    const size_t base = 64 * nfull, rem = n - base;
-#pragma GCC unroll 4
-    for (size_t j = 0; j < 4; ++j) {
-        if (16 * j + 16 <= rem) {
-            acc[j] = _mm512_fmadd_ps(row.load16z(base, 2 * j), _mm512_loadu_ps(x + base + 16 * j), acc[j]);
-        } else if (16 * j < rem) {  // live lanes take the fma, the others keep their value (cdot_kernel's blend)
-            const size_t k = rem - 16 * j;
-            const __mmask16 m = __mmask16((1u << k) - 1);
-            const __m256 lo = k >= 8 ? row.load8(base, 2 * j) : row.load_partial(base, 2 * j, k);
-            const __m256 hi = k > 8 ? row.load_partial(base, 2 * j + 1, k - 8) : _mm256_setzero_ps();
-            acc[j] = _mm512_mask3_fmadd_ps(join_halves(lo, hi), _mm512_maskz_loadu_ps(m, x + base + 16 * j), acc[j], m);
-        }
-    }
-    alignas(64) __m256 P[8];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(reinterpret_cast<float*>(P + 2 * j), acc[j]);
-    return fold8(P);
-}
-// Floats of one token's group in a packed x (packed_tokens' width)
-constexpr size_t kGroupFloats = 16;
-#else
-constexpr size_t kGroupFloats = 8;
 #endif
-constexpr size_t kGroupStep = kGroupFloats / 8;  // groups a pass takes
 
 // The vectors a pass works in: Lanes8, one group of eight chains a register (the AVX2 build), or Lanes16, groups g and
 // g + 1 (g even) side by side (the AVX-512 build): the register, its loads, a row's groups decoded into it, and the
@@ -231,11 +194,44 @@ struct Lanes16 {
     }
     static V fma_live(V w, V x, V acc, size_t k) { return _mm512_mask3_fmadd_ps(w, x, acc, __mmask16((1u << k) - 1)); }
 };
+
+// cdot_kernel with two groups a 512-bit register (one token: the rows of a decode step, an expert's one token):
+// acc[j] holds P[2j][0..7] and P[2j + 1][0..7]; the same chains in the same order, then the same fold.
+template <class Row>
+__attribute__((always_inline)) inline float cdot_kernel_z(const Row& row, const float* x, size_t n) {
+    using L = Lanes16;
+    __m512 acc[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[j] = L::zero();
+    const size_t nfull = n / 64;
+    for (size_t c = 0; c < nfull; ++c) {
+        const size_t base = 64 * c;
+#pragma GCC unroll 4
+        for (size_t j = 0; j < 4; ++j) acc[j] = L::fma(L::row(row, base, 2 * j), _mm512_loadu_ps(x + base + 16 * j), acc[j]);
+    }
+    const size_t base = 64 * nfull, rem = n - base;
+#pragma GCC unroll 4
+    for (size_t j = 0; j < 4; ++j) {
+        if (16 * j + 16 <= rem) {
+            acc[j] = L::fma(L::row(row, base, 2 * j), _mm512_loadu_ps(x + base + 16 * j), acc[j]);
+        } else if (16 * j < rem) {  // (x past n is not read: a masked load)
+            const size_t k = rem - 16 * j;
+            const __m512 xv = _mm512_maskz_loadu_ps(__mmask16((1u << k) - 1), x + base + 16 * j);
+            acc[j] = L::fma_live(L::row_part(row, base, 2 * j, k), xv, acc[j], k);
+        }
+    }
+    alignas(64) __m256 P[8];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) L::store(reinterpret_cast<float*>(P + 2 * j), acc[j]);
+    return fold8(P);
+}
 using PassLanes = Lanes16;
 #else
 using PassLanes = Lanes8;
 #endif
-static_assert(sizeof(PassLanes::V) == kGroupFloats * sizeof(float), "a pass's register holds one packed group of x");
+// Floats of one token's group in a packed x (packed_tokens' width): a pass's register
+constexpr size_t kGroupFloats = sizeof(PassLanes::V) / sizeof(float);
+constexpr size_t kGroupStep = kGroupFloats / 8;  // groups a pass takes
 
 // Several rows against several tokens. One pass accumulates the groups of L's register (g, or g and g + 1) of rows
 // 0 .. RB-1 and tokens 0 .. NT-1 over chunks [c0, c1) (and the tail chunk c1 when `tail`), x from the token block
