@@ -166,9 +166,11 @@ struct Lanes8 {
     static void store(float* p, V v) { _mm256_store_ps(p, v); }
     static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
     template <class Row>
-    static V row(const Row& r, size_t base, size_t g) { return r.load8(base, g); }
+    __attribute__((always_inline)) static V row(const Row& r, size_t base, size_t g) { return r.load8(base, g); }
     template <class Row>
-    static V row_part(const Row& r, size_t base, size_t g, size_t k) { return r.load_partial(base, g, k); }
+    __attribute__((always_inline)) static V row_part(const Row& r, size_t base, size_t g, size_t k) {
+        return r.load_partial(base, g, k);
+    }
     static V fma_live(V w, V x, V acc, size_t k) {
         return _mm256_blendv_ps(acc, _mm256_fmadd_ps(w, x, acc), _mm256_castsi256_ps(lane_mask(k)));
     }
@@ -183,12 +185,12 @@ struct Lanes16 {
     static void store(float* p, V v) { _mm512_store_ps(p, v); }
     static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     template <class Row>
-    static V row(const Row& r, size_t base, size_t g) {
+    __attribute__((always_inline)) static V row(const Row& r, size_t base, size_t g) {
         static_assert(has_load16z<Row>::value, "the AVX-512 passes need Row::load16z");
         return r.load16z(base, g);
     }
     template <class Row>
-    static V row_part(const Row& r, size_t base, size_t g, size_t k) {  // (past the live columns anything finite)
+    __attribute__((always_inline)) static V row_part(const Row& r, size_t base, size_t g, size_t k) {  // (past the live columns anything finite)
         const __m256 lo = k >= 8 ? r.load8(base, g) : r.load_partial(base, g, k);
         return join_halves(lo, k > 8 ? r.load_partial(base, g + 1, k - 8) : _mm256_setzero_ps());
     }
