@@ -124,11 +124,7 @@ __attribute__((always_inline)) inline float cdot_kernel(const Row& row, const fl
 // Keeps v in a register: otherwise GCC folds one load of x into every fma that uses it (RB loads
 // instead of one), and loads are what bounds this loop.
 inline __m256 in_reg(__m256 v) {
-#ifdef GLM_CPU_WIDE_REGISTERS
-    asm("" : "+v"(v));  // ("x" would hold it to the first 16 of the 32 registers)
-#else
     asm("" : "+x"(v));
-#endif
     return v;
 }
 
@@ -326,7 +322,7 @@ struct plain_loads<Row, std::void_t<decltype(Row::kPlainLoads)>> : std::bool_con
 // (docs/perf.md, "Session 40").
 template <int NT, class Row>
 constexpr int block_rows() {
-#ifdef GLM_CPU_WIDE_REGISTERS
+#ifdef GLM_CPU_ZMM
     if constexpr (NT >= 7) return 3;
     if constexpr (NT >= 4 && !plain_loads<Row>::value) return 4;
 #endif

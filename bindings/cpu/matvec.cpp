@@ -450,7 +450,7 @@ float fma_chains(long iters, float seed) {
 
 #define GLM_CPU_STR2(x) #x
 #define GLM_CPU_STR(x) GLM_CPU_STR2(x)
-#ifdef GLM_CPU_AVX512_TU
+#ifdef GLM_CPU_ZMM
 #define GLM_CPU_LIN_TABLE kLinKernelsAvx512
 #else
 #define GLM_CPU_LIN_TABLE kLinKernelsAvx2
@@ -459,7 +459,7 @@ extern const LinKernels GLM_CPU_LIN_TABLE;
 const LinKernels GLM_CPU_LIN_TABLE = {GLM_CPU_STR(GLM_CPU_ISA), &rows_bf16, &rows_f32, &rows_fp8, &rows_mxfp4,
                                        &fma_chains, detail::kGroupFloats};
 
-#ifndef GLM_CPU_AVX512_TU
+#ifndef GLM_CPU_ZMM
 #if GLM_CPU_BUILD_AVX512
 extern const LinKernels kLinKernelsAvx512;
 #endif
@@ -544,6 +544,6 @@ void matvec_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t R, size_t 
         y[r] = detail::cdot_kernel(Mxfp4Row{packed + r * (C / 2), scale + r * (C / 32)}, x, C);
     });
 }
-#endif  // GLM_CPU_AVX512_TU
+#endif  // GLM_CPU_ZMM
 
 }  // namespace glm::cpu

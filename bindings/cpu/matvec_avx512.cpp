@@ -3,9 +3,7 @@
 // bits. isa.hpp says why the names differ;
 // matvec.cpp's lin_kernels() runs these only where the CPU and its OS have AVX-512F and AVX-512VL.
 #define GLM_CPU_ISA avx512
-#define GLM_CPU_AVX512_TU 1
-#define GLM_CPU_WIDE_REGISTERS 1
-#define GLM_CPU_ZMM 1
+#define GLM_CPU_ZMM 1  // (this translation unit: 512-bit passes, 32 registers, the AVX-512 table)
 #include "isa.hpp"
 
 #if GLM_CPU_BUILD_AVX512
