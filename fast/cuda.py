@@ -76,6 +76,7 @@ _ENV_OPTIONS = {
     "GLM_EXPERT_TILE": ("expert_tile", lambda v: int(v) if v in ("1", "4", "8", "16", "64") else 0),
     "GLM_LANES_ITEMS": ("lanes_items", lambda v: int(v) if v.strip().isdigit() else v),  # (else refused, named)
     "GLM_ITEMS16": ("items16", lambda v: int(v) if v.strip().isdigit() else v),
+    "GLM_LANES_TN": ("lanes_tn", lambda v: int(v) if v.strip().isdigit() else v),
     "GLM_PINNED_LOGITS": ("pinned_logits", lambda v: v != "0"),
     "GLM_GEMM": ("gemm", lambda v: v != "0"),
     "GLM_LANES": ("lanes", lambda v: v != "0"),

@@ -580,9 +580,11 @@ def test_linear_kernels_match_cpu(case):
     gemm += ["gemm:8"] if gemm and expert else []
     # the lane-pass kernel: several tokens, BF16 / FP8 / MXFP4 rows of whole chunks (dense: 64 x 64 tiles
     # below 128 tokens, 32 x 128 from there; experts: items of 64 pairs, their x re-laid per item; lanes:1
-    # re-lays and launches one item at a time, as launches past kLanesItemsGroup floats of x do in groups)
-    lanes = ["lanes"] if C % 64 == 0 and T > 1 and release != "f32" else []
-    lanes += ["lanes:1"] if lanes and expert else []
+    # re-lays and launches one item at a time, as launches past kLanesItemsGroup floats of x do in groups);
+    # lanes8, lanes16: the same tiles with 8 tokens a thread (512 threads a block) or 16 (256), where lanes
+    # takes the engine's rule (option lanes_tn, weights.cu's lanes_tn_for)
+    lanes = ["lanes", "lanes8", "lanes16"] if C % 64 == 0 and T > 1 and release != "f32" else []
+    lanes += ["lanes:1", "lanes8:1", "lanes16:1"] if lanes and expert else []
     # the few-pair kernel: FP8 and MXFP4 expert items of up to 8 pairs (the test's items of 8: a last one of
     # T % 8); MXFP4 rows of whole slabs (C a multiple of 512: a slab's scales one 16-byte copy)
     pairs = ["pairs"] if expert and C % 64 == 0 and (release == "fp8" or (release == "mxfp4" and C % 512 == 0)) else []
@@ -598,7 +600,8 @@ def test_linear_kernels_match_cpu(case):
     for kernel in kernels:
         full = ("auto", "register", "register:occ5", "register:occ6", "register:w4", "register:w2", "stream:1", "stream:2",
                 "stream:3", "stream:1x",
-                "stream:2x", "tiled", "tiled:1", "gemm", "gemm:8", "lanes", "lanes:1", "pairs",
+                "stream:2x", "tiled", "tiled:1", "gemm", "gemm:8", "lanes", "lanes:1", "lanes8", "lanes8:1", "lanes16",
+                "lanes16:1", "pairs",
                 "staged:4:1", "staged:2:0")
         for decode in decodes if kernel in full else ("auto",):
             got = cu.linear(release, data, scale, X, round=rnd, kernel=kernel, expert=expert, decode=decode)
@@ -706,7 +709,9 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
     expert's whole 64s of pairs and a remainder of at least lanes_items=48 take items of 64 through the
     lane-pass kernel, x re-laid per item), with lanes_items=1 every pair in lane items (no item of
     16 left), 64 only the whole 64s (the shared expert's 200 pairs: three, its remainder in items of 16),
-    0 none; with expert_tile=64 every item holds 64 pairs through the lane-pass kernel; the option lanes
+    0 none; with expert_tile=64 every item holds 64 pairs through the lane-pass kernel (the engine's rule
+    gives FP8 expert items 16 tokens a thread, 256-thread blocks; both also with lanes_tn=8, 512-thread
+    blocks, and with 16 forced); the option lanes
     off changes nothing here. MLA's head-blocked W_UK^T and W_UV (heads of whole 32-row
     blocks, each block's x its head's) take the register-tiled kernel from 16 rows. Every stage of every
     position = the CPU engine's, each way. A 40-token step (10 pairs an expert: the rule's items of 8) takes
@@ -722,7 +727,8 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
     want = Capture()
     logits = cpu.prefill(ids, capture=want)
     for opts in ({}, {"expert_tile": 64}, {"lanes": False}, {"lanes_items": 1}, {"lanes_items": 64},
-                 {"lanes_items": 0}):
+                 {"lanes_items": 0}, {"expert_tile": 64, "lanes_tn": 8}, {"lanes_items": 1, "lanes_tn": 8},
+                 {"lanes_items": 1, "lanes_tn": 16}):
         eng, got = CudaEngine(path, cuda_options=opts), Capture()
         assert np.array_equal(bits(logits), bits(eng.prefill(ids, capture=got)))
         assert_same_capture(eng.config, want, got, range(len(ids)))
@@ -777,14 +783,14 @@ def test_engine_options(tmp_path, monkeypatch):
     from fast.cuda import _ENV_OPTIONS
     defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0, "lanes_items": 48,
                 "items16": 13, "pinned_logits": True, "gemm": True, "lanes": True, "idx_tiled": True, "attn_tiled": True,
-                "head_bound": True, "pairs": True}
+                "head_bound": True, "pairs": True, "lanes_tn": 0}
     assert sorted(name for name, _ in _ENV_OPTIONS.values()) == sorted(defaults)   # (an A/B variable each)
     for var in _ENV_OPTIONS:
         monkeypatch.delenv(var, raising=False)
     assert CudaEngine(path).options["cuda"] == defaults
     flipped = {"pdl": False, "tune": False, "stream_early": True, "hc_fuse": False, "expert_tile": 8, "lanes_items": 0,
                "items16": 0, "pinned_logits": False, "gemm": False, "lanes": False, "idx_tiled": False, "attn_tiled": False,
-               "head_bound": False, "pairs": False}
+               "head_bound": False, "pairs": False, "lanes_tn": 16}
     eng, ref = CudaEngine(path, cuda_options=flipped), fast.Engine(path, device="cpu")
     assert eng.options["cuda"] == flipped and "'expert_tile': 8" in repr(eng)
     V = eng.config.vocab_size
@@ -807,6 +813,8 @@ def test_engine_options(tmp_path, monkeypatch):
         CudaEngine(path, cuda_options={"lanes_items": 65})
     with pytest.raises(fast.EngineInputError, match="items16 must be 0"):
         CudaEngine(path, cuda_options={"items16": 17})
+    with pytest.raises(fast.EngineInputError, match="lanes_tn must be 0"):
+        CudaEngine(path, cuda_options={"lanes_tn": 12})
     monkeypatch.setenv("GLM_LANES_ITEMS", "many")
     with pytest.raises(fast.EngineInputError, match="lanes_items must be an int"):
         CudaEngine(path)

@@ -99,7 +99,8 @@ struct IntOption {
 };
 constexpr IntOption kIntOptions[] = {{"expert_tile", &EngineOptions::expert_tile},
                                      {"lanes_items", &EngineOptions::lanes_items},
-                                     {"items16", &EngineOptions::items16}};
+                                     {"items16", &EngineOptions::items16},
+                                     {"lanes_tn", &EngineOptions::lanes_tn}};
 constexpr FlagOption kFlagOptions[] = {{"pdl", &EngineOptions::pdl},
                                        {"tune", &EngineOptions::tune},
                                        {"stream_early", &EngineOptions::stream_early},

@@ -67,6 +67,8 @@ struct EngineOptions {
     bool attn_tiled = true;     // prefill-sized mla.scores and mla.o_lat as tiled products (k_mla_scores_tiled, k_mla_olat_tiled)
     bool head_bound = true;     // greedy-only steps: the argmax from bounds on the logits and the candidates' exact logits
     bool pairs = true;          // FP8 routed-expert items of up to 8 pairs take the few-pair kernel (k_linear_pairs)
+    int lanes_tn = 0;           // tokens a thread of the lane-pass kernel: 8 (512 threads a block) or 16 (256);
+                                // 0 the engine's rule (weights.cu, lanes_tn_for)
 };
 
 class Engine {

@@ -40,6 +40,10 @@ namespace {
 // an odd number of 16-byte pieces, XS = BN + 8, WS = BM + 8), expert items swizzle (ln_swz, ln_piece),
 // which leaves them room for slabs of 8.
 constexpr int kLnThreads = 512;
+// Tokens a thread (TN, its tile 8 rows x TN): 8, 512 threads a block and at most 128 registers a thread; 16,
+// 256 threads and up to 255 (every thread's 128 accumulators and the operands of its next chunk, its decode's
+// and copies' addresses kept rather than recomputed). A block holds 4096 outputs either way.
+constexpr int ln_threads(int TN) { return 4096 / TN; }
 // Chunks per slab: 8 for FP8 rows at 128 tokens and for FP8 and MXFP4 expert items, else 4. A slab's
 // cursor, copy and barrier logic costs the same whatever its length (ncu, q|k|v FP8 at 128 tokens: 286
 // instructions for a slab's 256 FFMAs, and ~150 more of that logic), so longer slabs spend fewer
@@ -72,7 +76,7 @@ constexpr int ln_stage_bytes() {  // raw rows, then X^T [S][8][XS]
 template <int FMT, int BN, bool EXPERT>
 constexpr int ln_fixed_bytes() {  // the two W^T buffers and the parked partials
     constexpr int S = ln_slab<FMT, BN, EXPERT>();
-    return 2 * S * 8 * ln_ld<ln_rows<BN>(), EXPERT>() * 4 + 3 * 8 * kLnThreads * 4;
+    return 2 * S * 8 * ln_ld<ln_rows<BN>(), EXPERT>() * 4 + 3 * 4096 * 4;  // (parked: 3 slots of 4096 outputs)
 }
 template <int FMT, int BN, bool EXPERT>
 constexpr int ln_stages() {
@@ -150,25 +154,32 @@ __global__ void __launch_bounds__(256) k_items_lanes(LinArgs a, int nch, float* 
 // Dense: a.X is Xp (k_x_lanes) with a.ldx = ldT; a.Y the launch's first token row; a.T its tokens. Head-blocked
 // (a.rh < a.R): Xp of x's whole width, every head's columns.
 // Experts (items of up to BN pairs): a.X is Xi (k_items_lanes) of items a.item0 .. a.item0 + a.item_count.
-template <int FMT, bool EXPERT, int DEC, int BN>
-__global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
+template <int FMT, bool EXPERT, int DEC, int BN, int TN = 8>
+__global__ void __launch_bounds__(ln_threads(TN), 1) k_linear_lanes(LinArgs a) {
     pdl_enter();
     GLM_DYN_SMEM(unsigned char, sm);
     constexpr int CB = chunk_bytes<FMT>(), BM = ln_rows<BN>(), S = ln_slab<FMT, BN, EXPERT>(), ST = ln_stages<FMT, BN, EXPERT>();
     constexpr int RW = ln_raw_row<FMT, BN, EXPERT>(), WS = ln_ld<BM, EXPERT>(), XS = ln_ld<BN, EXPERT>();
     constexpr int SB = ln_stage_bytes<FMT, BN, EXPERT>(), XOFF = BM * RW;
-    // decode tasks: two 16-byte pieces of a row, each giving FP8 two weights (piece q: chains 2q, 2q + 1),
+    constexpr int NTH = ln_threads(TN);
+    static_assert(TN == 8 || TN == 16, "8 or 16 tokens a thread");
+    // decode tasks: PT 16-byte pieces of a row, each giving FP8 two weights (piece q: chains 2q, 2q + 1),
     // MXFP4 four (4q .. 4q + 3), BF16 one; a warp's 32 tasks are 32 rows of the same pieces. (Two pieces a
     // task: what a task sets up, its lane's selector and its buffers' addresses, is recomputed per task
-    // beside the 128 registers the kernel holds.)
+    // beside the 128 registers the kernel holds. FP8 expert items with 16 tokens a thread take a row's whole
+    // chunk a task, its eight chains: its pieces' offsets are one register XOR constants, piece_src.)
     constexpr int WPT = FMT == W_FP8 ? 2 : (FMT == W_MXFP4 ? 4 : 1);  // weights a piece gives
-    constexpr int TPC = 4 / WPT;  // tasks per row and chunk
-    constexpr int TASKS = BM * TPC * S, NT = (TASKS + kLnThreads - 1) / kLnThreads;
-    static_assert(S % NT == 0 && S / NT >= 2, "a whole slab's decode tasks spread over its chunks (compute_decode)");
-    constexpr int PPR = S * CB / 16, WPIECES = BM * PPR, NWP = (WPIECES + kLnThreads - 1) / kLnThreads;
-    constexpr int XPIECES = S * 8 * BN / 4, NXP = XPIECES / kLnThreads;
+    constexpr int PT = FMT == W_FP8 && EXPERT && TN == 16 ? 4 : 2;     // pieces a task
+    constexpr int TPC = 8 / (WPT * PT);                                // tasks per row and chunk
+    constexpr int TASKS = BM * TPC * S, NT = (TASKS + NTH - 1) / NTH;
+    // the slab's compute and the next slab's decode in one block of code (compute_decode): dense FP8 launches,
+    // and with 16 tokens a thread every kernel whose slab's tasks spread over its chunks
+    constexpr bool JOIN = TN == 16 ? S % NT == 0 && S / NT >= 2 : FMT == W_FP8 && !EXPERT;
+    static_assert(!JOIN || (S % NT == 0 && S / NT >= 2), "a whole slab's decode tasks spread over its chunks (compute_decode)");
+    constexpr int PPR = S * CB / 16, WPIECES = BM * PPR, NWP = (WPIECES + NTH - 1) / NTH;
+    constexpr int XPIECES = S * 8 * BN / 4, NXP = XPIECES / NTH;
     static_assert(FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4, "BF16, FP8 or MXFP4");
-    static_assert(XPIECES % kLnThreads == 0 && BM % 32 == 0, "whole copy rounds; 32-row decode warps");
+    static_assert(XPIECES % NTH == 0 && BM % 32 == 0, "whole copy rounds; 32-row decode warps");
     static_assert(EXPERT || ((RW / 16) % 2 == 1 && (WS / 4) % 8 == 2 && (XS / 4) % 8 == 2), "bank spreads");
     static_assert(!EXPERT || (BN == kLanesItem && BM == 64 && PPR >= 8 && RW % 128 == 0), "expert items: the swizzles' shapes");
     static_assert(ln_smem_bytes<FMT, BN, EXPERT>() + BM * 8 <= 227 * 1024, "shared memory");
@@ -187,11 +198,11 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     };
     const uint32_t sm_s = smem_u32(sm);
     // this thread's copies of a slab, the same places in every slab (kept as a base and a step, not one
-    // register a copy: slabs of 8 spilled so): weight pieces p = tid + n kLnThreads, row p / PPR and 16-byte
+    // register a copy: slabs of 8 spilled so): weight pieces p = tid + n NTH, row p / PPR and 16-byte
     // piece p % PPR, RPN rows apart from one n to the next; x pieces likewise, chunk p / 2BN, chain
     // (p / (BN / 4)) % 8, tokens 4 (p % (BN / 4)) .., UPN chunks apart
-    constexpr int RPN = kLnThreads / PPR, UPN = kLnThreads / (2 * BN);
-    static_assert(kLnThreads % PPR == 0 && kLnThreads % (2 * BN) == 0 && (kLnThreads / (BN / 4)) % 8 == 0 &&
+    constexpr int RPN = NTH / PPR, UPN = NTH / (2 * BN);
+    static_assert(NTH % PPR == 0 && NTH % (2 * BN) == 0 && (NTH / (BN / 4)) % 8 == 0 &&
                       (!EXPERT || RPN % 8 == 0),
                   "copies: each n the same piece and chain, rows RPN and chunks UPN further (experts: row & 7 kept)");
     const int wrow = tid / PPR, woff = 16 * (tid % PPR);
@@ -213,7 +224,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     // xo: the issued slab's x offset (floats; lane ln_lane(p), chunk S s: issue_next keeps it)
     // (a whole slab: its copies without tests, a separate branch-free path; with one tested path for
     // all, dense q|k|v FP8 at 2048 tokens ran 24.5 TFLOP/s against 25.2, another device session)
-    auto wvalid = [&](int n) { return WPIECES % kLnThreads == 0 || tid + n * kLnThreads < WPIECES; };
+    auto wvalid = [&](int n) { return WPIECES % NTH == 0 || tid + n * NTH < WPIECES; };
     auto issue = [&](int s, int64_t xo, int stage) {
         const int nc = chunks_of(s), c0 = s * S;
         const uint32_t buf = sm_s + static_cast<uint32_t>(stage * SB);
@@ -235,26 +246,35 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
         for (int n = 0; n < NXP; ++n)
             if (xu + n * UPN < nc) cp_async16_s(buf + xdst + 4 * n * UPN * 8 * XS, xs + n * UPN * 8 * ldx);
     };
-    // this thread's decode tasks n = tid + n kLnThreads (the same in every slab): row di, pieces 2 dk and
+    // this thread's decode tasks n = tid + n NTH (the same in every slab): row di, pieces 2 dk and
     // 2 dk + 1 of chunk du + n UT (the row, the pieces and so the scales' offset the same for every n: base
     // and step again); the scales' offset 32-bit (lanes_applies)
-    constexpr int UT = kLnThreads / (BM * TPC);
-    static_assert(kLnThreads % (BM * TPC) == 0 && (!EXPERT || (UT * (CB / 16)) % 8 == 0),
+    constexpr int UT = NTH / (BM * TPC);
+    static_assert(NTH % (BM * TPC) == 0 && (!EXPERT || (UT * (CB / 16)) % 8 == 0),
                   "decode tasks: each n the same row and piece, UT chunks further (experts: the piece's swizzle kept)");
     // (W^T's column di of a chain holds row di ^ lane_swap_a(chain): the task reads its piece h from row dr_h,
     // the same row for both pieces but in MXFP4, where piece 2 dk's chains are 0-3 and 2 dk + 1's 4-7; so the
     // swap costs the stores nothing, they stay at column di of every chain)
-    const int di = tid % BM, dk = (tid / BM) % TPC, du = tid / (BM * TPC);  // pieces 2 dk, 2 dk + 1
-    const int dr0 = di ^ lane_swap_a(WPT * 2 * dk, BM / 2), dr1 = di ^ lane_swap_a(WPT * (2 * dk + 1), BM / 2);
-    const int dsrc0 = dr0 * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + 2 * dk, dr0);  // + n UT CB
-    const int dsrc1 = dr1 * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + 2 * dk + 1, dr1);
+    const int di = tid % BM, dk = (tid / BM) % TPC, du = tid / (BM * TPC);  // pieces PT dk .. PT dk + PT - 1
+    const int dr0 = di ^ lane_swap_a(WPT * PT * dk, BM / 2), dr1 = di ^ lane_swap_a(WPT * (PT * dk + 1), BM / 2);
+    const int dsrc0 = dr0 * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + PT * dk, dr0);  // + n UT CB
+    const int dsrc1 = dr1 * RW + 16 * ln_piece<EXPERT>(du * (CB / 16) + PT * dk + 1, dr1);
+    // Piece h of a task: pieces 0 and 1 at dsrc0 and dsrc1; PT 4 (expert items: raw rows a power of two long,
+    // the task's first piece a multiple of 4), piece h's row (dr0, or dr0 ^ BM / 2 where its chains' half
+    // differs, lane_swap_a: (WPT h) & 4) and its swizzled place (ln_piece: q ^ (row & 7), the same row & 7)
+    // make dsrc0 XOR a constant.
+    static_assert(PT == 2 || (EXPERT && (RW & (RW - 1)) == 0), "four pieces a task: expert rows a power of two long");
+    auto piece_src = [&](int h) {
+        if constexpr (PT == 2) return h == 0 ? dsrc0 : dsrc1;
+        else return dsrc0 ^ (((WPT * h) & 4 ? BM / 2 * RW : 0) | 16 * h);
+    };
     const void* scale = a.scale;  // (experts: the item's)
     auto scale_at = [&](int dr, int q) {  // row dr's scales (MXFP4: of piece q of chunk 0)
         const int64_t ar = abs_row(row_base + dr);
         return static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) + q : 0));
     };
-    const int dsc0 = scale_at(dr0, 2 * dk), dsc1 = scale_at(dr1, 2 * dk + 1);  // (FP8: one, dr0 = dr1)
-    auto dvalid = [&](int n) { return TASKS % kLnThreads == 0 || tid + n * kLnThreads < TASKS; };
+    const int dsc0 = scale_at(dr0, PT * dk), dsc1 = scale_at(dr1, PT * dk + 1);  // (FP8: one, the rows in one 128-row block)
+    auto dvalid = [&](int n) { return TASKS % NTH == 0 || tid + n * NTH < TASKS; };
     // the decode tasks' multipliers for slab s (chunks past the last: 0, never used). FP8 scales are per
     // 128 columns, two chunks: slabs and UT even, so task n's is UT / 2 n past the slab's first
     static_assert(FMT != W_FP8 || (S % 2 == 0 && UT % 2 == 0), "FP8 scales: a slab's tasks UT / 2 scales apart");
@@ -291,13 +311,21 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
             put(2 * dk, 0, f32_from_bits(h0 << 16));
             put(2 * dk + 1, 0, f32_from_bits(h1 << 16));
         } else {
-            const uint4 v0 = *reinterpret_cast<const uint4*>(rs + dsrc0 + n * UT * CB);
-            const uint4 v1 = *reinterpret_cast<const uint4*>(rs + dsrc1 + n * UT * CB);
+            // (PT 2: both pieces loaded first, as written before PT 4; the same loop otherwise moved the 128-register
+            // kernels' allocation, the FP8 expert kernel 0 -> 56 bytes of stack)
+            uint4 vs[PT];
+            if constexpr (PT == 2) {
+                vs[0] = *reinterpret_cast<const uint4*>(rs + dsrc0 + n * UT * CB);
+                vs[1] = *reinterpret_cast<const uint4*>(rs + dsrc1 + n * UT * CB);
+            } else {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const uint4 v = h ? v1 : v0;
-                const int q = 2 * dk + h;
-                const float scl = sc[n][h];
+                for (int h = 0; h < PT; ++h) vs[h] = *reinterpret_cast<const uint4*>(rs + piece_src(h) + n * UT * CB);
+            }
+#pragma unroll
+            for (int h = 0; h < PT; ++h) {
+                const uint4 v = PT == 2 ? (h ? vs[1] : vs[0]) : vs[h];
+                const int q = PT * dk + h;
+                const float scl = sc[n][h & 1];  // (FP8: the task's two equal multipliers)
                 if constexpr (FMT == W_FP8) {  // chain 2q: byte l of the piece; 2q + 1: byte 8 + l
                     const uint32_t lo = (l & 4) ? v.y : v.x, hi = (l & 4) ? v.w : v.z;
                     const uint32_t pair = __byte_perm(lo, hi, fsel);
@@ -349,15 +377,26 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
                 if (dvalid(n) && du + n * UT < nc) decode_task(l, rs, W, fsel, sc, n);
         }
     };
-    float acc[8][8];  // [row i][token j] of chain g: rows 4rg + i (i < 4), BM/2 + 4rg + i - 4; tokens likewise
+    // [row i][token j] of chain g: rows 4rg + i (i < 4), BM/2 + 4rg + i - 4; tokens 4tg + j (j < 4), BN/2 + 4tg
+    // + j - 4 (TN 8), or four groups of four a quarter of BN apart (TN 16: lane_chunk16)
+    float acc[8][TN];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+        for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
+    // one chunk u of the slab at W (the thread's A^T row) and X (its B^T row, the stage's): TN 16 reads a second
+    // group of four columns BN / 4 past the first, placed by the same swizzle (an XOR: its own pointer)
+    auto chunk = [&](const float* W, const float* X, const float* X1, int u) {
+        lane_chunk_n<BM / 2, BN / 2, TN>(acc, W + u * 8 * WS, X + u * 8 * XS, X1 + u * 8 * XS);
+    };
+    auto x_row = [&](int stage, int col) {  // the thread's B^T place of column col in chunk 0 of the stage
+        return reinterpret_cast<const float*>(sm + stage * SB + XOFF) + g * XS + (col ^ ln_swz<EXPERT>(g));
+    };
     auto compute = [&](int s, int stage, int wbuf) {
         const float* W = Wt + wbuf * (S * 8 * WS) + g * WS + (4 * rg ^ ln_swz<EXPERT>(g));
-        const float* X = reinterpret_cast<const float*>(sm + stage * SB + XOFF) + g * XS + (4 * tg ^ ln_swz<EXPERT>(g));
-        auto one = [&](int u) { lane_chunk<BM / 2, BN / 2>(acc, W + u * 8 * WS, X + u * 8 * XS); };
+        const float* X = x_row(stage, 4 * tg);
+        const float* X1 = TN == 16 ? x_row(stage, 4 * tg + BN / 4) : X;
+        auto one = [&](int u) { chunk(W, X, X1, u); };
         const int nc = chunks_of(s);
         if (nc == S) {  // a whole slab: no test per chunk
 #pragma unroll
@@ -375,35 +414,37 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
     // and BF16's kernels spilled more with it (ptxas), unmeasured, so they keep the two blocks.
     auto compute_decode = [&](int stage, int wbuf, int dl, int dstage, const float (&sc)[NT][2]) {
         const float* W = Wt + wbuf * (S * 8 * WS) + g * WS + (4 * rg ^ ln_swz<EXPERT>(g));
-        const float* X = reinterpret_cast<const float*>(sm + stage * SB + XOFF) + g * XS + (4 * tg ^ ln_swz<EXPERT>(g));
+        const float* X = x_row(stage, 4 * tg);
+        const float* X1 = TN == 16 ? x_row(stage, 4 * tg + BN / 4) : X;
         const unsigned char* const rs = sm + dstage * SB;
         float* const Wd = Wt + (wbuf ^ 1) * (S * 8 * WS) + du * 8 * WS;
         const uint32_t fsel = static_cast<uint32_t>((dl & 3) | (((dl & 3) + 4) << 4));
         // (the decode's setup is written here and in decode: one helper lambda for both made ptxas give the
         // MXFP4 expert kernel 40 bytes of stack for its 16, where it does not even take this block)
-        constexpr int every = S / NT;  // task n after chunk (n + 1) every - 1
+        constexpr int every = S / NT > 0 ? S / NT : 1;  // task n after chunk (n + 1) every - 1 (JOIN: S / NT >= 2)
 #pragma unroll
         for (int u = 0; u < S; ++u) {
-            lane_chunk<BM / 2, BN / 2>(acc, W + u * 8 * WS, X + u * 8 * XS);
+            chunk(W, X, X1, u);
             if (u % every == every - 1 && dvalid(u / every)) decode_task(dl, rs, Wd, fsel, sc, u / every);
         }
     };
-    // lane pass p is over: fold its chains into Q[l] (thread g: row g of its tile, 8 tokens) and that into
-    // the parked partials; after the last, write the outputs
+    // lane pass p is over: fold its chains into Q[l] (2 rows x TN / 2 tokens of the thread's tile) and that
+    // into the parked partials; after the last, write the outputs
     auto end_pass = [&](int p) {
-        float Q[8];
-        if (!lane_pass_end(acc, g, p, park + tid, kLnThreads, Q)) return;
+        float Q[TN];
+        if (!lane_pass_end(acc, g, p, park + tid, NTH, Q)) return;
         float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int r = row_base + lane_row(g, rg, BM / 2, i);
             if (r >= a.R) continue;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int t = lane_col(g, tg, BN / 2, j);
+            for (int j = 0; j < TN / 2; ++j) {
+                const int t = TN == 8 ? lane_col(g, tg, BN / 2, j) : lane_col16(g, tg, BN / 2, j);
                 if (t < cnt) {
                     const int64_t yrow = EXPERT ? a.pairs[start + t] : static_cast<int64_t>(start) + t;
-                    Y[yrow * a.ldy + r] = a.round ? bf16r(Q[4 * i + j]) : Q[4 * i + j];
+                    const float y = Q[TN / 2 * i + j];
+                    Y[yrow * a.ldy + r] = a.round ? bf16r(y) : y;
                 }
             }
         }
@@ -473,7 +514,7 @@ __global__ void __launch_bounds__(kLnThreads, 1) k_linear_lanes(LinArgs a) {
             if (ip < 8) issue(is, ixo, ist);
             cp_async_commit();
             issue_next(is, ip, ixo, ist);
-            if (FMT == W_FP8 && !EXPERT && dp < 8 && chunks_of(cs) == S && chunks_of(ds) == S) {
+            if (JOIN && dp < 8 && chunks_of(cs) == S && chunks_of(ds) == S) {
                 compute_decode(cst, wbuf, ln_lane(dp), dst, sc);
             } else {
                 compute(cs, cst, wbuf);

@@ -225,6 +225,10 @@ Engine::Engine(const Config& cfg, bool seq_dot, bool native_exp, const EngineOpt
     if (options.lanes_items < 0 || options.lanes_items > kLanesItem)
         throw std::invalid_argument("options: lanes_items must be 0 (no lane-pass expert items) to 64, got " +
                                     std::to_string(options.lanes_items));
+    if (options.lanes_tn != 0 && options.lanes_tn != 8 && options.lanes_tn != 16)
+        throw std::invalid_argument("options: lanes_tn must be 0 (the engine's rule), 8 or 16 (tokens a thread of the "
+                                    "lane-pass kernel), got " +
+                                    std::to_string(options.lanes_tn));
     if (options.items16 < 0 || options.items16 > 16)
         throw std::invalid_argument("options: items16 must be 0 (no items of 16 beside items of 8) to 16, got " +
                                     std::to_string(options.items16));

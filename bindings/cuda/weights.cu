@@ -349,9 +349,10 @@ float* lanes_scratch(int64_t floats) {
     }
     return b.p;
 }
-template <int FMT, bool EXPERT, int DEC, int BN>
+template <int FMT, bool EXPERT, int DEC, int BN, int TN>
 void launch_lanes_bn(const LinArgs& a, dim3 grid) {
-    auto k = k_linear_lanes<FMT, EXPERT, DEC, BN>;
+    auto k = k_linear_lanes<FMT, EXPERT, DEC, BN, TN>;
+    constexpr int threads = ln_threads(TN);
     constexpr size_t smem = static_cast<size_t>(ln_smem_bytes<FMT, BN, EXPERT>());
     allow_smem(k, smem);
     grid.x = static_cast<unsigned>((a.R + ln_rows<BN>() - 1) / ln_rows<BN>());
@@ -371,7 +372,7 @@ void launch_lanes_bn(const LinArgs& a, dim3 grid) {
             check_launch("items_lanes");
             b.X = xi;
             grid.y = static_cast<unsigned>(n);  // (item_grid_y: at most ~8 waves, the blocks walking the items)
-            GLM_LAUNCH(k, dim3(grid.x, item_grid_y(grid, 8), grid.z), kLnThreads, smem, b);
+            GLM_LAUNCH(k, dim3(grid.x, item_grid_y(grid, 8), grid.z), threads, smem, b);
         }
         return;
     }
@@ -389,18 +390,35 @@ void launch_lanes_bn(const LinArgs& a, dim3 grid) {
         b.T = n;
         grid.y = static_cast<unsigned>(ldT / BN);
         grid.z = 1;
-        GLM_LAUNCH(k, grid, kLnThreads, smem, b);
+        GLM_LAUNCH(k, grid, threads, smem, b);
     }
 }
+// Tokens a thread of the lane-pass kernel (EngineOptions::lanes_tn; 0: this rule): 16 (256 threads a block,
+// up to 255 registers a thread) for FP8 and MXFP4 expert items and dense launches of two token tiles or more,
+// else 8 (512 threads, 128 registers). Measured (docs/perf.md, "Session 41"): with 16, the FP8 expert items of a
+// 2048-token prefill 52.9 -> 51.1 ms and its dense FP8 launches 35.0 -> 34.6 (prefill 2048 +1.6 %), MXFP4
+// q|k|v at 2048 tokens 32 -> 39 % of the FFMA peak; but BF16 launches 1.81 -> 2.04 ms and b128 (one tile of
+// 128 tokens: half the warps an SM to hide its copies) ~1 % slower.
+int lanes_tn_for(int fmt, bool expert, int64_t T, int bn) {
+    if (const int forced = launch_options().lanes_tn) return forced;
+    return fmt != W_BF16 && (expert || T >= 2 * bn) ? 16 : 8;
+}
+
 // The block's tokens by lanes_bn (expert items of kLanesItem pairs: 64 x 64); FP8 decoded as
-// several_token_dec says.
+// several_token_dec says; tokens a thread by lanes_tn_for.
 template <int FMT, bool EXPERT>
 void launch_lanes(const LinArgs& a, dim3 grid) {
     if constexpr (FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4) {
         with_dec<FMT, true>(several_token_dec<FMT>(a), [&](auto dec) {
             constexpr int DEC = decltype(dec)::value;
-            if (lanes_bn(a, EXPERT) == 128) launch_lanes_bn<FMT, false, DEC, 128>(a, grid);
-            else launch_lanes_bn<FMT, EXPERT, DEC, 64>(a, grid);
+            const bool wide = lanes_tn_for(FMT, EXPERT, a.T, lanes_bn(a, EXPERT)) == 16;
+            if (lanes_bn(a, EXPERT) == 128) {
+                if (wide) launch_lanes_bn<FMT, false, DEC, 128, 16>(a, grid);
+                else launch_lanes_bn<FMT, false, DEC, 128, 8>(a, grid);
+            } else {
+                if (wide) launch_lanes_bn<FMT, EXPERT, DEC, 64, 16>(a, grid);
+                else launch_lanes_bn<FMT, EXPERT, DEC, 64, 8>(a, grid);
+            }
         });
     }
 }
@@ -1123,6 +1141,21 @@ LinChoice parse_kernel(const std::string& kernel, bool& no_staged, bool& require
                                 "(LPT 8, 4 or 2; XS 0 or 1), not '" + kernel + "'");
 }
 
+// "lanes8", "lanes16" (and with ":1"): "lanes" ("lanes:1") with 8 or 16 tokens a thread (EngineOptions::lanes_tn;
+// "lanes" takes the engine's rule, lanes_tn_for); o takes the options in force, lanes_tn set as the name says.
+// The name without the width.
+std::string lanes_width(const std::string& kernel, EngineOptions& o) {
+    o = launch_options();
+    for (const int tn : {8, 16}) {
+        const std::string w = "lanes" + std::to_string(tn);
+        if (kernel.rfind(w, 0) == 0 && (kernel.size() == w.size() || kernel[w.size()] == ':')) {
+            o.lanes_tn = tn;
+            return "lanes" + kernel.substr(w.size());
+        }
+    }
+    return kernel;
+}
+
 // A forced kernel must apply to the launch's shape ("staged": the staged kernel).
 void check_forced(const LinArgs& a, bool expert, bool require_staged, const char* who) {
     const LinKind kind = require_staged ? LinKind::Staged : a.choice.kind;
@@ -1230,8 +1263,11 @@ void fill(void* p, size_t n, uint32_t seed, int fmt) {
 
 std::vector<float> linear_device(const std::string& release, const void* data, size_t data_bytes, const void* scale,
                                  size_t scale_bytes, int64_t R, int64_t C, const float* X, int T, bool round,
-                                 const std::string& kernel, bool expert, const std::string& decode,
+                                 const std::string& kernel_name, bool expert, const std::string& decode,
                                  const LinHeads* heads) {
+    EngineOptions opts;
+    const std::string kernel = lanes_width(kernel_name, opts);
+    const ActiveOptions active(opts);
     const int fmt = parse_release(release);
     parse_decode(decode);
     bool no_staged = false, require_staged = false;
@@ -1389,7 +1425,10 @@ double ffma_peak_device(int reps) {
 }
 
 double linear_bench_tokens_device(const std::string& release, int64_t R, int64_t C, int T, int experts, int topk,
-                                  const std::string& kernel, int reps, const std::string& decode) {
+                                  const std::string& kernel_name, int reps, const std::string& decode) {
+    EngineOptions opts;
+    const std::string kernel = lanes_width(kernel_name, opts);
+    const ActiveOptions active(opts);
     const int fmt = parse_release(release);
     parse_decode(decode);
     bool no_staged = false, require_staged = false;
