@@ -18,13 +18,13 @@ namespace {
 // eight times, once per lane, with only that lane's eight chains live: 4096 outputs a block (64 rows x
 // 64 tokens, or 32 x 128), each decoded weight serving BN tokens (64 or 128) instead of 16.
 //
-// A thread owns chain g of lane l for 8 rows x 8 tokens (64 accumulators, two 16-byte loads each of W^T
-// and X^T per 64 FMAs); a warp is the 8 chains of 4 such tiles, so the fold of a lane is a
-// reduce-scatter over shuffles (g ^ 4, g ^ 2, g ^ 1: the canonical tree, a + b = b + a bit for bit),
-// after which thread g holds Q[l] of 2 rows x 4 tokens of its tile (W^T's and X^T's halves placed so that
-// the first two steps need no selects: lane_swap_a, lane_swap_b). The lanes run in the order 0 4 2 6
-// 1 5 3 7, so that their partials fold as they arrive ((Q0 + Q4) + (Q2 + Q6)) + ((Q1 + Q5) + (Q3 + Q7)),
-// three of them parked per thread in shared memory.
+// A thread owns chain g of lane l for 8 rows x TN tokens (TN 8: 64 accumulators, two 16-byte loads each of
+// W^T and X^T per 64 FMAs; TN 16: 128, two and four per 128 FMAs); a warp is the 8 chains of 4 such tiles,
+// so the fold of a lane is a reduce-scatter over shuffles (g ^ 4, g ^ 2, g ^ 1: the canonical tree, a + b =
+// b + a bit for bit), after which thread g holds Q[l] of 2 rows x TN / 2 tokens of its tile (W^T's and X^T's
+// halves placed so that the first two steps need no selects: lane_swap_a, lane_swap_b). The lanes run in the
+// order 0 4 2 6 1 5 3 7, so that their partials fold as they arrive ((Q0 + Q4) + (Q2 + Q6)) + ((Q1 + Q5) +
+// (Q3 + Q7)), three of them parked per thread in shared memory.
 //
 // The weights stay in their stored layout: every lane pass copies whole chunks of the block's rows
 // (cp.async) and decodes its lane's weights (FP8: one 16-byte load gives two, MXFP4 four, BF16 one 2-byte
@@ -34,12 +34,11 @@ namespace {
 // spends 4 shared loads, ~1 decoded weight (BN 64; half with BN 128) and a fraction of a copy.
 //
 // Shared memory: ST stages of [raw rows BM x S chunks] + [X^T S x 8 x XS f32]; two decoded W^T buffers
-// S x 8 x WS; the parked partials [3][8][threads]. A warp's 32 rows' 16-byte decode loads must fall on
+// S x 8 x WS; the parked partials [3][TN][threads] (3 x 4096 floats). A warp's 32 rows' 16-byte decode loads must fall on
 // distinct banks, and a half warp's 4 chains x 2 tiles x 16 bytes of W^T or X^T must cover the 32 banks
 // once (a thread's rows and tokens are two groups of four, half a tile apart): dense launches pad (raw rows
 // an odd number of 16-byte pieces, XS = BN + 8, WS = BM + 8), expert items swizzle (ln_swz, ln_piece),
 // which leaves them room for slabs of 8.
-constexpr int kLnThreads = 512;
 // Tokens a thread (TN, its tile 8 rows x TN): 8, 512 threads a block and at most 128 registers a thread; 16,
 // 256 threads and up to 255 (every thread's 128 accumulators and the operands of its next chunk, its decode's
 // and copies' addresses kept rather than recomputed). A block holds 4096 outputs either way.
@@ -411,7 +410,9 @@ __global__ void __launch_bounds__(ln_threads(TN), 1) k_linear_lanes(LinArgs a) {
     // loads, conversions and stores wait beside the FMAs instead of after them. Dense FP8 launches only: those
     // went 36.3 -> 35.0 ms a 2048-token prefill, while the FP8 expert kernel, whose two tasks a slab pushed it
     // past the 128 registers (56 bytes of stack), went 52.8 -> 55.1 (docs/perf.md, "Session 34"); MXFP4's
-    // and BF16's kernels spilled more with it (ptxas), unmeasured, so they keep the two blocks.
+    // and BF16's kernels spilled more with it (ptxas), unmeasured, so they keep the two blocks. With 16 tokens
+    // a thread (up to 255 registers, no stack) every kernel whose slab's tasks spread over its chunks takes it
+    // (JOIN): with the four-piece FP8 expert tasks, that kernel went 52.9 -> 51.1 ms ("Session 41").
     auto compute_decode = [&](int stage, int wbuf, int dl, int dstage, const float (&sc)[NT][2]) {
         const float* W = Wt + wbuf * (S * 8 * WS) + g * WS + (4 * rg ^ ln_swz<EXPERT>(g));
         const float* X = x_row(stage, 4 * tg);
