@@ -40,8 +40,8 @@ namespace {
 // an odd number of 16-byte pieces, XS = BN + 8, WS = BM + 8), expert items swizzle (ln_swz, ln_piece),
 // which leaves them room for slabs of 8.
 // Tokens a thread (TN, its tile 8 rows x TN): 8, 512 threads a block and at most 128 registers a thread; 16,
-// 256 threads and up to 255 (every thread's 128 accumulators and the operands of its next chunk, its decode's
-// and copies' addresses kept rather than recomputed). A block holds 4096 outputs either way.
+// 256 threads and up to 255 (room for the 128 accumulators and the joined decode block without a spill; the
+// compiler still recomputes the decode's addresses per task). A block holds 4096 outputs either way.
 constexpr int ln_threads(int TN) { return 4096 / TN; }
 // Chunks per slab: 8 for FP8 rows at 128 tokens and for FP8 and MXFP4 expert items, else 4. A slab's
 // cursor, copy and barrier logic costs the same whatever its length (ncu, q|k|v FP8 at 128 tokens: 286
@@ -245,8 +245,8 @@ __global__ void __launch_bounds__(ln_threads(TN), 1) k_linear_lanes(LinArgs a) {
         for (int n = 0; n < NXP; ++n)
             if (xu + n * UPN < nc) cp_async16_s(buf + xdst + 4 * n * UPN * 8 * XS, xs + n * UPN * 8 * ldx);
     };
-    // this thread's decode tasks n = tid + n NTH (the same in every slab): row di, pieces 2 dk and
-    // 2 dk + 1 of chunk du + n UT (the row, the pieces and so the scales' offset the same for every n: base
+    // this thread's decode tasks n = tid + n NTH (the same in every slab): row di, pieces PT dk .. PT dk +
+    // PT - 1 of chunk du + n UT (the row, the pieces and so the scales' offset the same for every n: base
     // and step again); the scales' offset 32-bit (lanes_applies)
     constexpr int UT = NTH / (BM * TPC);
     static_assert(NTH % (BM * TPC) == 0 && (!EXPERT || (UT * (CB / 16)) % 8 == 0),
@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(ln_threads(TN), 1) k_linear_lanes(LinArgs a) {
         }
     };
     // [row i][token j] of chain g: rows 4rg + i (i < 4), BM/2 + 4rg + i - 4; tokens 4tg + j (j < 4), BN/2 + 4tg
-    // + j - 4 (TN 8), or four groups of four a quarter of BN apart (TN 16: lane_chunk16)
+    // + j - 4 (TN 8), or four groups of four a quarter of BN apart (TN 16: lane_chunk_n)
     float acc[8][TN];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
