@@ -706,7 +706,7 @@ def test_gemm_expert_items_and_heads_equal_the_cpu_engine(tmp_path):
     these widths the lane-pass kernel's blocks would not fill half the SMs, and 200 tokens would leave its
     second 128-token tile mostly empty: weights.cu, lanes_chosen; its dense engine path at real widths:
     tests/test_long_context.py's 8K slice prefill), and beside them lane items (the engine's rule: an
-    expert's whole 64s of pairs and a remainder of at least lanes_items=48 take items of 64 through the
+    expert's whole 64s of pairs and a remainder of at least lanes_items=32 take items of 64 through the
     lane-pass kernel, x re-laid per item), with lanes_items=1 every pair in lane items (no item of
     16 left), 64 only the whole 64s (the shared expert's 200 pairs: three, its remainder in items of 16),
     0 none; with expert_tile=64 every item holds 64 pairs through the lane-pass kernel (the engine's rule
@@ -781,7 +781,7 @@ def test_engine_options(tmp_path, monkeypatch):
     path = str(tmp_path / "w128-fp8")
     make_checkpoint("tiny", "fp8", path, hidden_size=128)
     from fast.cuda import _ENV_OPTIONS
-    defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0, "lanes_items": 48,
+    defaults = {"pdl": True, "tune": True, "stream_early": False, "hc_fuse": True, "expert_tile": 0, "lanes_items": 32,
                 "items16": 13, "pinned_logits": True, "gemm": True, "lanes": True, "idx_tiled": True, "attn_tiled": True,
                 "head_bound": True, "pairs": True, "lanes_tn": 0}
     assert sorted(name for name, _ in _ENV_OPTIONS.values()) == sorted(defaults)   # (an A/B variable each)

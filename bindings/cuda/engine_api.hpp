@@ -54,7 +54,7 @@ struct EngineOptions {
     bool stream_early = false;  // streaming linear kernel, dense: first weights requested before the PDL wait
     bool hc_fuse = true;        // hc_expand deferred into the next site's k_hc_mix where nothing observes it
     int expert_tile = 0;        // pairs per routed-expert work item for batches: 1, 4, 8, 16 or 64; 0 the engine's rule
-    int lanes_items = 48;       // where experts take items of 16: a remainder of at least this many pairs (0-64) is
+    int lanes_items = 32;       // where experts take items of 16: a remainder of at least this many pairs (0-64) is
                                 // one more lane-pass item of 64 beside each expert's whole 64s (weights.cuh,
                                 // big_item_pairs); 0: items of 16 only
     int items16 = 13;           // where experts take register-tiled items of 8: a remainder of at least this many

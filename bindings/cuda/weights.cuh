@@ -165,8 +165,9 @@ constexpr int kLanesItem = 64;
 //   * lane items (option lanes_items, big = kLanesItem) beside items of 16 through the register-tiled kernel,
 //     where the experts take items of 16. An item costs its slots whatever it holds, and per slot the
 //     lane-pass kernel is the faster (each decoded weight serves 64 pairs, not 16; H200, bench_gemm at 2048
-//     tokens: 6 %), so a nearly empty item of 64 is what is kept out (a remainder of 48 costs about what
-//     three items of 16 cost; 32 and 64 were slower end to end: docs/perf.md, "Session 28").
+//     tokens: 6 %), so a nearly empty item of 64 is what is kept out: a remainder of 32 or more takes one.
+//     (48 until session 41, when 32 and 64 were slower end to end, docs/perf.md "Session 28"; with the
+//     16-token lane-pass kernel 32 measured faster: prefill 2048 +0.8 %, 8192 +0.2 %, "Session 41".)
 //   * items of 16 (option items16, big = 16) beside items of 8, both through the register-tiled kernel,
 //     where the experts take items of 8 (fewer than 16 pairs an expert on average: a 512-token prefill of
 //     the real model's 288 experts holds ~14) and those go to the register-tiled kernel, not the few-pair
