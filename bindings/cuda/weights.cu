@@ -396,7 +396,7 @@ void launch_lanes_bn(const LinArgs& a, dim3 grid) {
 // Tokens a thread of the lane-pass kernel (EngineOptions::lanes_tn; 0: this rule): 16 (256 threads a block,
 // up to 255 registers a thread) for FP8 and MXFP4 expert items and dense launches of two token tiles or more,
 // else 8 (512 threads, 128 registers). Measured (docs/perf.md, "Session 41"): with 16, the FP8 expert items of a
-// 2048-token prefill 52.9 -> 51.1 ms and its dense FP8 launches 35.0 -> 34.6 (prefill 2048 +1.6 %), MXFP4
+// 2048-token prefill 52.9 -> 51.1 ms and its dense FP8 launches 35.0 -> 34.6 (prefill 2048 +1.9 %), MXFP4
 // q|k|v at 2048 tokens 32 -> 39 % of the FFMA peak; but BF16 launches 1.81 -> 2.04 ms and b128 (one tile of
 // 128 tokens: half the warps an SM to hide its copies) ~1 % slower.
 int lanes_tn_for(int fmt, bool expert, int64_t T, int bn) {
@@ -411,8 +411,9 @@ void launch_lanes(const LinArgs& a, dim3 grid) {
     if constexpr (FMT == W_BF16 || FMT == W_FP8 || FMT == W_MXFP4) {
         with_dec<FMT, true>(several_token_dec<FMT>(a), [&](auto dec) {
             constexpr int DEC = decltype(dec)::value;
-            const bool wide = lanes_tn_for(FMT, EXPERT, a.T, lanes_bn(a, EXPERT)) == 16;
-            if (lanes_bn(a, EXPERT) == 128) {
+            const int bn = lanes_bn(a, EXPERT);
+            const bool wide = lanes_tn_for(FMT, EXPERT, a.T, bn) == 16;
+            if (bn == 128) {
                 if (wide) launch_lanes_bn<FMT, false, DEC, 128, 16>(a, grid);
                 else launch_lanes_bn<FMT, false, DEC, 128, 8>(a, grid);
             } else {
