@@ -181,8 +181,11 @@ __global__ void __launch_bounds__(ln_threads(TN), 1) k_linear_lanes(LinArgs a) {
     static_assert(XPIECES % NTH == 0 && BM % 32 == 0, "whole copy rounds; 32-row decode warps");
     static_assert(EXPERT || ((RW / 16) % 2 == 1 && (WS / 4) % 8 == 2 && (XS / 4) % 8 == 2), "bank spreads");
     static_assert(!EXPERT || (BN == kLanesItem && BM == 64 && PPR >= 8 && RW % 128 == 0), "expert items: the swizzles' shapes");
-    static_assert(ln_smem_bytes<FMT, BN, EXPERT>() + BM * 8 <= 227 * 1024, "shared memory");
+    static_assert(ln_smem_bytes<FMT, BN, EXPERT>() + BM * 8 + (EXPERT ? BN * 4 : 4) <= 227 * 1024, "shared memory");
+    static_assert(!EXPERT || 2 * (ln_smem_bytes<FMT, BN, EXPERT>() + BM * 8) > 228 * 1024,
+                  "one block an SM: launch_lanes_bn's resident grid of expert units");
     __shared__ const unsigned char* rowp[BM];
+    __shared__ int prow[EXPERT ? BN : 1];  // expert items: the unit's pairs' output rows (pairs[start + t])
     float* const Wt = reinterpret_cast<float*>(sm + ST * SB);  // [2][S][8][WS]
     float* const park = Wt + 2 * S * 8 * WS;                   // [3][8][threads]
     const int64_t C = a.C;
@@ -190,7 +193,8 @@ __global__ void __launch_bounds__(ln_threads(TN), 1) k_linear_lanes(LinArgs a) {
     const int tid = static_cast<int>(threadIdx.x);
     const LaneSeat seat = lane_seat(tid, BM / 16);  // (BM / 16 warps across the rows)
     const int g = seat.g, rg = seat.rg, tg = seat.tg;
-    const int row_base = static_cast<int>(blockIdx.x) * BM;
+    // the block's first row (expert items: its unit's, set per unit below)
+    int row_base = EXPERT ? 0 : static_cast<int>(blockIdx.x) * BM;
     const int64_t rb = row_bytes(FMT, C);
     auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
         return weight_row(a, r < a.R ? r : a.R - 1);
@@ -213,7 +217,7 @@ __global__ void __launch_bounds__(ln_threads(TN), 1) k_linear_lanes(LinArgs a) {
     // thread's first row's address; others read each row's address from rowp (rows past R: the last row's).
     // (A row address loaded from shared memory cost each copy a load and three issue slots before it; the
     // first row's address kept in registers instead made the FP8 expert kernel spill.)
-    const bool whole = row_base + BM <= a.R;
+    bool whole = row_base + BM <= a.R;
     int start = 0, cnt = 0;  // the item's first token (pair slot) and how many
     const float* xb = a.X;   // x of the block's tokens (dense: Xp; experts: the item's Xi)
     const int64_t ldx = EXPERT ? BN : a.ldx;
@@ -272,7 +276,7 @@ __global__ void __launch_bounds__(ln_threads(TN), 1) k_linear_lanes(LinArgs a) {
         const int64_t ar = abs_row(row_base + dr);
         return static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) + q : 0));
     };
-    const int dsc0 = scale_at(dr0, PT * dk), dsc1 = scale_at(dr1, PT * dk + 1);  // (FP8: one, the rows in one 128-row block)
+    int dsc0 = scale_at(dr0, PT * dk), dsc1 = scale_at(dr1, PT * dk + 1);  // (FP8: one, the rows in one 128-row block)
     auto dvalid = [&](int n) { return TASKS % NTH == 0 || tid + n * NTH < TASKS; };
     // the decode tasks' multipliers for slab s (chunks past the last: 0, never used). FP8 scales are per
     // 128 columns, two chunks: slabs and UT even, so task n's is UT / 2 n past the slab's first
@@ -443,7 +447,7 @@ __global__ void __launch_bounds__(ln_threads(TN), 1) k_linear_lanes(LinArgs a) {
             for (int j = 0; j < TN / 2; ++j) {
                 const int t = TN == 8 ? lane_col(g, tg, BN / 2, j) : lane_col16(g, tg, BN / 2, j);
                 if (t < cnt) {
-                    const int64_t yrow = EXPERT ? a.pairs[start + t] : static_cast<int64_t>(start) + t;
+                    const int64_t yrow = EXPERT ? prow[t] : static_cast<int64_t>(start) + t;
                     const float y = Q[TN / 2 * i + j];
                     Y[yrow * a.ldy + r] = a.round ? bf16r(y) : y;
                 }
@@ -480,17 +484,32 @@ __global__ void __launch_bounds__(ln_threads(TN), 1) k_linear_lanes(LinArgs a) {
         st = st + 1 == ST ? 0 : st + 1;
     };
     float sc[NT][2];
-    // the launch's items (experts: a.item0 + blockIdx.y, then every gridDim.y-th, of a.item_count)
+    // Expert items: the launch's units (item a.item0 + i of a.item_count, row block b: unit i rbs + b), unit
+    // blockIdx.x, then every gridDim.x-th, by blocks that all stay resident (launch_lanes_bn: one an SM over the
+    // launch's z halves). Every unit costs the same (an item's slots are computed whether filled or not), so
+    // the blocks finish within a unit of each other: with a block per row block and item stride instead, ~8
+    // waves of blocks walking 17-18 items each, the last wave left part of the SMs idle for a whole block.
     const int n_items = EXPERT ? (*a.n_items - a.item0 < a.item_count ? *a.n_items - a.item0 : a.item_count) : 1;
-    for (int item = EXPERT ? static_cast<int>(blockIdx.y) : 0; item < n_items;
-         item += EXPERT ? static_cast<int>(gridDim.y) : 1) {
+    const int rbs = EXPERT ? static_cast<int>((a.R + BM - 1) / BM) : 1;
+    for (int unit = EXPERT ? static_cast<int>(blockIdx.x) : 0; unit < n_items * rbs;
+         unit += EXPERT ? static_cast<int>(gridDim.x) : 1) {
+        const int item = EXPERT ? unit / rbs : 0;
+        if constexpr (EXPERT) {
+            row_base = (unit - item * rbs) * BM;
+            whole = row_base + BM <= a.R;
+            dsc0 = scale_at(dr0, PT * dk);
+            dsc1 = scale_at(dr1, PT * dk + 1);
+        }
         const BlockWork bw = block_work<EXPERT>(a, a.item0 + item, static_cast<int>(blockIdx.y), BN);
         const void* data = bw.data;
         scale = bw.scale;
         start = bw.start;
         cnt = bw.cnt;
         xb = EXPERT ? a.X + static_cast<int64_t>(item) * BN * C : a.X + start;
-        __syncthreads();  // the previous item is done with rowp and every buffer
+        // the unit's output rows, loaded here and stored once the first slab has arrived (the load's latency
+        // under the copies'), not one dependent load per output in the last pass's stores
+        const int pr = EXPERT && tid < cnt ? a.pairs[start + tid] : 0;
+        __syncthreads();  // the previous item is done with rowp, prow and every buffer
         if (tid < BM) rowp[tid] = static_cast<const unsigned char*>(data) + abs_row(row_base + tid) * rb;
         __syncthreads();
         int is = 0, ip = 0, ist = 0;
@@ -501,6 +520,7 @@ __global__ void __launch_bounds__(ln_threads(TN), 1) k_linear_lanes(LinArgs a) {
             issue_next(is, ip, ixo, ist);
         }
         load_scales(0, sc);
+        if (EXPERT && tid < BN) prow[tid] = pr;  // (read after the loop's barriers)
         cp_async_wait<ST - 2>();
         __syncthreads();
         decode(0, 0, 0, 0, sc);

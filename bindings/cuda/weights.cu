@@ -371,8 +371,11 @@ void launch_lanes_bn(const LinArgs& a, dim3 grid) {
             GLM_LAUNCH(kx, dim3(static_cast<unsigned>(n), static_cast<unsigned>(nch)), 256, 0, b, nch, xi);
             check_launch("items_lanes");
             b.X = xi;
-            grid.y = static_cast<unsigned>(n);  // (item_grid_y: at most ~8 waves, the blocks walking the items)
-            GLM_LAUNCH(k, dim3(grid.x, item_grid_y(grid, 8), grid.z), threads, smem, b);
+            // the units (an item's row blocks) walked by one resident block an SM, shared by the z halves
+            // (gate|up: two), none idle: at most a block a unit (k_linear_lanes)
+            const int64_t units = static_cast<int64_t>(grid.x) * n;
+            const int64_t per_z = std::max<int64_t>(1, sm_count() / static_cast<int64_t>(grid.z));
+            GLM_LAUNCH(k, dim3(static_cast<unsigned>(std::min(units, per_z)), 1, grid.z), threads, smem, b);
         }
         return;
     }
