@@ -140,6 +140,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     static_assert(BM * BN == kGmThreads, "the fold: one output per thread");
     static_assert(BM >= 32, "a warp's decode tasks are 32 rows of one column group");
     static_assert(gm_smem_bytes<FMT, TG>() <= 227 * 1024, "shared memory");
+    static_assert(!EXPERT || 2 * gm_smem_bytes<FMT, TG>() > 228 * 1024, "one block an SM: launch_gemm_tg's resident grid of expert units");
     __shared__ const unsigned char* rowp[BM];
     __shared__ const float* xrow[BN];
     float* const Wt = reinterpret_cast<float*>(sm + ST * SBYTES);  // [2][S * 64][WS]
@@ -165,7 +166,8 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             load_n<RT>(wp, wv);
         }
     };
-    const int row_base = static_cast<int>(blockIdx.x) * BM;
+    // the block's first row (expert items: its unit's, set_item)
+    int row_base = EXPERT ? 0 : static_cast<int>(blockIdx.x) * BM;
     const int64_t rb = row_bytes(FMT, C);
     auto abs_row = [&](int r) {  // rows past R read the last row (computed, never stored)
         return weight_row(a, r < a.R ? r : a.R - 1);
@@ -175,21 +177,34 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     // one group, so that its transposed stores fill consecutive words. Their scales' offsets (32-bit:
     // gemm_applies).
     int dscale[NT];
+    auto set_scales = [&] {
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const int gi = tid + n * kGmThreads;
-        const int64_t ar = abs_row(row_base + gi % BM);
-        dscale[n] = static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) : 0));
-    }
-    const int n_items = EXPERT ? *a.n_items : 1;
-    const int stride = EXPERT ? static_cast<int>(gridDim.y) : 1;
-    int item = EXPERT ? static_cast<int>(blockIdx.y) : 0;
-    if (item >= n_items) return;
-    // the item in hand (block_work); set_item also stages its rows' and tokens' addresses
+        for (int n = 0; n < NT; ++n) {
+            const int gi = tid + n * kGmThreads;
+            const int64_t ar = abs_row(row_base + gi % BM);
+            dscale[n] = static_cast<int>(FMT == W_FP8 ? (ar / 128) * ((C + 127) / 128) : (FMT == W_MXFP4 ? ar * (C / 32) : 0));
+        }
+    };
+    set_scales();
+    // Expert items: units (item i, row block b: unit i rbs + b), unit blockIdx.x, then every gridDim.x-th, by
+    // blocks that all stay resident (launch_gemm_tg: one an SM over the z halves), as the lane-pass kernel's
+    // expert units: the blocks finish within a unit of each other, not a wave of blocks walking ~20 items.
+    const int rbs = EXPERT ? static_cast<int>((a.R + BM - 1) / BM) : 1;
+    const int n_units = EXPERT ? *a.n_items * rbs : 1;
+    const int stride = EXPERT ? static_cast<int>(gridDim.x) : 1;
+    int unit = EXPERT ? static_cast<int>(blockIdx.x) : 0;
+    if (unit >= n_units) return;
+    // the unit in hand (block_work); set_item also stages its rows' and tokens' addresses and, for expert
+    // units, sets the unit's rows and their decode tasks' scale offsets
     const void* data = nullptr;
     const void* scale = nullptr;
     int start = 0, cnt = 0;
-    auto set_item = [&](int it) {
+    auto set_item = [&](int u) {
+        const int it = EXPERT ? u / rbs : u;
+        if constexpr (EXPERT) {  // (every decode of the previous unit is done: its fold follows begin_item)
+            row_base = (u - it * rbs) * BM;
+            set_scales();
+        }
         const BlockWork bw = block_work<EXPERT>(a, it, static_cast<int>(blockIdx.y), BN);
         data = bw.data, scale = bw.scale, start = bw.start, cnt = bw.cnt;
         // (the previous item's copies are issued and, where the fold shares their memory, its fold read)
@@ -370,7 +385,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
     };
     // The items. With kOverlap the next item's first slabs are on their way while this one folds
     // (its fold buffer lies past the stages); else they follow the fold, which reuses the stages.
-    begin_item(item);
+    begin_item(unit);
     for (;;) {
         load_scales(0, sc, false);
         cp_async_wait<ST - 2>();
@@ -389,11 +404,11 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
         // 2-6 %, bench_gemm on the H200 at 256-512 tokens.)
         if constexpr (EXPERT && TG == 2) with_slots8(cnt, slabs);
         else slabs(std::integral_constant<int, TT>{});
-        const int fstart = start, fcnt = cnt;  // the item folded
-        const int next = item + stride;
+        const int fstart = start, fcnt = cnt, frow = row_base;  // the unit folded
+        const int next = unit + stride;
         if constexpr (kOverlap) {
-            // (every copy of this item has landed: each slab was waited for before its decode)
-            if (next < n_items) begin_item(next);
+            // (every copy of this unit has landed: each slab was waited for before its decode)
+            if (next < n_units) begin_item(next);
         } else {
             cp_async_wait<0>();
         }
@@ -408,7 +423,7 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
                 *reinterpret_cast<float4*>(d) = make_float4(acc[i][j], acc[i + 1][j], acc[i + 2][j], acc[i + 3][j]);
             }
         __syncthreads();
-        const int o = tid, slot = o / BM, r = row_base + o % BM;
+        const int o = tid, slot = o / BM, r = frow + o % BM;
         const float y = fold64(red + o, BM * BN);
         if (r < a.R && slot < fcnt) {
             float* const Y = EXPERT && blockIdx.z != 0 ? a.Y2 : a.Y;
@@ -417,10 +432,10 @@ __global__ void __launch_bounds__(kGmThreads, 1) k_linear_gemm(LinArgs a) {
             else yrow = static_cast<int64_t>(fstart) + slot;
             Y[yrow * a.ldy + r] = a.round ? bf16r(y) : y;
         }
-        item = next;
-        if (item >= n_items) break;
+        unit = next;
+        if (unit >= n_units) break;
         if constexpr (!kOverlap) {
-            begin_item(item);  // (set_item's first barrier: every thread has read the fold)
+            begin_item(unit);  // (set_item's first barrier: every thread has read the fold)
         }
     }
 }

@@ -216,8 +216,10 @@ void launch_gemm_tg(const LinArgs& a, dim3 grid) {
     constexpr size_t smem = static_cast<size_t>(gm_smem_bytes<FMT, TG>());
     allow_smem(k, smem);
     grid.x = static_cast<unsigned>((a.R + gm_rows<TG>() - 1) / gm_rows<TG>());
-    if (EXPERT) {
-        grid.y = item_grid_y(grid, 8);
+    if (EXPERT) {  // the units (an item's row blocks) walked by one resident block an SM over the z halves
+        const int64_t units = static_cast<int64_t>(grid.x) * grid.y;
+        grid.x = static_cast<unsigned>(std::min(units, std::max<int64_t>(1, sm_count() / static_cast<int64_t>(grid.z))));
+        grid.y = 1;
     } else {
         const int64_t ty = (static_cast<int64_t>(a.T) + gm_tokens<TG>() - 1) / gm_tokens<TG>();
         if (ty > 65535) throw std::invalid_argument("linear: at most 65535 token tiles per launch");
