@@ -165,6 +165,11 @@ unsigned item_grid_y(const dim3& grid, int per_sm_waves) {
     const int64_t per = static_cast<int64_t>(per_sm_waves) * sm_count() / (static_cast<int64_t>(grid.x) * grid.z);
     return static_cast<unsigned>(std::min<int64_t>(grid.y, std::max<int64_t>(1, per)));
 }
+// Blocks a z half of an expert launch whose blocks walk units (an item's row block each; the lane-pass and
+// register-tiled kernels, one block an SM): all resident at once over the z halves, at most one a unit.
+unsigned unit_grid_x(int64_t units, unsigned z) {
+    return static_cast<unsigned>(std::min(units, std::max<int64_t>(1, sm_count() / static_cast<int64_t>(z))));
+}
 
 template <int FMT, bool EXPERT, int TT, int DEC>
 void launch_mt_dec(const LinArgs& a, dim3 grid) {
@@ -216,9 +221,8 @@ void launch_gemm_tg(const LinArgs& a, dim3 grid) {
     constexpr size_t smem = static_cast<size_t>(gm_smem_bytes<FMT, TG>());
     allow_smem(k, smem);
     grid.x = static_cast<unsigned>((a.R + gm_rows<TG>() - 1) / gm_rows<TG>());
-    if (EXPERT) {  // the units (an item's row blocks) walked by one resident block an SM over the z halves
-        const int64_t units = static_cast<int64_t>(grid.x) * grid.y;
-        grid.x = static_cast<unsigned>(std::min(units, std::max<int64_t>(1, sm_count() / static_cast<int64_t>(grid.z))));
+    if (EXPERT) {  // (grid.y: the launch's bound on its items)
+        grid.x = unit_grid_x(static_cast<int64_t>(grid.x) * grid.y, grid.z);
         grid.y = 1;
     } else {
         const int64_t ty = (static_cast<int64_t>(a.T) + gm_tokens<TG>() - 1) / gm_tokens<TG>();
@@ -373,11 +377,7 @@ void launch_lanes_bn(const LinArgs& a, dim3 grid) {
             GLM_LAUNCH(kx, dim3(static_cast<unsigned>(n), static_cast<unsigned>(nch)), 256, 0, b, nch, xi);
             check_launch("items_lanes");
             b.X = xi;
-            // the units (an item's row blocks) walked by one resident block an SM, shared by the z halves
-            // (gate|up: two), none idle: at most a block a unit (k_linear_lanes)
-            const int64_t units = static_cast<int64_t>(grid.x) * n;
-            const int64_t per_z = std::max<int64_t>(1, sm_count() / static_cast<int64_t>(grid.z));
-            GLM_LAUNCH(k, dim3(static_cast<unsigned>(std::min(units, per_z)), 1, grid.z), threads, smem, b);
+            GLM_LAUNCH(k, dim3(unit_grid_x(static_cast<int64_t>(grid.x) * n, grid.z), 1, grid.z), threads, smem, b);
         }
         return;
     }
