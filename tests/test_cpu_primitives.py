@@ -542,6 +542,31 @@ def test_linear_special_values(kernels):
                          _per_token_cdots(core.decode_mxfp4_weight(p, e), Xm))
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_linear_mxfp4_every_scale_and_code(kernels):
+    # every (E8M0 scale, E2M1 code) pair through the rows' table of scaled magnitudes (formats.hpp e2m1_scaled_row):
+    # scale 0 gives subnormal products, 253-254 products past the largest finite (inf), 0xFF NaN. Row 16 e + q holds
+    # code q at column 5 under scale e, code 0 elsewhere; every token is 1 at column 5, so a row's output is its one
+    # product (the others +0 * 0) and the want is NumPy's f32 product of the two decoded values, not the engine's
+    rng = np.random.default_rng(75)
+    e = np.repeat(np.arange(256), 16).astype(np.uint8)
+    q = np.tile(np.arange(16), 256).astype(np.uint8)
+    p = np.zeros((4096, 16), np.uint8)
+    p[:, 2] = q << 4  # column 5: byte 2's high nibble
+    mags = np.array([0, .5, 1, 1.5, 2, 3, 4, 6] * 2, F32) * np.where(np.arange(16) < 8, 1, -1).astype(F32)
+    scale = np.array([2.0 ** (k - 127) if k < 255 else np.nan for k in range(256)], np.float64).astype(F32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        Wd = np.zeros((4096, 32), F32)
+        Wd[:, 5] = mags[q] * scale[e]
+        Wd[e == 255] = np.nan  # 0 * NaN
+    X = np.zeros((31, 32), F32)
+    X[:, 5] = 1.0
+    X[:, 9] = float(rng.uniform(1, 2))  # (a code-0 column: +0 * x)
+    for T in (1, 2, 3, 6, 7, 8, 18, 31):
+        assert_same_bits(core.linear("mxfp4", p, e.reshape(4096, 1), X[:T].copy(), kernels=_kernels(kernels)),
+                         _per_token_cdots(Wd, X[:T]))
+
+
 @pytest.mark.parametrize("release,C", [("bf16", 72), ("f32", 72), ("fp8", 1056), ("mxfp4", 1056)])
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_linear_token_groups(release, C, kernels):

@@ -44,7 +44,33 @@ constexpr std::array<float, 256> make_e8m0() {
     return t;
 }
 
+// bits of fl32(m 2^(e-127)) for E2M1 magnitude code q (0-7), as the f32 multiply rounds it: m = f 2^k with f 1 or
+// 1.5, so the product f 2^x (x = e - 127 + k >= -128) is normal, subnormal (exact: a multiple of 2^-149) or past
+// the largest finite (inf); a NaN scale propagates (x86: the NaN operand, 0x7FC00000)
+constexpr uint32_t e2m1_times_e8m0_bits(int q, int e) {
+    if (e == 255) return 0x7FC00000u;
+    if (q == 0) return 0u;
+    constexpr int k[8] = {0, -1, 0, 0, 1, 1, 2, 2};  // 0.5 = 2^-1, 1, 1.5, 2, 3 = 1.5 2^1, 4, 6 = 1.5 2^2
+    const bool f15 = q == 3 || q == 5 || q == 7;
+    const int x = e - 127 + k[q];
+    if (x > 127) return 0x7F800000u;
+    if (x >= -126) return static_cast<uint32_t>(x + 127) << 23 | (f15 ? 0x400000u : 0u);
+    return (f15 ? 3u : 2u) << (x + 148);  // f 2^(x + 149) units of 2^-149
+}
+
+constexpr E2M1Scaled make_e2m1_scaled() {
+    E2M1Scaled t{};
+    for (int e = 0; e < 256; ++e)
+        for (int q = 0; q < 8; ++q) {
+            t.bits[e][q] = e2m1_times_e8m0_bits(q, e);
+            t.bits[e][q + 8] = t.bits[e][q] | 0x80000000u;
+        }
+    return t;
+}
+
 }  // namespace
+
+const E2M1Scaled kE2M1Scaled = make_e2m1_scaled();
 
 const std::array<float, 256> kE4M3 = make_e4m3();
 const std::array<float, 16> kE2M1 = make_e2m1();

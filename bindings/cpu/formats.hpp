@@ -63,11 +63,21 @@ void bf16_bits_array(const float* x, uint16_t* out, size_t n);
 extern const std::array<float, 256> kE4M3;  // fn: bias 7, no inf, S.1111.111 = NaN, max 448
 extern const std::array<float, 16> kE2M1;    // ±{0, .5, 1, 1.5, 2, 3, 4, 6}; code bit 3 is the sign
 extern const std::array<float, 256> kE8M0;   // 2^(e-127); e = 0 -> 2^-127 (0x00400000); 0xFF -> NaN
+// Row e (16 floats, 64-byte aligned): the bits fl32(m * kE8M0[e]) of the eight E2M1 magnitudes m (codes 0-7), then
+// the same with the sign bit set (codes 8-15), as an f32 multiply and the sign OR'd on after it give them: each
+// product is exact or overflows to inf, a NaN scale gives 0x7FC00000 (0xFFC00000 with the sign). A row's decode
+// picks from it (no multiply a group). Made by integer arithmetic, so it does not depend on the FP environment
+// at load time.
+struct E2M1Scaled {
+    alignas(64) uint32_t bits[256][16];
+};
+extern const E2M1Scaled kE2M1Scaled;
 
 inline namespace GLM_CPU_ISA {
 inline float decode_e4m3(uint8_t q) { return kE4M3[q]; }
 inline float decode_e2m1(uint8_t q) { return kE2M1[q & 15u]; }
 inline float decode_e8m0(uint8_t e) { return kE8M0[e]; }
+inline const float* e2m1_scaled_row(uint8_t e) { return reinterpret_cast<const float*>(kE2M1Scaled.bits[e]); }
 
 // Eight E4M3 codes (bytes 0..7 of b) -> their values times 2^-8, exactly, with the sign.
 // Sign-extending each byte to 16 bits, shifting left by 7 and clearing bit 14 gives the FP16 bits

@@ -94,9 +94,10 @@ struct Fp8Row {
     }
 };
 
-// MXFP4: the eight E2M1 magnitudes times the group's E8M0 scale form a table (once per 32 columns;
-// fl32(m * s) per entry is exactly the product the definition rounds), the nibbles pick from it by
-// permutation, and the sign is applied after (the scale is never negative).
+// MXFP4: the eight E2M1 magnitudes times the group's E8M0 scale form a table (e2m1_scaled_row, made once for every
+// scale code: fl32(m * s) per entry, exactly the product the definition rounds), the nibbles pick from it by
+// permutation, and the sign is applied after (the scale is never negative). Multiplying the table per group, as
+// before session 43, cost a multiply, a broadcast and (AVX-512) the signed half's OR and join a group.
 struct Mxfp4Row {
     const uint8_t* p;   // this row's packed bytes
     const uint8_t* sc;  // this row's E8M0 scales, one per 32 columns
@@ -109,23 +110,20 @@ struct Mxfp4Row {
         // lane l gets bits 4l..4l+3: column i+l (even l: low nibble of byte l/2; odd: high nibble)
         const __m256i nib =
             _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(v)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-        const __m256 table = _mm256_mul_ps(e2m1_magnitudes(), _mm256_set1_ps(kE8M0[sc[base / 32 + g / 4]]));
-        return decode_e2m1_8(nib, table);
+        return decode_e2m1_8(nib, _mm256_load_ps(e2m1_scaled_row(sc[base / 32 + g / 4])));
     }
     // C % 32 == 0 and groups of eight never straddle it, so there is never a partial group.
     __m256 load_partial(size_t base, size_t g, size_t) const { return load8(base, g); }
 #ifdef GLM_CPU_ZMM
-    // sixteen nibbles (one scale: g even) through a table of the eight magnitudes times the scale and, above them,
-    // the same values with the sign bit set: the bits decode_e2m1_8 gives (its sign OR'd in after the product)
+    // sixteen nibbles (one scale: g even) through the scale's row of e2m1_scaled_row: the eight magnitudes times the
+    // scale and, above them, the same with the sign bit set: the bits decode_e2m1_8 gives (its sign OR'd on after)
     __m512 load16z(size_t base, size_t g) const {
         const size_t i = base + 8 * g;
         // (the 8 bytes' first dword to lanes 0-7, the second to 8-15, each lane shifted to its nibble)
         const __m512i bytes = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i / 2)));
         const __m512i wide = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), bytes);
         const __m512i nib = _mm512_srlv_epi32(wide, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
-        const __m256 mags = _mm256_mul_ps(e2m1_magnitudes(), _mm256_set1_ps(kE8M0[sc[base / 32 + g / 4]]));
-        const __m256 neg = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mags), _mm256_set1_epi32(static_cast<int>(0x80000000u))));
-        return _mm512_permutexvar_ps(nib, detail::join_halves(mags, neg));  // (the low 4 bits of each lane)
+        return _mm512_permutexvar_ps(nib, _mm512_load_ps(e2m1_scaled_row(sc[base / 32 + g / 4])));  // (the low 4 bits of each lane)
     }
 #endif
 };
@@ -292,10 +290,22 @@ void rows_through_half(size_t nr, size_t C, const float* X, size_t ldx, size_t T
                                   2 * ld, /*from_memory=*/false);
     }
 }
-// Rows longer than rows_any's f32 pre-decode takes, against `blocks` token blocks or more (FP8 3, MXFP4 2:
-// where the turning began to pay once the turned rows' passes no longer asked for lines ahead; docs/perf.md,
+// Rows longer than rows_any's f32 pre-decode takes, against `blocks` token blocks or more (FP8 3; MXFP4 2 until
+// session 43, below: where the turning began to pay once the turned rows' passes no longer asked for lines ahead; docs/perf.md,
 // "Session 36").
 bool takes_half(size_t T, size_t C, size_t blocks) { return detail::token_blocks(T) >= blocks && C > 1024; }
+// MXFP4 rows decode in two table picks a group since session 43 (e2m1_scaled_row: no multiply). The AVX-512 build's
+// passes over the packed rows then beat both rows turned into FP16 bits (16384 x 4096, one thread, Zen 4: 63 -> 73 %
+// of the FMA peak at 64-128 tokens, 50 -> 68 % at 8) and rows of <= 1024 decoded into f32 first (8192 x 1024: 58 ->
+// 67 % at 18 tokens, 68 % either way at 64), so it takes neither; the AVX2 build's passes beat the turned rows up to
+// ~32 tokens (54 % either way at 32, the turned 56 against 54 at 64), not the f32 rows (docs/perf.md, "Session 43").
+#ifdef GLM_CPU_ZMM
+constexpr size_t kMxfp4HalfBlocks = SIZE_MAX;
+constexpr bool kMxfp4Predecode = false;
+#else
+constexpr size_t kMxfp4HalfBlocks = 6;
+constexpr bool kMxfp4Predecode = true;
+#endif
 
 // Y[t * ldy + i] = cdot(row(i), X[t]) for i < nr, t < T (see rows_bf16). With `predecode` (formats
 // whose decode costs more than an f32 load: FP8, MXFP4), rows of at most 1024 and 18 tokens or more, rows are
@@ -409,7 +419,7 @@ void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0
     if (r1 <= r0) return;
     const uint8_t* p = packed + r0 * (C / 2);
     const uint8_t* s = scale + r0 * (C / 32);
-    if (takes_half(T, C, 2) && std::memchr(s, 0xFF, (r1 - r0) * (C / 32)) == nullptr) {
+    if (takes_half(T, C, kMxfp4HalfBlocks) && std::memchr(s, 0xFF, (r1 - r0) * (C / 32)) == nullptr) {
         const size_t ns = C / 32;
         thread_local std::vector<float> sf;  // the turned rows' scales as f32
         if (sf.size() < kHalfRows * ns) sf.resize(kHalfRows * ns);
@@ -425,7 +435,7 @@ void rows_mxfp4(const uint8_t* packed, const uint8_t* scale, size_t C, size_t r0
         return;
     }
     rows_any([&](size_t i) { return Mxfp4Row{p + i * (C / 2), s + i * (C / 32)}; }, r1 - r0, X, ldx, T, C, Y, ldy,
-             round, C / 2 + C / 32, true);
+             round, C / 2 + C / 32, kMxfp4Predecode);
 }
 
 namespace {
