@@ -44,7 +44,7 @@ double cdot64(const double* a, const double* b, size_t n) {
     return P[0][0];
 }
 
-const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most, size_t width) {
+const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most, size_t width, bool pair_lanes) {
     const size_t nb = detail::token_blocks(T, most), nch = (n + 63) / 64, G = 64 / width;
     struct alignas(64) Group {  // (aligned: the passes' x loads never split a line)
         float v[16];
@@ -67,6 +67,14 @@ const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_
                     } else {
                         std::memset(d, 0, width * sizeof(float));
                         if (k) std::memcpy(d, x + i, k * sizeof(float));
+                    }
+                    if (pair_lanes) {  // lane 2q: element q, lane 2q + 1: element 8 + q
+                        float v[16];
+                        std::memcpy(v, d, sizeof v);
+                        for (size_t q = 0; q < 8; ++q) {
+                            d[2 * q] = v[q];
+                            d[2 * q + 1] = v[8 + q];
+                        }
                     }
                 }
         }

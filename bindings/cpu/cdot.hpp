@@ -36,8 +36,11 @@ float csum(const float* x, size_t n);  // = cdot(x, ones)
 // detail::most_tokens' choice; cdot_multi_packed must be given the same.) One definition for every instruction set
 // (isa.hpp): it only moves floats.
 // With `width` 16 (the AVX-512 build's passes, detail::kGroupFloats) groups g and g + 1 (g even) of a token lie side
-// by side instead: pair j of chunk c of token t at ((4c + j) nt + t) 16.
-const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most, size_t width = 8);
+// by side instead: pair j of chunk c of token t at ((4c + j) nt + t) 16; with `pair_lanes` (rows whose registers hold
+// the pair's chains interleaved, detail::pair_lanes) each pair's sixteen floats are interleaved the same way, element
+// q of group g at 2q and of group g + 1 at 2q + 1.
+const float* packed_tokens(const float* X, size_t ldx, size_t T, size_t n, size_t most, size_t width = 8,
+                           bool pair_lanes = false);
 
 inline namespace GLM_CPU_ISA {
 namespace detail {
@@ -147,6 +150,25 @@ inline __m512 in_reg(__m512 v) {
     asm("" : "+v"(v));
     return v;
 }
+// A Row may say `static constexpr bool kPairLanes = true`: its load16z gives groups g and g + 1 interleaved, lane 2q
+// holding element q of group g (chain P[g][q]) and lane 2q + 1 element q of group g + 1 (P[g + 1][q]), which its
+// decode reaches by a shift within each 64-bit lane where the natural order needs a permute across the register (the
+// AVX-512 build's MXFP4 rows: 17.9 against 15 MAC/ns at one token on Zen 4, 56-58 against 48-50 % of the FMA peak
+// at two; docs/perf.md, "Session 43"). Every lane still takes its own chain's elements in the canonical order, so
+// only where the chains sit changes: the x it multiplies is interleaved the same way (packed_tokens' pair_lanes)
+// and the accumulators are put back in the natural order (pair_lanes_natural) before the fold. Such rows have n % 16
+// == 0 (MXFP4: C % 32 == 0, checked at load), so their registers are always whole.
+template <class Row, class = void>
+struct pair_lanes : std::false_type {};
+template <class Row>
+struct pair_lanes<Row, std::void_t<decltype(Row::kPairLanes)>> : std::bool_constant<Row::kPairLanes> {};
+inline __m512 pair_lanes_natural(__m512 v) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), v);
+}
+#endif
+#ifndef GLM_CPU_ZMM
+template <class Row>
+struct pair_lanes : std::false_type {};
 #endif
 
 // The vectors a pass works in: Lanes8, one group of eight chains a register (the AVX2 build), or Lanes16, groups g and
@@ -194,7 +216,8 @@ struct Lanes16 {
 };
 
 // cdot_kernel with two groups a 512-bit register (one token: the rows of a decode step, an expert's one token):
-// acc[j] holds P[2j][0..7] and P[2j + 1][0..7]; the same chains in the same order, then the same fold.
+// acc[j] holds P[2j][0..7] and P[2j + 1][0..7] (interleaved for pair-lane rows, whose x must then be too: packed_tokens
+// of the one token with pair_lanes); the same chains in the same order, then the same fold.
 template <class Row>
 __attribute__((always_inline)) inline float cdot_kernel_z(const Row& row, const float* x, size_t n) {
     using L = Lanes16;
@@ -213,14 +236,17 @@ __attribute__((always_inline)) inline float cdot_kernel_z(const Row& row, const 
         if (16 * j + 16 <= rem) {
             acc[j] = L::fma(L::row(row, base, 2 * j), _mm512_loadu_ps(x + base + 16 * j), acc[j]);
         } else if (16 * j < rem) {  // (x past n is not read: a masked load)
-            const size_t k = rem - 16 * j;
-            const __m512 xv = _mm512_maskz_loadu_ps(__mmask16((1u << k) - 1), x + base + 16 * j);
-            acc[j] = L::fma_live(L::row_part(row, base, 2 * j, k), xv, acc[j], k);
+            if constexpr (!pair_lanes<Row>::value) {  // (pair-lane rows: whole registers only)
+                const size_t k = rem - 16 * j;
+                const __m512 xv = _mm512_maskz_loadu_ps(__mmask16((1u << k) - 1), x + base + 16 * j);
+                acc[j] = L::fma_live(L::row_part(row, base, 2 * j, k), xv, acc[j], k);
+            }
         }
     }
     alignas(64) __m256 P[8];
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) L::store(reinterpret_cast<float*>(P + 2 * j), acc[j]);
+    for (int j = 0; j < 4; ++j)
+        L::store(reinterpret_cast<float*>(P + 2 * j), pair_lanes<Row>::value ? pair_lanes_natural(acc[j]) : acc[j]);
     return fold8(P);
 }
 using PassLanes = Lanes16;
@@ -270,14 +296,15 @@ inline void cdot_block_pass(const Row* rows, const float* Xp, size_t n, size_t c
         if (8 * g < rem) {
             const size_t k = rem - 8 * g;  // live columns of the register's groups
             V w[RB];
+            const bool whole = k >= W || pair_lanes<Row>::value;  // (pair-lane rows: whole registers only)
 #pragma GCC unroll 8
-            for (int i = 0; i < RB; ++i) w[i] = k >= W ? L::row(rows[i], base, g) : L::row_part(rows[i], base, g, k);
+            for (int i = 0; i < RB; ++i) w[i] = whole ? L::row(rows[i], base, g) : L::row_part(rows[i], base, g, k);
 #pragma GCC unroll 8
             for (int t = 0; t < NT; ++t) {
                 const V x = L::load(xc + W * t);  // (zero past n: packed_tokens)
 #pragma GCC unroll 8
                 for (int i = 0; i < RB; ++i)
-                    acc[i][t] = k >= W ? L::fma(w[i], x, acc[i][t]) : L::fma_live(w[i], x, acc[i][t], k);
+                    acc[i][t] = whole ? L::fma(w[i], x, acc[i][t]) : L::fma_live(w[i], x, acc[i][t], k);
             }
         }
     }
@@ -381,6 +408,13 @@ inline void cdot_multi_rows(const MakeRow& row, size_t nr, const float* Xp, size
         }
         for (size_t i = 0; i < sb; ++i)
             for (int t = 0; t < NT; ++t) {
+#ifdef GLM_CPU_ZMM
+                if constexpr (pair_lanes<Row>::value)
+                    for (size_t g = 0; g < 8; g += 2) {
+                        float* const q = reinterpret_cast<float*>(P + i * PS + t * 8 + g);
+                        _mm512_store_ps(q, pair_lanes_natural(_mm512_load_ps(q)));
+                    }
+#endif
                 const float v = fold8(P + i * PS + t * 8);
                 Y[t * ldy + r0 + i] = round ? bf16_round(v) : v;
             }
@@ -449,7 +483,8 @@ template <class MakeRow>
 inline void cdot_multi(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t T, size_t n, float* Y,
                        size_t ldy, bool round, size_t row_bytes) {
     const size_t most = most_tokens(T, nr * row_bytes);
-    cdot_multi_packed(row, nr, packed_tokens(X, ldx, T, n, most, kGroupFloats), T, n, Y, ldy, round, row_bytes, true, most);
+    const float* const Xp = packed_tokens(X, ldx, T, n, most, kGroupFloats, pair_lanes<decltype(row(size_t{0}))>::value);
+    cdot_multi_packed(row, nr, Xp, T, n, Y, ldy, round, row_bytes, true, most);
 }
 
 struct F32Row {

@@ -115,14 +115,16 @@ struct Mxfp4Row {
     // C % 32 == 0 and groups of eight never straddle it, so there is never a partial group.
     __m256 load_partial(size_t base, size_t g, size_t) const { return load8(base, g); }
 #ifdef GLM_CPU_ZMM
+    static constexpr bool kPairLanes = true;  // (load16z's order: cdot.hpp pair_lanes)
     // sixteen nibbles (one scale: g even) through the scale's row of e2m1_scaled_row: the eight magnitudes times the
     // scale and, above them, the same with the sign bit set: the bits decode_e2m1_8 gives (its sign OR'd on after)
     __m512 load16z(size_t base, size_t g) const {
         const size_t i = base + 8 * g;
-        // (the 8 bytes' first dword to lanes 0-7, the second to 8-15, each lane shifted to its nibble)
-        const __m512i bytes = _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i / 2)));
-        const __m512i wide = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), bytes);
-        const __m512i nib = _mm512_srlv_epi32(wide, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
+        // (the 8 bytes in every 64-bit lane, lane q shifted right by 4q: dword 2q's low nibble is column q, dword
+        // 2q + 1's column 8 + q, the pair-lane order)
+        uint64_t b8;
+        std::memcpy(&b8, p + i / 2, 8);
+        const __m512i nib = _mm512_srlv_epi64(_mm512_set1_epi64(static_cast<long long>(b8)), _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28));
         return _mm512_permutexvar_ps(nib, _mm512_load_ps(e2m1_scaled_row(sc[base / 32 + g / 4])));  // (the low 4 bits of each lane)
     }
 #endif
@@ -316,6 +318,10 @@ void rows_any(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t 
               bool round, size_t row_bytes, bool predecode = false) {
     if (nr == 0 || T == 0) return;
     if (T == 1) {
+#ifdef GLM_CPU_ZMM
+        using Row = decltype(row(size_t{0}));
+        if constexpr (detail::pair_lanes<Row>::value) X = packed_tokens(X, ldx, 1, C, 1, 16, true);  // (x interleaved once)
+#endif
         for (size_t i = 0; i < nr; ++i) {
 #ifdef GLM_CPU_ZMM
             const float v = detail::cdot_kernel_z(row(i), X, C);
