@@ -153,8 +153,8 @@ inline __m512 in_reg(__m512 v) {
 // A Row may say `static constexpr bool kPairLanes = true`: its load16z gives groups g and g + 1 interleaved, lane 2q
 // holding element q of group g (chain P[g][q]) and lane 2q + 1 element q of group g + 1 (P[g + 1][q]), which its
 // decode reaches by a shift within each 64-bit lane where the natural order needs a permute across the register (the
-// AVX-512 build's MXFP4 rows: 17.9 against 15 MAC/ns at one token on Zen 4, 56-58 against 48-50 % of the FMA peak
-// at two; docs/perf.md, "Session 43"). Every lane still takes its own chain's elements in the canonical order, so
+// AVX-512 build's MXFP4 rows, 16384 x 4096 on Zen 4: one token 21.1-21.8 against 15.0-15.4 MAC/ns, two 54-56
+// against 49-50 % of the FMA peak, four 73-75 against 69-71; docs/perf.md, "Session 43"). Every lane still takes its own chain's elements in the canonical order, so
 // only where the chains sit changes: the x it multiplies is interleaved the same way (packed_tokens' pair_lanes)
 // and the accumulators are put back in the natural order (pair_lanes_natural) before the fold. Such rows have n % 16
 // == 0 (MXFP4: C % 32 == 0, checked at load), so their registers are always whole.
