@@ -578,7 +578,7 @@ def test_linear_token_groups(release, C, kernels):
     assert_same_bits(got, _per_token_cdots(Wd, X))
 
 
-@pytest.mark.parametrize("C", [200, 1088])  # 1088: rows turned into FP16 bits from 13 tokens (matvec.cpp Fp8HalfRow)
+@pytest.mark.parametrize("C", [200, 1088])  # 1088: the AVX2 build turns rows into FP16 bits from 13 tokens (Fp8HalfRow)
 @pytest.mark.parametrize("scale", [2.0 ** 121, 2.0 ** 127 * 1.5, np.inf, np.nan, 2.0 ** -149, 0.0, -3.0])
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_linear_fp8_extreme_scales(scale, C, kernels):

@@ -292,21 +292,24 @@ void rows_through_half(size_t nr, size_t C, const float* X, size_t ldx, size_t T
                                   2 * ld, /*from_memory=*/false);
     }
 }
-// Rows longer than rows_any's f32 pre-decode takes, against `blocks` token blocks or more (FP8 3; MXFP4 2 until
-// session 43, below: where the turning began to pay once the turned rows' passes no longer asked for lines ahead; docs/perf.md,
-// "Session 36").
+// Rows longer than rows_any's f32 pre-decode takes, against `blocks` token blocks or more (FP8 3, MXFP4 2 until
+// session 43: where the turning began to pay once the turned rows' passes no longer asked for lines ahead; docs/perf.md,
+// "Session 36"; since session 43 the AVX2 build's only, below).
 bool takes_half(size_t T, size_t C, size_t blocks) { return detail::token_blocks(T) >= blocks && C > 1024; }
 // MXFP4 rows decode in two table picks a group since session 43 (e2m1_scaled_row: no multiply). The AVX-512 build's
 // passes over the packed rows then beat both rows turned into FP16 bits (16384 x 4096, one thread, Zen 4: 63 -> 73 %
 // of the FMA peak at 64-128 tokens, 50 -> 68 % at 8) and rows of <= 1024 decoded into f32 first (8192 x 1024: 58 ->
 // 67 % at 18 tokens, 68 % either way at 64), so it takes neither; the AVX2 build's passes beat the turned rows up to
 // ~32 tokens (54 % either way at 32, the turned 56 against 54 at 64), not the f32 rows (docs/perf.md, "Session 43").
+// FP8 likewise: the AVX-512 build's passes over the codes (five operations a group of sixteen) beat its turned rows
+// (16384 x 4096, 13-128 tokens: 51-64 -> 63-66 % of the FMA peak) and its f32 pre-decode (8192 x 1024, 18-64
+// tokens: 48-60 -> 62-63 %); the AVX2 build keeps both (docs/perf.md, "Session 43").
 #ifdef GLM_CPU_ZMM
-constexpr size_t kMxfp4HalfBlocks = SIZE_MAX;
-constexpr bool kMxfp4Predecode = false;
+constexpr size_t kMxfp4HalfBlocks = SIZE_MAX, kFp8HalfBlocks = SIZE_MAX;
+constexpr bool kMxfp4Predecode = false, kFp8Predecode = false;
 #else
-constexpr size_t kMxfp4HalfBlocks = 6;
-constexpr bool kMxfp4Predecode = true;
+constexpr size_t kMxfp4HalfBlocks = 6, kFp8HalfBlocks = 3;
+constexpr bool kMxfp4Predecode = true, kFp8Predecode = true;
 #endif
 
 // Y[t * ldy + i] = cdot(row(i), X[t]) for i < nr, t < T (see rows_bf16). With `predecode` (formats
@@ -393,7 +396,7 @@ void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, siz
     }
     const float* S = fold ? folded.data() : scale_inv + b0 * sc;
     const uint8_t* p = q + r0 * C;
-    if (nan_free && takes_half(T, C, 3)) {
+    if (nan_free && takes_half(T, C, kFp8HalfBlocks)) {
         // kHalfRows rows at a time turned into FP16 bits (two bytes a weight, as BF16 rows), then every token block over
         // them (8192 x 4096, one thread: 64 tokens 47-50 -> 53 % of the FMA peak, 128 46-51 -> 55-56 %; docs/perf.md,
         // "Session 35"; from 13 tokens since session 36: at 7-12 the turning costs what two blocks' decodes save)
@@ -412,7 +415,7 @@ void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, siz
     auto run = [&](auto tag) {
         using Row = decltype(tag);
         rows_any([&](size_t i) { return Row{p + i * C, S + ((r0 + i) / 128 - b0) * sc}; }, r1 - r0, X, ldx, T, C, Y,
-                 ldy, round, C, true);
+                 ldy, round, C, kFp8Predecode);
     };
     if (nan_free)
         fold ? run(Fp8ScaleRow<true, false>{}) : run(Fp8ScaleRow<false, false>{});
