@@ -340,18 +340,19 @@ template <class Row>
 struct plain_loads<Row, std::void_t<decltype(Row::kPlainLoads)>> : std::bool_constant<Row::kPlainLoads> {};
 
 // Rows per register block for NT tokens: RB * NT accumulators, RB weight groups and one x in registers. AVX2 has 16
-// vector registers; AVX-512's 32 (isa.hpp) hold three rows at 7-8 tokens (28 registers) and, for rows that decode
-// (FP8, MXFP4, and their rows turned into FP16 bits), four at 4-6 (up to 29): each x load then serves three or four
-// rows, not one or two. Rows 16384 x 4096, one thread, Zen 4, % of the FMA peak, AVX2 -> AVX-512 (256-bit passes):
+// vector registers; AVX-512's 32 (isa.hpp) hold three rows at 7-8 tokens (28 registers) and four at 5-6 (up to 29),
+// and at 4 for rows that decode (FP8, MXFP4, and their rows turned into FP16 bits): each x load then serves three or
+// four rows, not one or two. Rows 16384 x 4096, one thread, Zen 4, % of the FMA peak, AVX2 -> AVX-512 (256-bit passes):
 // FP8 +1-4 points at 2-64 tokens, MXFP4 +4-8 at 4-6 and +1-4 elsewhere, BF16 +7 at 7 and +3 at 8; BF16 rows lost at
 // 4-5 tokens with four rows a block (53 -> 38 at 4), so they keep two (docs/perf.md, "Session 39"). With the 512-bit
 // passes three rows at 7-8 tokens against two: BF16 at 8 tokens 58-59 -> 64-65 %, the others within the spread
-// (docs/perf.md, "Session 40").
+// (docs/perf.md, "Session 40"); four BF16 rows at 5-6 tokens against two: 6 tokens 54-57 -> 62-65 %, 5 50-54 -> 55-62;
+// at 4 (bound by memory) 52-56 -> 50-54, so they keep two there (docs/perf.md, "Session 43").
 template <int NT, class Row>
 constexpr int block_rows() {
 #ifdef GLM_CPU_ZMM
     if constexpr (NT >= 7) return 3;
-    if constexpr (NT >= 4 && !plain_loads<Row>::value) return 4;
+    if constexpr (NT >= 5 || (NT == 4 && !plain_loads<Row>::value)) return 4;
 #endif
     return NT == 1 ? 8 : NT == 2 ? 4 : NT == 3 ? 3 : NT <= 6 ? 2 : 1;
 }
