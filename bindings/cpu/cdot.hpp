@@ -152,12 +152,13 @@ inline __m512 in_reg(__m512 v) {
 }
 // A Row may say `static constexpr bool kPairLanes = true`: its load16z gives groups g and g + 1 interleaved, lane 2q
 // holding element q of group g (chain P[g][q]) and lane 2q + 1 element q of group g + 1 (P[g + 1][q]), which its
-// decode reaches by a shift within each 64-bit lane where the natural order needs a permute across the register (the
-// AVX-512 build's MXFP4 rows, 16384 x 4096 on Zen 4: one token 21.1-21.8 against 15.0-15.4 MAC/ns, two 54-56
-// against 49-50 % of the FMA peak, four 73-75 against 69-71; docs/perf.md, "Session 43"). Every lane still takes its own chain's elements in the canonical order, so
-// only where the chains sit changes: the x it multiplies is interleaved the same way (packed_tokens' pair_lanes)
-// and the accumulators are put back in the natural order (pair_lanes_natural) before the fold. Such rows have n % 16
-// == 0 (MXFP4: C % 32 == 0, checked at load), so their registers are always whole.
+// decode reaches by a shift within each 64-bit lane where the natural order needs a permute across the register
+// (the AVX-512 build's MXFP4 rows, 16384 x 4096 on Zen 4: one token 21.1-21.8 against 15.0-15.4 MAC/ns, two 54-56
+// against 49-50 % of the FMA peak, four 73-75 against 69-71; docs/perf.md, "Session 43"). Every lane still takes
+// its own chain's elements in the canonical order, so only where the chains sit changes: the x it multiplies is
+// interleaved the same way (packed_tokens' pair_lanes) and the accumulators are put back in the natural order
+// (pair_lanes_natural) before the fold. Such rows have n % 16 == 0 (MXFP4: C % 32 == 0, checked at load), so their
+// registers are always whole.
 template <class Row, class = void>
 struct pair_lanes : std::false_type {};
 template <class Row>
@@ -216,8 +217,8 @@ struct Lanes16 {
 };
 
 // cdot_kernel with two groups a 512-bit register (one token: the rows of a decode step, an expert's one token):
-// acc[j] holds P[2j][0..7] and P[2j + 1][0..7] (interleaved for pair-lane rows, whose x must then be too: packed_tokens
-// of the one token with pair_lanes); the same chains in the same order, then the same fold.
+// acc[j] holds P[2j][0..7] and P[2j + 1][0..7] (interleaved for pair-lane rows, whose x must then be too:
+// packed_tokens of the one token with pair_lanes); the same chains in the same order, then the same fold.
 template <class Row>
 __attribute__((always_inline)) inline float cdot_kernel_z(const Row& row, const float* x, size_t n) {
     using L = Lanes16;
@@ -246,7 +247,8 @@ __attribute__((always_inline)) inline float cdot_kernel_z(const Row& row, const 
     alignas(64) __m256 P[8];
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j)
-        L::store(reinterpret_cast<float*>(P + 2 * j), pair_lanes<Row>::value ? pair_lanes_natural(acc[j]) : acc[j]);
+        L::store(reinterpret_cast<float*>(P + 2 * j),
+                 pair_lanes<Row>::value ? pair_lanes_natural(acc[j]) : acc[j]);
     return fold8(P);
 }
 using PassLanes = Lanes16;
@@ -484,7 +486,8 @@ template <class MakeRow>
 inline void cdot_multi(const MakeRow& row, size_t nr, const float* X, size_t ldx, size_t T, size_t n, float* Y,
                        size_t ldy, bool round, size_t row_bytes) {
     const size_t most = most_tokens(T, nr * row_bytes);
-    const float* const Xp = packed_tokens(X, ldx, T, n, most, kGroupFloats, pair_lanes<decltype(row(size_t{0}))>::value);
+    using Row = decltype(row(size_t{0}));
+    const float* const Xp = packed_tokens(X, ldx, T, n, most, kGroupFloats, pair_lanes<Row>::value);
     cdot_multi_packed(row, nr, Xp, T, n, Y, ldy, round, row_bytes, true, most);
 }
 

@@ -109,12 +109,10 @@ inline __m256 decode_e4m3_8(__m128i b) {
 bool has_e4m3_nan(const uint8_t* q, size_t n);
 
 inline namespace GLM_CPU_ISA {
-// Eight E2M1 codes (in each 32-bit lane) -> exact f32, by a permutation of the eight
-// magnitudes and the sign bit (code bit 3) moved to bit 31 (no gathers).
-// Only the low 4 bits of each lane are looked at. `mags` may be the magnitudes already multiplied by
-// a (non-negative) scale: fl32(-m * s) = -fl32(m * s), so the sign can be applied after.
-inline __m256 e2m1_magnitudes() { return _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f); }
-inline __m256 decode_e2m1_8(__m256i code, __m256 mags = e2m1_magnitudes()) {
+// Eight E2M1 codes (in each 32-bit lane) -> fl32(e2m1 * s), by a permutation of `mags`, the eight magnitudes
+// times the (non-negative) scale s (the first eight floats of e2m1_scaled_row), and the sign bit (code bit 3) moved
+// to bit 31 after: fl32(-m * s) = -fl32(m * s). Only the low 4 bits of each lane are looked at.
+inline __m256 decode_e2m1_8(__m256i code, __m256 mags) {
     const __m256 m = _mm256_permutevar8x32_ps(mags, code);  // uses the low 3 bits of each lane
     const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(code, 28), _mm256_set1_epi32(static_cast<int>(0x80000000u)));
     return _mm256_or_ps(m, _mm256_castsi256_ps(sign));

@@ -124,8 +124,10 @@ struct Mxfp4Row {
         // 2q + 1's column 8 + q, the pair-lane order)
         uint64_t b8;
         std::memcpy(&b8, p + i / 2, 8);
-        const __m512i nib = _mm512_srlv_epi64(_mm512_set1_epi64(static_cast<long long>(b8)), _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28));
-        return _mm512_permutexvar_ps(nib, _mm512_load_ps(e2m1_scaled_row(sc[base / 32 + g / 4])));  // (the low 4 bits of each lane)
+        const __m512i nib =
+            _mm512_srlv_epi64(_mm512_set1_epi64(static_cast<long long>(b8)), _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28));
+        // (vpermps looks at the low 4 bits of each lane)
+        return _mm512_permutexvar_ps(nib, _mm512_load_ps(e2m1_scaled_row(sc[base / 32 + g / 4])));
     }
 #endif
 };
@@ -293,17 +295,17 @@ void rows_through_half(size_t nr, size_t C, const float* X, size_t ldx, size_t T
     }
 }
 // Rows longer than rows_any's f32 pre-decode takes, against `blocks` token blocks or more (FP8 3, MXFP4 2 until
-// session 43: where the turning began to pay once the turned rows' passes no longer asked for lines ahead; docs/perf.md,
-// "Session 36"; since session 43 the AVX2 build's only, below).
+// session 43: where the turning began to pay once the turned rows' passes no longer asked for lines ahead;
+// docs/perf.md, "Session 36"; since session 43 the AVX2 build's only, below).
 bool takes_half(size_t T, size_t C, size_t blocks) { return detail::token_blocks(T) >= blocks && C > 1024; }
-// MXFP4 rows decode in two table picks a group since session 43 (e2m1_scaled_row: no multiply). The AVX-512 build's
-// passes over the packed rows then beat both rows turned into FP16 bits (16384 x 4096, one thread, Zen 4: 63 -> 73 %
-// of the FMA peak at 64-128 tokens, 50 -> 68 % at 8) and rows of <= 1024 decoded into f32 first (8192 x 1024: 58 ->
-// 67 % at 18 tokens, 68 % either way at 64), so it takes neither; the AVX2 build's passes beat the turned rows up to
-// ~32 tokens (54 % either way at 32, the turned 56 against 54 at 64), not the f32 rows (docs/perf.md, "Session 43").
-// FP8 likewise: the AVX-512 build's passes over the codes (five operations a group of sixteen) beat its turned rows
-// (16384 x 4096, 13-128 tokens: 51-64 -> 63-66 % of the FMA peak) and its f32 pre-decode (8192 x 1024, 18-64
-// tokens: 48-60 -> 62-63 %); the AVX2 build keeps both (docs/perf.md, "Session 43").
+// MXFP4 rows decode through their scale's row of products since session 43 (e2m1_scaled_row: no multiply). The
+// AVX-512 build's passes over the packed rows then beat both rows turned into FP16 bits (16384 x 4096, one thread,
+// Zen 4: 63 -> 73 % of the FMA peak at 64-128 tokens, 50 -> 68 % at 8) and rows of <= 1024 decoded into f32 first
+// (8192 x 1024: 58 -> 67 % at 18 tokens, 68 % either way at 64), so it takes neither; the AVX2 build's passes beat
+// the turned rows up to ~32 tokens (54 % either way at 32, the turned 56 against 54 at 64), not the f32 rows
+// (docs/perf.md, "Session 43"). FP8 likewise: the AVX-512 build's passes over the codes (five operations a group of
+// sixteen) beat its turned rows (16384 x 4096, 13-128 tokens: 50-63 -> 63-67 % of the FMA peak) and its f32
+// pre-decode (8192 x 1024, 18-24 tokens: 55-58 -> 62-64 %); the AVX2 build keeps both.
 #ifdef GLM_CPU_ZMM
 constexpr size_t kMxfp4HalfBlocks = SIZE_MAX, kFp8HalfBlocks = SIZE_MAX;
 constexpr bool kMxfp4Predecode = false, kFp8Predecode = false;

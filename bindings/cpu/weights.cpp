@@ -95,9 +95,9 @@ void Lin::decode_row(size_t r, float* out) const {
             const uint8_t* sc = static_cast<const uint8_t*>(scale) + a * (C / 32);
             const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
             for (size_t g = 0; g < C / 32; ++g) {  // C % 32 == 0
-                // fl32(m * s) for the eight magnitudes m of the group's scale s, picked by nibble; the
-                // sign after (fl32(-m s) = -fl32(m s)) -- the same values as fl32(e2m1 * s)
-                const __m256 table = _mm256_mul_ps(e2m1_magnitudes(), _mm256_set1_ps(decode_e8m0(sc[g])));
+                // fl32(m * s) for the eight magnitudes m of the group's scale s (e2m1_scaled_row), picked by
+                // nibble; the sign after (fl32(-m s) = -fl32(m s)) -- the same values as fl32(e2m1 * s)
+                const __m256 table = _mm256_load_ps(e2m1_scaled_row(sc[g]));
                 for (size_t k = 0; k < 4; ++k) {
                     const size_t c = 32 * g + 8 * k;
                     uint32_t v;
