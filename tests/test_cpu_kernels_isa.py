@@ -53,6 +53,38 @@ def test_the_choice_and_its_refusals():
             core.linear("bf16", W, None, X, kernels="avx512")
 
 
+_FP8_PATHS = '''
+import numpy as np, fast._core as core
+rng = np.random.default_rng(76)
+for C in (200, 1088):  # 200: the f32 pre-decode from 18 tokens; 1088: rows turned into FP16 bits from 13
+    R = 140
+    q = rng.integers(0, 256, (R, C), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x3C  # (turned rows: NaN-free tensors only)
+    s = (2.0 ** rng.integers(-12, -4, ((R + 127) // 128, (C + 127) // 128)) * rng.uniform(1, 2, ((R + 127) // 128, (C + 127) // 128))).astype(np.float32)
+    X = (rng.standard_normal((25, C)) * 0.5).astype(np.float32)
+    X[0, ::7] = -0.0
+    Wd = core.decode_fp8_weight(q, s)
+    want = np.array([[core.cdot(np.ascontiguousarray(Wd[r]), X[t]) for r in range(R)] for t in range(25)], np.float32)
+    for k in core.cpu_kernels()["available"]:
+        for T in (2, 6, 13, 18, 25):
+            got = core.linear("fp8", q, s, X[:T].copy(), nan_free=True, kernels=k)
+            assert np.array_equal(got.view(np.uint32), want[:T].view(np.uint32)), (C, k, T)
+print("ok")
+'''
+
+
+@pytest.mark.parametrize("direct", ["0", "1"])
+def test_fp8_turned_and_direct_paths(direct):
+    # matvec.cpp fp8_direct: which FP8 path a multi-token call takes depends on the CPU (the AVX-512 build turns rows
+    # into FP16 bits and pre-decodes short ones except on Zen 4); GLM_CPU_FP8_DIRECT forces either, so both are held
+    # to the cdots on any CPU
+    env = {k: v for k, v in os.environ.items() if k != "GLM_CPU_KERNELS"}
+    env["GLM_CPU_FP8_DIRECT"] = direct
+    out = subprocess.run([sys.executable, "-c", _FP8_PATHS], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_fma_peak_probe_of_each_build():
     # the FMA peak's probe runs each build's widest vectors (AVX-512: 16 lanes); bench_cpu takes the best as the peak
     from tools.bench_cpu import fma_peak

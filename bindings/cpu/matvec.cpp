@@ -303,16 +303,36 @@ bool takes_half(size_t T, size_t C, size_t blocks) { return detail::token_blocks
 // Zen 4: 63 -> 73 % of the FMA peak at 64-128 tokens, 50 -> 68 % at 8) and rows of <= 1024 decoded into f32 first
 // (8192 x 1024: 58 -> 67 % at 18 tokens, 68 % either way at 64), so it takes neither; the AVX2 build's passes beat
 // the turned rows up to ~32 tokens (54 % either way at 32, the turned 56 against 54 at 64), not the f32 rows
-// (docs/perf.md, "Session 43"). FP8 likewise: the AVX-512 build's passes over the codes (five operations a group of
-// sixteen) beat its turned rows (16384 x 4096, 13-128 tokens: 50-63 -> 63-67 % of the FMA peak) and its f32
-// pre-decode (8192 x 1024, 18-24 tokens: 55-58 -> 62-64 %); the AVX2 build keeps both.
+// (docs/perf.md, "Session 43"). (A group's decode is two operations on the vector ports, the turned rows' conversion
+// and multiply three, so this should hold where 512-bit multiply-adds are full width too: not yet measured there.)
 #ifdef GLM_CPU_ZMM
-constexpr size_t kMxfp4HalfBlocks = SIZE_MAX, kFp8HalfBlocks = SIZE_MAX;
-constexpr bool kMxfp4Predecode = false, kFp8Predecode = false;
+constexpr size_t kMxfp4HalfBlocks = SIZE_MAX;
+constexpr bool kMxfp4Predecode = false;
 #else
-constexpr size_t kMxfp4HalfBlocks = 6, kFp8HalfBlocks = 3;
-constexpr bool kMxfp4Predecode = true, kFp8Predecode = true;
+constexpr size_t kMxfp4HalfBlocks = 6;
+constexpr bool kMxfp4Predecode = true;
 #endif
+
+// FP8 rows take the passes over their codes at every token count (no turned rows, no f32 pre-decode) where that was
+// measured to pay: the AVX-512 build on Zen 4 (AMD family 19h, whose 512-bit operations run on 256-bit units, so a
+// group's five decode operations cost about what its multiply-adds do), 16384 x 4096 at 13-128 tokens 50-63 -> 63-67
+// % of the FMA peak, 8192 x 1024 at 18-24 tokens 55-58 -> 62-64 % (docs/perf.md, "Session 43"). Where 512-bit
+// multiply-adds are full width (Intel, Zen 5) the decode costs twice its share and the turned rows' three operations
+// a group are expected to keep paying, so the earlier rule stays there until measured. GLM_CPU_FP8_DIRECT=1 or 0 in
+// the environment, read once, picks either way (tests cover both paths on any CPU).
+bool fp8_direct() {
+#ifdef GLM_CPU_ZMM
+    static const bool direct = [] {
+        const char* e = std::getenv("GLM_CPU_FP8_DIRECT");
+        if (e != nullptr && (std::string(e) == "0" || std::string(e) == "1")) return std::string(e) == "1";
+        __builtin_cpu_init();
+        return __builtin_cpu_is("amdfam19h") != 0;
+    }();
+    return direct;
+#else
+    return false;
+#endif
+}
 
 // Y[t * ldy + i] = cdot(row(i), X[t]) for i < nr, t < T (see rows_bf16). With `predecode` (formats
 // whose decode costs more than an f32 load: FP8, MXFP4), rows of at most 1024 and 18 tokens or more, rows are
@@ -398,7 +418,8 @@ void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, siz
     }
     const float* S = fold ? folded.data() : scale_inv + b0 * sc;
     const uint8_t* p = q + r0 * C;
-    if (nan_free && takes_half(T, C, kFp8HalfBlocks)) {
+    const bool direct = fp8_direct();
+    if (nan_free && !direct && takes_half(T, C, 3)) {
         // kHalfRows rows at a time turned into FP16 bits (two bytes a weight, as BF16 rows), then every token block over
         // them (8192 x 4096, one thread: 64 tokens 47-50 -> 53 % of the FMA peak, 128 46-51 -> 55-56 %; docs/perf.md,
         // "Session 35"; from 13 tokens since session 36: at 7-12 the turning costs what two blocks' decodes save)
@@ -417,7 +438,7 @@ void rows_fp8(const uint8_t* q, const float* scale_inv, size_t C, size_t r0, siz
     auto run = [&](auto tag) {
         using Row = decltype(tag);
         rows_any([&](size_t i) { return Row{p + i * C, S + ((r0 + i) / 128 - b0) * sc}; }, r1 - r0, X, ldx, T, C, Y,
-                 ldy, round, C, kFp8Predecode);
+                 ldy, round, C, !direct);
     };
     if (nan_free)
         fold ? run(Fp8ScaleRow<true, false>{}) : run(Fp8ScaleRow<false, false>{});
