@@ -159,18 +159,15 @@ inline __m512 in_reg(__m512 v) {
 // interleaved the same way (packed_tokens' pair_lanes) and the accumulators are put back in the natural order
 // (pair_lanes_natural) before the fold. Such rows have n % 16 == 0 (MXFP4: C % 32 == 0, checked at load), so their
 // registers are always whole.
-template <class Row, class = void>
-struct pair_lanes : std::false_type {};
-template <class Row>
-struct pair_lanes<Row, std::void_t<decltype(Row::kPairLanes)>> : std::bool_constant<Row::kPairLanes> {};
 inline __m512 pair_lanes_natural(__m512 v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), v);
 }
 #endif
-#ifndef GLM_CPU_ZMM
-template <class Row>
+// (no Row of the AVX2 build says kPairLanes)
+template <class Row, class = void>
 struct pair_lanes : std::false_type {};
-#endif
+template <class Row>
+struct pair_lanes<Row, std::void_t<decltype(Row::kPairLanes)>> : std::bool_constant<Row::kPairLanes> {};
 
 // The vectors a pass works in: Lanes8, one group of eight chains a register (the AVX2 build), or Lanes16, groups g and
 // g + 1 (g even) side by side (the AVX-512 build): the register, its loads, a row's groups decoded into it, and the
