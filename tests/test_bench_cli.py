@@ -174,3 +174,15 @@ def test_bench_peer_cpu_names_its_peer_and_refuses_unknown_implementations(golde
     model, head = load_peer(str(golden_dir / "tiny-bf16"), "sdpa", "grouped_mm")
     assert model.config._attn_implementation == "sdpa" and model.config._experts_implementation == "grouped_mm"
     assert head.shape == (model.config.vocab_size, model.config.hidden_size)
+
+
+def test_bench_throughput_rows_say_what_the_peer_needs():
+    """A row's shares: the engine's of the step roofline, and the peer's (what the engine must reach to match it);
+    a failed peer leaves both of its figures empty and keeps its error."""
+    from tools.bench_throughput import table_row
+    r = table_row("prefill", 2048, 0.5, 0.25, 0.125, "FFMA")
+    assert (r["engine_tok_s"], r["peer_tok_s"], r["of_roofline"], r["peer_of_roofline"]) == (4096.0, 8192.0, 0.25, 0.5)
+    e = table_row("decode", 256, 0.5, "OutOfMemoryError: ...", 0.125, "HBM")
+    assert (e["peer_s"], e["peer_tok_s"], e["peer_of_roofline"], e["peer_error"]) == \
+        (None, None, None, "OutOfMemoryError: ...")
+    assert table_row("decode", 8, 0.5, None, 0.125, "HBM")["peer_error"] is None

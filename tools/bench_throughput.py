@@ -193,6 +193,18 @@ def bench_peer(cfg_dict: dict, batches, prefills, warm: int, reps: int) -> dict:
     return out
 
 
+def table_row(kind: str, n: int, engine_s: float, peer: float | str | None, roof: float, bound: str) -> dict:
+    """One shape's figures. `peer` is the peer's seconds, or its error, or None. `peer_of_roofline` is the
+    share of this step's roofline that the peer's time is: the engine must reach it to be as fast as the peer
+    (the roofline leaves attention's products out, so the true share is a little higher)."""
+    peer_s = peer if isinstance(peer, float) else None
+    return {"kind": kind, "n": n, "engine_s": engine_s, "engine_tok_s": n / engine_s, "roofline_s": roof,
+            "bound": bound, "of_roofline": roof / engine_s,
+            "peer_s": peer_s, "peer_tok_s": n / peer_s if peer_s else None,
+            "peer_of_roofline": roof / peer_s if peer_s else None,
+            "peer_error": peer if isinstance(peer, str) else None}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True)
@@ -231,20 +243,15 @@ def main(argv=None) -> int:
     rows = []
     for kind, shapes in (("decode", batches), ("prefill", prefills)):
         for n in shapes:
-            tokens = n
-            dt = eng[kind][n]
-            roof, bound = roofline_s(census, cfg, tokens, tokens if kind == "decode" else 1, bw, peak)
-            pdt = (peer or {}).get(kind, {}).get(n)
-            rows.append({"kind": kind, "n": n, "engine_s": dt, "engine_tok_s": tokens / dt, "roofline_s": roof,
-                         "bound": bound, "of_roofline": roof / dt,
-                         "peer_s": pdt if isinstance(pdt, float) else None,
-                         "peer_tok_s": tokens / pdt if isinstance(pdt, float) else None,
-                         "peer_error": pdt if isinstance(pdt, str) else None})
-    log(f"\n{'shape':>14} {'engine tok/s':>13} {'roofline':>9} {'% of it':>8} {'peer tok/s':>11} {'engine/peer':>12}")
+            roof, bound = roofline_s(census, cfg, n, n if kind == "decode" else 1, bw, peak)
+            rows.append(table_row(kind, n, eng[kind][n], (peer or {}).get(kind, {}).get(n), roof, bound))
+    log(f"\n{'shape':>14} {'engine tok/s':>13} {'roofline':>9} {'% of it':>8} {'peer tok/s':>11} {'engine/peer':>12} "
+        f"{'peer, % of roofline':>20}")
     for r in rows:
         name = f"decode b{r['n']}" if r["kind"] == "decode" else f"prefill {r['n']}"
-        peer_s = f"{r['peer_tok_s']:11.1f} {r['engine_tok_s'] / r['peer_tok_s']:11.2f}x" if r["peer_tok_s"] else \
-            f"{'failed' if r['peer_error'] else '-':>11} {'':>12}"
+        peer_s = f"{r['peer_tok_s']:11.1f} {r['engine_tok_s'] / r['peer_tok_s']:11.2f}x " \
+                 f"{100 * r['peer_of_roofline']:19.1f}%" if r["peer_tok_s"] else \
+            f"{'failed' if r['peer_error'] else '-':>11} {'':>12} {'':>20}"
         log(f"{name:>14} {r['engine_tok_s']:13.1f} {r['bound']:>9} {100 * r['of_roofline']:7.1f}% {peer_s}")
     if a.json:
         with open(a.json, "w") as f:
