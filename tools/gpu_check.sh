@@ -61,7 +61,8 @@ if [ "${CPU_ONLY:-0}" = "1" ]; then
   # with GLM_ENABLE_CUDA=OFF, the instruction-set tests and the linear kernels' tests, then tools/bench_cpu.py's
   # GEMMs by build (CPU_TOKENS, CPU_SHAPE, CPU_THREADS). CPU_BASE=FILE.tar (a `git archive` of another commit,
   # carried in): that tree is built too and the two benchmarks run by turns, CPU_ROUNDS rounds. CPU_WIDE=N: the
-  # GEMMs once more on N threads (CPU_WIDE_TOKENS).
+  # GEMMs once more on N threads (CPU_WIDE_TOKENS). CPU_AB="VAR=VALUE ...": the GEMMs again with each setting
+  # (e.g. GLM_CPU_FP8_DIRECT=1).
   phase "CPU only: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2); $(gcc --version | head -1)"
   grep -m1 flags /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|fma|avx512f|avx512vl|avx512bw|amx_bf16)$' | tr '\n' ' '; echo
   cpu_build() {  # $1 source tree, $2 build dir
@@ -90,6 +91,10 @@ if [ "${CPU_ONLY:-0}" = "1" ]; then
     phase "round $round: tools/bench_cpu.py $ARGS"
     PYTHONPATH=. python3 -c "from fast import _core; print('FMA peak, 1 thread, MAC/ns, by build:', {k: round(_core.engine_bench_fma(1, 5, kernels=k), 1) for k in _core.cpu_kernels()['available']})"
     PYTHONPATH=. python3 tools/bench_cpu.py $ARGS
+  done
+  for setting in ${CPU_AB:-}; do  # CPU_AB="VAR=VALUE ...": the final build's GEMMs again with each setting
+    phase "with $setting: tools/bench_cpu.py $ARGS"
+    env "$setting" PYTHONPATH=. python3 tools/bench_cpu.py $ARGS
   done
   if [ -n "${CPU_WIDE:-}" ]; then  # CPU_WIDE=THREADS: the final build on that many threads too
     phase "tools/bench_cpu.py --gemm --shape ${CPU_SHAPE:-16384x4096} --tokens ${CPU_WIDE_TOKENS:-8,64} --threads $CPU_WIDE --kernels avx2,avx512"
