@@ -42,9 +42,7 @@ using glm::pyglue::bad;  // one ValueError helper for both binding files (pyglue
 using glm::shape_str;  // (py::ssize_t is int64_t here)
 static_assert(std::is_same_v<py::ssize_t, int64_t>, "shapes are passed as int64_t vectors");
 
-std::vector<py::ssize_t> shape_of(const py::array& a) {
-    return std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim());
-}
+using glm::pyglue::shape_of;
 
 std::string dtype_str(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
 
@@ -130,7 +128,7 @@ void require_clean_mxcsr() {
 }
 
 template <class T>
-const T* ptr(const py::array& a) {
+const T* data_of(const py::array& a) {
     return static_cast<const T*>(a.data());
 }
 
@@ -162,7 +160,7 @@ py::object py_cdot(const py::object& ao, const py::object& bo) {
     float r;
     {
         py::gil_scoped_release nogil;
-        r = cdot(ptr<float>(a), ptr<float>(b), static_cast<size_t>(a.shape(0)));
+        r = cdot(data_of<float>(a), data_of<float>(b), static_cast<size_t>(a.shape(0)));
     }
     return f32_scalar(r);
 }
@@ -172,7 +170,7 @@ double py_cdot64(const py::object& ao, const py::object& bo) {
     expect_shape(b, "b", shape_of(a), [] { return "the shape of a"; });
     require_clean_mxcsr();
     py::gil_scoped_release nogil;
-    return cdot64(ptr<double>(a), ptr<double>(b), static_cast<size_t>(a.shape(0)));
+    return cdot64(data_of<double>(a), data_of<double>(b), static_cast<size_t>(a.shape(0)));
 }
 
 py::object py_csum(const py::object& xo) {
@@ -181,7 +179,7 @@ py::object py_csum(const py::object& xo) {
     float r;
     {
         py::gil_scoped_release nogil;
-        r = csum(ptr<float>(x), static_cast<size_t>(x.shape(0)));
+        r = csum(data_of<float>(x), static_cast<size_t>(x.shape(0)));
     }
     return f32_scalar(r);
 }
@@ -195,8 +193,8 @@ py::tuple py_argmax_logprob(const py::object& xo) {
     float lp;
     {
         py::gil_scoped_release nogil;
-        t = argmax(ptr<float>(x), n);
-        lp = argmax_logprob(ptr<float>(x), n, t);
+        t = argmax(data_of<float>(x), n);
+        lp = argmax_logprob(data_of<float>(x), n, t);
     }
     return py::make_tuple(t, f32_scalar(lp));
 }
@@ -208,7 +206,7 @@ py::array py_expf(const py::object& xo) {
     float* out = y.mutable_data();
     {
         py::gil_scoped_release nogil;
-        expf_array(ptr<float>(x), out, static_cast<size_t>(x.size()));
+        expf_array(data_of<float>(x), out, static_cast<size_t>(x.size()));
     }
     return std::move(y);
 }
@@ -233,7 +231,7 @@ py::array py_bf16_from_f32(const py::object& xo) {
     uint16_t* out = y.mutable_data();
     {
         py::gil_scoped_release nogil;
-        bf16_bits_array(ptr<float>(x), out, static_cast<size_t>(x.size()));
+        bf16_bits_array(data_of<float>(x), out, static_cast<size_t>(x.size()));
     }
     return std::move(y);
 }
@@ -243,7 +241,7 @@ py::array py_bf16_from_f64(const py::object& xo) {
     require_clean_mxcsr();  // the f64 -> f32 step must not flush f32 subnormals
     auto y = empty_like_shape<uint16_t>(x);
     uint16_t* out = y.mutable_data();
-    const double* in = ptr<double>(x);
+    const double* in = data_of<double>(x);
     const size_t n = static_cast<size_t>(x.size());
     {
         py::gil_scoped_release nogil;
@@ -256,7 +254,7 @@ template <size_t N>
 py::array decode_table(const py::object& co, const DType& d, const std::array<float, N>& table) {
     const py::array c = checked_arg(co, "codes", d, -1);
     auto y = empty_like_shape<float>(c);
-    const uint8_t* in = ptr<uint8_t>(c);
+    const uint8_t* in = data_of<uint8_t>(c);
     float* out = y.mutable_data();
     const size_t n = static_cast<size_t>(c.size());
     for (size_t i = 0; i < n; ++i)
@@ -280,7 +278,7 @@ py::array py_decode_fp8_weight(const py::object& qo, const py::object& so) {
     float* out = w.mutable_data();
     {
         py::gil_scoped_release nogil;
-        decode_fp8_weight(ptr<uint8_t>(q), ptr<float>(s), R, C, out);
+        decode_fp8_weight(data_of<uint8_t>(q), data_of<float>(s), R, C, out);
     }
     return std::move(w);
 }
@@ -304,7 +302,7 @@ py::array py_decode_mxfp4_weight(const py::object& po, const py::object& so) {
     float* out = w.mutable_data();
     {
         py::gil_scoped_release nogil;
-        decode_mxfp4_weight(ptr<uint8_t>(p), ptr<uint8_t>(s), R, C, out);
+        decode_mxfp4_weight(data_of<uint8_t>(p), data_of<uint8_t>(s), R, C, out);
     }
     return std::move(w);
 }
@@ -320,7 +318,7 @@ py::array py_matvec_bf16(const py::object& wo, const py::object& xo, const py::o
     float* out = y.mutable_data();
     {
         py::gil_scoped_release nogil;
-        matvec_bf16(ptr<uint16_t>(W), R, C, ptr<float>(x), out, threads);
+        matvec_bf16(data_of<uint16_t>(W), R, C, data_of<float>(x), out, threads);
     }
     return std::move(y);
 }
@@ -339,7 +337,7 @@ py::array py_matvec_fp8(const py::object& qo, const py::object& so, const py::ob
     float* out = y.mutable_data();
     {
         py::gil_scoped_release nogil;
-        matvec_fp8(ptr<uint8_t>(q), ptr<float>(s), R, C, ptr<float>(x), out, threads);
+        matvec_fp8(data_of<uint8_t>(q), data_of<float>(s), R, C, data_of<float>(x), out, threads);
     }
     return std::move(y);
 }
@@ -356,7 +354,7 @@ py::array py_matvec_mxfp4(const py::object& po, const py::object& so, const py::
     float* out = y.mutable_data();
     {
         py::gil_scoped_release nogil;
-        matvec_mxfp4(ptr<uint8_t>(p), ptr<uint8_t>(s), R, C, ptr<float>(x), out, threads);
+        matvec_mxfp4(data_of<uint8_t>(p), data_of<uint8_t>(s), R, C, data_of<float>(x), out, threads);
     }
     return std::move(y);
 }
@@ -412,7 +410,7 @@ LinArg lin_arg(const std::string& release, const py::object& dobj, const py::obj
     a.w.data = a.data.data();
     a.w.scale = a.scale ? a.scale.data() : nullptr;
     if (nan_free && a.w.fmt != WFmt::FP8) bad("nan_free: expected False for release '" + release + "' (fp8 only)");
-    if (nan_free && has_e4m3_nan(ptr<uint8_t>(a.data), a.R * a.w.C))
+    if (nan_free && has_e4m3_nan(data_of<uint8_t>(a.data), a.R * a.w.C))
         bad("nan_free: expected fp8 data without NaN codes (S.1111.111), given data holding one");
     a.w.fp8_nan_free = nan_free;
     return a;
@@ -434,7 +432,7 @@ py::array py_linear(const std::string& release, const py::object& dobj, const py
     const size_t n = r1 - r0;
     py::array_t<float> Y({static_cast<py::ssize_t>(T), static_cast<py::ssize_t>(n)});
     float* y = Y.mutable_data();
-    const float* x = ptr<float>(X);
+    const float* x = data_of<float>(X);
     {
         py::gil_scoped_release nogil;
         ThreadPool pool(threads, 0);
@@ -456,7 +454,7 @@ double py_linear_bench(const std::string& release, const py::object& dobj, const
     const size_t reps = std::max<uint64_t>(1, arg_uint(repo, "reps", 1, 1000000));
     require_clean_mxcsr();
     std::vector<float> y(T * R);
-    const float* x = ptr<float>(X);
+    const float* x = data_of<float>(X);
     double best = 1e300;
     py::gil_scoped_release nogil;
     ThreadPool pool(threads, 0);
@@ -473,7 +471,7 @@ py::array py_div_probe(const py::object& xo, const py::object& dobj) {
     const float d = arg_f32(dobj, "d");
     require_clean_mxcsr();
     py::array_t<float> y(x.shape(0));
-    div_probe(ptr<float>(x), d, y.mutable_data(), static_cast<size_t>(x.shape(0)));
+    div_probe(data_of<float>(x), d, y.mutable_data(), static_cast<size_t>(x.shape(0)));
     return std::move(y);
 }
 
