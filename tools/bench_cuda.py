@@ -56,6 +56,24 @@ def make_slices(root: str, layers: int, experts: int, releases, workers: int = 1
     return out
 
 
+def median_device_s(fn, warm: int, reps: int) -> float:
+    """Seconds of fn's GPU work on the current stream by CUDA events: the median of reps timed calls after warm
+    untimed ones (the host's launch time left out)."""
+    import torch
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    return float(np.median(ts))
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second (median of 10 after warm-up)."""
     import torch
@@ -63,19 +81,10 @@ def copy_bandwidth() -> float:
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     a.fill_(1)
-    for _ in range(3):
-        b.copy_(a)
-    ts = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
+    dt = median_device_s(lambda: b.copy_(a), warm=3, reps=10)
     del a, b
     torch.cuda.empty_cache()
-    return 2 * n / float(np.median(ts))
+    return 2 * n / dt
 
 
 def decode_step_tokens(eng, caches, toks) -> list[int]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,21 +22,11 @@ sys.path.insert(0, REPO)
 
 def time_matmul(t: int, k: int, n: int, warm: int, reps: int) -> float:
     import torch
+    from tools.bench_cuda import median_device_s
     a = torch.randn(t, k, device="cuda", dtype=torch.float32)
     b = torch.randn(k, n, device="cuda", dtype=torch.float32)
     out = torch.empty(t, n, device="cuda", dtype=torch.float32)
-    for _ in range(warm):
-        torch.matmul(a, b, out=out)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        torch.matmul(a, b, out=out)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(ts)
+    return median_device_s(lambda: torch.matmul(a, b, out=out), warm, reps)
 
 
 def main(argv=None) -> int:
@@ -49,8 +38,6 @@ def main(argv=None) -> int:
     import torch
     import fast._cuda as cu
     torch.backends.cuda.matmul.allow_tf32 = False  # FP32 FMA, not TF32 tensor cores
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
     peak = cu.bench_ffma(5)
     print(f"{torch.cuda.get_device_name()}: FFMA peak {peak / 1e12:.1f} TFLOP/s (fast._cuda.bench_ffma); "
           f"torch {torch.__version__}, TF32 off", flush=True)
